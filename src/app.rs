@@ -1,0 +1,158 @@
+//! The application: shared state, start-up checks, and the sibling tasks (HTTP server, built-in
+//! queue workers, planner) under one cancellation token.
+
+use std::str::FromStr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use secrecy::ExposeSecret;
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::config::Config;
+use crate::policy::Catalog;
+use crate::{ledger, policy_check};
+
+/// State shared by handlers, workers and the planner. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    /// The ledger's (and the targets') database.
+    pub pool: PgPool,
+    /// The validated configuration.
+    pub config: Arc<Config>,
+    /// Column types of target tables.
+    pub catalog: Arc<Catalog>,
+    /// Wakes idle built-in workers (new commands were planned).
+    pub wake_workers: Arc<Notify>,
+    /// Wakes the planner (a run was created).
+    pub wake_planner: Arc<Notify>,
+}
+
+/// Opens a pool on `config.database_url` with the configured size and acquire timeout.
+///
+/// Every connection gets `idle_in_transaction_session_timeout` (a stuck transaction cannot pin
+/// locks for ever) and `application_name = sweeper`.
+pub async fn connect(config: &Config) -> anyhow::Result<PgPool> {
+    let opts = PgConnectOptions::from_str(config.database_url.expose_secret())
+        .context("database_url is not a valid PostgreSQL URL")?
+        .application_name("sweeper")
+        .options([("idle_in_transaction_session_timeout", "60s")]);
+    PgPoolOptions::new()
+        .max_connections(config.database.max_connections)
+        .acquire_timeout(config.database.acquire_timeout.std())
+        .connect_with(opts)
+        .await
+        .context("cannot connect to the database (database_url)")
+}
+
+/// A built application: its listener is bound (port 0 picks a free port) and its policies are
+/// checked against the database, but nothing runs until [`Application::run_until`].
+pub struct Application {
+    listener: TcpListener,
+    state: AppState,
+}
+
+impl Application {
+    /// Connects, migrates (when `migrate_on_start`), checks every policy against the database
+    /// (an error in any policy fails the start, with the same messages as `check-config`),
+    /// registers policy versions, and binds the listener.
+    pub async fn build(config: Config) -> anyhow::Result<Application> {
+        let pool = connect(&config).await?;
+        if config.migrate_on_start {
+            ledger::MIGRATOR
+                .run(&pool)
+                .await
+                .context("applying migrations")?;
+        }
+        let findings = policy_check::check_policies(&pool, &config.policies).await?;
+        let mut errors = Vec::new();
+        for f in &findings {
+            match f.level {
+                policy_check::Level::Error => errors.push(f.to_string()),
+                policy_check::Level::Warning => warn!(finding = %f, "policy check"),
+                policy_check::Level::Info => info!(finding = %f, "policy check"),
+            }
+        }
+        if !errors.is_empty() {
+            anyhow::bail!(
+                "policies do not match the database:\n  - {}",
+                errors.join("\n  - ")
+            );
+        }
+        ledger::register_policy_versions(&pool, &config.policies).await?;
+        let listener = TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", config.listen))?;
+        Ok(Application {
+            listener,
+            state: AppState {
+                pool,
+                config: Arc::new(config),
+                catalog: Arc::new(Catalog::default()),
+                wake_workers: Arc::new(Notify::new()),
+                wake_planner: Arc::new(Notify::new()),
+            },
+        })
+    }
+
+    /// The bound port.
+    pub fn port(&self) -> u16 {
+        self.listener.local_addr().map(|a| a.port()).unwrap_or(0)
+    }
+
+    /// The shared state (tests drive the queue through it).
+    pub fn state(&self) -> AppState {
+        self.state.clone()
+    }
+
+    /// Serves HTTP and runs the built-in workers and the planner until `shutdown` is cancelled
+    /// (or one of them exits, which cancels the others). In-flight requests finish; workers stop
+    /// after their current command.
+    pub async fn run_until(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let Application { listener, state } = self;
+        let mut tasks = tokio::task::JoinSet::new();
+        let router = crate::http::router(state.clone());
+        let token = shutdown.clone();
+        tasks.spawn(async move {
+            let r = axum::serve(listener, router)
+                .with_graceful_shutdown(async move { token.cancelled().await })
+                .await;
+            ("http server", r.map_err(anyhow::Error::from))
+        });
+        for n in 0..state.config.queue.workers {
+            let (s, t) = (state.clone(), shutdown.clone());
+            tasks.spawn(async move {
+                crate::transport::worker_loop(s, n, t).await;
+                ("built-in worker", Ok(()))
+            });
+        }
+        let (s, t) = (state.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            crate::plan::planner_loop(s, t).await;
+            ("planner", Ok(()))
+        });
+        let mut first_error = None;
+        while let Some(joined) = tasks.join_next().await {
+            if !shutdown.is_cancelled() {
+                match &joined {
+                    Ok((name, r)) => warn!(task = name, ok = r.is_ok(), "task exited; shutting down"),
+                    Err(e) => error!(error = %e, "task panicked; shutting down"),
+                }
+                shutdown.cancel();
+            }
+            if let Ok((name, Err(e))) = joined {
+                error!(task = name, error = %e, "task failed");
+                first_error.get_or_insert(e);
+            }
+        }
+        state.pool.close().await;
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,226 @@
+//! The command line: `serve`, `migrate`, `check-config`, `token`, `quickstart`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use crate::app::{self, Application};
+use crate::config::{Config, DurationSpec};
+
+/// sweeper: scheduled data-retention cleanup, correctly.
+#[derive(Debug, Parser)]
+#[command(name = "sweeper", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the HTTP server, the built-in queue workers and the planner.
+    Serve {
+        /// Configuration file (TOML).
+        #[arg(long, env = "SWEEPER_CONFIG", default_value = "sweeper.toml")]
+        config: PathBuf,
+    },
+    /// Apply the ledger migrations to the configured database and exit.
+    Migrate {
+        /// Configuration file (TOML).
+        #[arg(long, env = "SWEEPER_CONFIG", default_value = "sweeper.toml")]
+        config: PathBuf,
+    },
+    /// Validate the configuration, then the policies against the database; exit 1 on errors.
+    CheckConfig {
+        /// Configuration file (TOML).
+        #[arg(long, env = "SWEEPER_CONFIG", default_value = "sweeper.toml")]
+        config: PathBuf,
+    },
+    /// Mint a bearer token signed with an issuer's newest key, printed on stdout.
+    Token {
+        /// Configuration file (TOML).
+        #[arg(long, env = "SWEEPER_CONFIG", default_value = "sweeper.toml")]
+        config: PathBuf,
+        /// Scopes, space- or comma-separated or repeated: `trigger:*`, `trigger:{policy}`,
+        /// `consume`, `ops:read`, `ops:write`.
+        #[arg(long = "scope", required = true, num_args = 1..)]
+        scopes: Vec<String>,
+        /// Lifetime (s, m, h, d or w), e.g. `1h`.
+        #[arg(long, default_value = "1h")]
+        ttl: String,
+        /// The token's `sub` (recorded as the actor of what it does).
+        #[arg(long, default_value = "operator")]
+        sub: String,
+        /// The issuer's `iss` (default: the first configured issuer).
+        #[arg(long)]
+        issuer: Option<String>,
+    },
+    /// Create a demo database with 200,000 support tickets, start the server, trigger a run over
+    /// HTTP as a cron would, wait for it and print a report.
+    Quickstart {
+        /// Stop after the report; the last stdout line is a JSON summary.
+        #[arg(long)]
+        exit: bool,
+        /// Port to serve on (0 picks a free one).
+        #[arg(long, default_value_t = 0)]
+        port: u16,
+        /// Tickets to seed.
+        #[arg(long, default_value_t = 200_000)]
+        rows: i64,
+    },
+}
+
+fn init_tracing(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_current_span(true)
+        .try_init();
+}
+
+/// Runs a parsed command line; the exit code is 0 on success, 1 on failure, 2 on bad config.
+pub fn run(cli: Cli) -> ExitCode {
+    // One crypto provider for rustls and jsonwebtoken: aws-lc-rs.
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+    let quiet = matches!(cli.command, Command::Quickstart { .. } | Command::Token { .. });
+    init_tracing(if quiet { "warn" } else { "info" });
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(dispatch(cli.command)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
+    Config::load(path).map_err(|e| {
+        eprintln!("{}: {e}", path.display());
+        ExitCode::from(2)
+    })
+}
+
+async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Serve { config } => {
+            let config = match load(&config) {
+                Ok(c) => c,
+                Err(code) => return Ok(code),
+            };
+            let app = Application::build(config).await?;
+            info!(port = app.port(), "sweeper serving");
+            let shutdown = CancellationToken::new();
+            tokio::spawn(shutdown_on_signal(shutdown.clone()));
+            app.run_until(shutdown).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Migrate { config } => {
+            let config = match load(&config) {
+                Ok(c) => c,
+                Err(code) => return Ok(code),
+            };
+            let pool = app::connect(&config).await?;
+            crate::ledger::MIGRATOR
+                .run(&pool)
+                .await
+                .context("applying migrations")?;
+            println!("migrations applied");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::CheckConfig { config } => {
+            let path = config;
+            let config = match load(&path) {
+                Ok(c) => c,
+                Err(code) => return Ok(code),
+            };
+            println!("{}: configuration is valid ({} policies)", path.display(), config.policies.len());
+            let pool = app::connect(&config).await?;
+            let findings = crate::policy_check::check_policies(&pool, &config.policies).await?;
+            let errors = findings
+                .iter()
+                .filter(|f| f.level == crate::policy_check::Level::Error)
+                .count();
+            for f in &findings {
+                println!("{f}");
+            }
+            if errors > 0 {
+                println!("{errors} error(s): the server would refuse to start");
+                Ok(ExitCode::FAILURE)
+            } else {
+                println!("database checks passed");
+                Ok(ExitCode::SUCCESS)
+            }
+        }
+        Command::Token {
+            config,
+            scopes,
+            ttl,
+            sub,
+            issuer,
+        } => {
+            let config = match load(&config) {
+                Ok(c) => c,
+                Err(code) => return Ok(code),
+            };
+            let ttl: DurationSpec = ttl.parse().map_err(anyhow::Error::msg)?;
+            let issuer = match &issuer {
+                Some(iss) => config.issuers.iter().find(|i| &i.iss == iss),
+                None => config.issuers.first(),
+            }
+            .context("no such issuer in the configuration ([[auth.issuer]])")?;
+            let scopes: Vec<String> = scopes
+                .iter()
+                .flat_map(|s| s.split([' ', ',']))
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+                .collect();
+            println!("{}", crate::auth::mint(issuer, &sub, &scopes, ttl.seconds())?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Quickstart { exit, port, rows } => {
+            crate::quickstart::run(crate::quickstart::Options { exit, port, rows }).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+async fn shutdown_on_signal(token: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+    info!("shutdown requested");
+    token.cancel();
+}
+
+/// Waits for Ctrl-C or SIGTERM, then cancels `token` (used by `quickstart` too).
+pub async fn wait_for_signal(token: CancellationToken) {
+    shutdown_on_signal(token).await
+}

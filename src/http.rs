@@ -1,0 +1,335 @@
+//! The HTTP surface: routes, authentication, problem+json errors, and the thin trigger and
+//! consume handlers (DESIGN §4, §5). `openapi.yaml` describes exactly [`ROUTES`]; a test keeps
+//! them in step.
+
+use std::time::Duration;
+
+use axum::extract::{DefaultBodyLimit, FromRequestParts, Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header, request::Parts};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{MethodRouter, get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::json;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
+use tracing::{error, info};
+
+use crate::app::AppState;
+use crate::auth::{self, AuthError, Principal};
+use crate::consume::{self, ConsumeOutcome, Envelope, Executor};
+use crate::trigger::{self, TriggerError, TriggerOutcome, WindowHints};
+
+/// Largest `/consume` body, in bytes (the built-in envelope is well under 1 KiB).
+pub const CONSUME_BODY_LIMIT: usize = 64 * 1024;
+/// Largest body on every other route, in bytes.
+pub const SMALL_BODY_LIMIT: usize = 16 * 1024;
+
+/// Every route as (method, path template), the single list the router is built from.
+pub const ROUTES: &[(&str, &str)] = &[
+    ("POST", "/trigger/{policy}"),
+    ("POST", "/consume"),
+    ("GET", "/runs"),
+    ("GET", "/runs/{run_id}"),
+    ("GET", "/runs/{run_id}/items"),
+    ("GET", "/policies"),
+    ("GET", "/healthz"),
+    ("GET", "/readyz"),
+];
+
+fn handler_for(method: &str, path: &str) -> MethodRouter<AppState> {
+    match (method, path) {
+        ("POST", "/trigger/{policy}") => post(trigger_handler),
+        ("POST", "/consume") => {
+            post(consume_handler).layer(DefaultBodyLimit::max(CONSUME_BODY_LIMIT))
+        }
+        ("GET", "/runs") => get(crate::ops::list_runs),
+        ("GET", "/runs/{run_id}") => get(crate::ops::get_run),
+        ("GET", "/runs/{run_id}/items") => get(crate::ops::run_items),
+        ("GET", "/policies") => get(crate::ops::policies),
+        ("GET", "/healthz") => get(crate::ops::healthz),
+        ("GET", "/readyz") => get(crate::ops::readyz),
+        _ => unreachable!("every entry of ROUTES has a handler"),
+    }
+}
+
+/// Builds the router with request ids, tracing and body limits.
+pub fn router(state: AppState) -> Router {
+    let mut r = Router::new();
+    for (method, path) in ROUTES {
+        r = r.route(path, handler_for(method, path));
+    }
+    r.fallback(|| async {
+        Problem::new(
+            StatusCode::NOT_FOUND,
+            "not-found",
+            "no such endpoint; see openapi.yaml",
+        )
+    })
+    .method_not_allowed_fallback(|| async {
+        Problem::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method-not-allowed",
+            "this endpoint does not accept that method; see openapi.yaml",
+        )
+    })
+    .layer(DefaultBodyLimit::max(SMALL_BODY_LIMIT))
+    .with_state(state)
+    .layer(PropagateRequestIdLayer::x_request_id())
+    .layer(TraceLayer::new_for_http().make_span_with(|req: &axum::http::Request<_>| {
+        let request_id = req
+            .headers()
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .map(|s| s.chars().take(64).collect::<String>())
+            .unwrap_or_default();
+        tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id)
+    }))
+    .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+}
+
+/// An RFC 9457 problem: `application/problem+json` with a stable `type`, a `title` and a human
+/// `detail`. 5xx problems never carry internal detail.
+#[derive(Debug)]
+pub struct Problem {
+    status: StatusCode,
+    slug: &'static str,
+    detail: String,
+    retry_after: Option<u64>,
+}
+
+impl Problem {
+    /// A problem of type `urn:sweeper:problem:{slug}`.
+    pub fn new(status: StatusCode, slug: &'static str, detail: impl Into<String>) -> Self {
+        Self {
+            status,
+            slug,
+            detail: detail.into(),
+            retry_after: None,
+        }
+    }
+    /// Adds `Retry-After: {seconds}` (RFC 9110 §10.2.3, delta-seconds form).
+    pub fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds.max(1));
+        self
+    }
+    /// A 500 whose cause is logged, not shown.
+    pub fn internal(cause: impl std::fmt::Display) -> Self {
+        error!(error = %cause, "internal error");
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "an internal error occurred; the request id identifies it in the logs",
+        )
+    }
+    /// A 503 for a ledger that cannot be reached; the cause is logged.
+    pub fn unavailable(cause: impl std::fmt::Display, retry_after: u64) -> Self {
+        error!(error = %cause, "ledger unavailable");
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "the ledger is unavailable; retry later",
+        )
+        .retry_after(retry_after)
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let body = json!({
+            "type": format!("urn:sweeper:problem:{}", self.slug),
+            "title": self.status.canonical_reason().unwrap_or("error"),
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        let mut resp = (self.status, Json(body)).into_response();
+        let headers = resp.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(s) = self.retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        if self.status == StatusCode::UNAUTHORIZED {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        resp
+    }
+}
+
+impl From<sqlx::Error> for Problem {
+    fn from(e: sqlx::Error) -> Self {
+        match e {
+            sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) => {
+                Problem::unavailable(e, 5)
+            }
+            other => Problem::internal(other),
+        }
+    }
+}
+
+/// The authenticated caller of a request.
+pub struct Caller(pub Principal);
+
+impl Caller {
+    /// Fails with 403 unless the caller holds `scope`.
+    pub fn require(&self, scope: &str) -> Result<(), Problem> {
+        if self.0.has(scope) {
+            Ok(())
+        } else {
+            Err(Problem::new(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                format!("this endpoint needs scope `{scope}`"),
+            ))
+        }
+    }
+}
+
+impl FromRequestParts<AppState> for Caller {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Problem> {
+        let token = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
+            .map(str::trim)
+            .filter(|t| !t.is_empty());
+        let result = match token {
+            None => Err(AuthError::Missing),
+            Some(t) => auth::verify(&state.config.issuers, t),
+        };
+        result.map(Caller).map_err(|e| {
+            info!(reason = %e, "authentication failed");
+            Problem::new(StatusCode::UNAUTHORIZED, "unauthenticated", e.to_string())
+        })
+    }
+}
+
+/// `?window=` and `?dry_run=` of a trigger.
+#[derive(Debug, Deserialize)]
+pub struct TriggerQuery {
+    window: Option<String>,
+    #[serde(default)]
+    dry_run: bool,
+}
+
+async fn trigger_handler(
+    State(state): State<AppState>,
+    Path(policy): Path<String>,
+    caller: Caller,
+    query: Result<Query<TriggerQuery>, axum::extract::rejection::QueryRejection>,
+    headers: HeaderMap,
+) -> Result<Response, Problem> {
+    caller.require(&format!("trigger:{policy}"))?;
+    let Query(query) = query.map_err(|e| {
+        Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text())
+    })?;
+    let policy = state.config.policy(&policy).ok_or_else(|| {
+        Problem::new(
+            StatusCode::NOT_FOUND,
+            "unknown-policy",
+            format!("no policy named `{policy}` is configured"),
+        )
+    })?;
+    let hints = WindowHints {
+        schedule_time_header: headers
+            .get("x-cloudscheduler-scheduletime")
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
+        window_param: query.window,
+    };
+    let outcome = trigger::trigger(&state, policy, hints, query.dry_run, &caller.0)
+        .await
+        .map_err(|e| match e {
+            TriggerError::BadWindow(m) => Problem::new(StatusCode::BAD_REQUEST, "bad-window", m),
+            TriggerError::Forbidden(m) => Problem::new(StatusCode::FORBIDDEN, "backfill-forbidden", m),
+            TriggerError::Db(e) => Problem::from(e),
+        })?;
+    let (status, run) = match outcome {
+        TriggerOutcome::Created(run) => (StatusCode::ACCEPTED, run),
+        TriggerOutcome::Existing(run) => (StatusCode::OK, run),
+    };
+    let location = format!("/runs/{}", run.run_id);
+    let mut resp = (status, Json(run)).into_response();
+    if let Ok(v) = HeaderValue::from_str(&location) {
+        resp.headers_mut().insert(header::LOCATION, v);
+    }
+    Ok(resp)
+}
+
+async fn consume_handler(
+    State(state): State<AppState>,
+    caller: Caller,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("consume")?;
+    let envelope: Envelope = serde_json::from_slice(&body).map_err(|e| {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "bad-envelope",
+            format!("the body is not a built-in envelope {{\"command_id\": ...}}: {e}"),
+        )
+    })?;
+    if envelope.schema_version.unwrap_or(1) != 1 {
+        return Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "bad-envelope",
+            "schema_version must be 1",
+        ));
+    }
+    let retry_after = state.config.consume.retry_after.seconds() as u64;
+    let outcome = consume::execute(
+        &state,
+        &envelope.command_id,
+        Executor::Delivery,
+        &caller.0.subject,
+    )
+    .await
+    .map_err(|f| Problem::unavailable(f.message, retry_after))?;
+    let body = match outcome {
+        ConsumeOutcome::Executed {
+            command_id,
+            counts,
+            run_status,
+        } => json!({"command_id": command_id, "result": "executed", "counts": counts, "run_status": run_status}),
+        ConsumeOutcome::Duplicate { command_id, state } => {
+            json!({"command_id": command_id, "result": "duplicate", "state": state})
+        }
+        ConsumeOutcome::Quarantined { command_id, error } => {
+            json!({"command_id": command_id, "result": "quarantined", "error": error})
+        }
+        ConsumeOutcome::UnknownOfTerminalRun { command_id } => {
+            json!({"command_id": command_id, "result": "unknown_command_of_terminal_run"})
+        }
+        ConsumeOutcome::NotNow {
+            reason,
+            retry_after_seconds,
+        } => {
+            return Err(Problem::new(StatusCode::SERVICE_UNAVAILABLE, "not-now", reason)
+                .retry_after(retry_after_seconds));
+        }
+        ConsumeOutcome::Unknown { command_id } => {
+            return Err(Problem::new(
+                StatusCode::NOT_FOUND,
+                "unknown-command",
+                format!("no command `{command_id}` in the ledger"),
+            ));
+        }
+        ConsumeOutcome::Stale => unreachable!("deliveries hold no claim"),
+    };
+    Ok((StatusCode::OK, Json(body)).into_response())
+}
+
+/// `Retry-After` default for endpoints that have nothing better to say.
+pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(5);
+
+/// The HTTP method of a route entry.
+pub fn method_of(m: &str) -> Method {
+    m.parse().expect("ROUTES holds valid methods")
+}

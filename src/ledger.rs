@@ -1,0 +1,204 @@
+//! The run ledger: policy versions, runs and command states (DESIGN §7).
+
+use std::collections::{BTreeMap, HashMap};
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{PgConnection, PgPool};
+
+use crate::policy::{Policy, PolicySpec};
+
+/// The ledger's migrations, embedded in the binary (`migrations/`).
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// Registers each policy's current version (insert if new). The current version of a policy is
+/// the newest version any replica has registered (DESIGN §2.10).
+pub async fn register_policy_versions(pool: &PgPool, policies: &[Policy]) -> sqlx::Result<()> {
+    for p in policies {
+        sqlx::query(
+            "insert into sweeper.policy_versions (policy, version, spec) values ($1, $2, $3)
+             on conflict (policy, version) do nothing",
+        )
+        .bind(p.name.as_str())
+        .bind(&p.version)
+        .bind(sqlx::types::Json(&p.spec))
+        .execute(pool)
+        .await?;
+    }
+    Ok(())
+}
+
+/// The newest registered version of every policy: policy → version.
+pub async fn current_versions(pool: &PgPool) -> sqlx::Result<HashMap<String, String>> {
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "select distinct on (policy) policy, version from sweeper.policy_versions
+          order by policy, seq desc",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// The ledger's clock: `sweeper.now()` (the database clock; tests shift it by an offset).
+pub async fn now(conn: &mut PgConnection) -> sqlx::Result<DateTime<Utc>> {
+    sqlx::query_scalar("select sweeper.now()")
+        .fetch_one(conn)
+        .await
+}
+
+/// A run as stored, and as `GET /runs/{run_id}` shows it.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct Run {
+    /// `{policy}:{window}` or `{policy}:{window}:dry-{n}`.
+    pub run_id: String,
+    /// Policy name.
+    pub policy: String,
+    /// The pinned policy version.
+    pub policy_version: String,
+    /// The window, an RFC 3339 UTC instant.
+    #[serde(rename = "window", serialize_with = "ser_window")]
+    pub window_at: DateTime<Utc>,
+    /// Items are eligible when their timestamp is strictly before this.
+    pub cutoff: DateTime<Utc>,
+    /// Whether this is a dry run.
+    pub dry_run: bool,
+    /// `planning`, `running`, `completed`, `completed_with_dead_letters` or `cancelled`.
+    pub status: String,
+    /// Whether every command of the run has been planned.
+    pub planning_done: bool,
+    /// Commands not yet terminal.
+    pub pending_commands: i32,
+    /// Commands planned.
+    pub commands_total: i32,
+    /// Commands quarantined.
+    pub quarantined_commands: i32,
+    /// Items put into commands by planning.
+    pub eligible_planned: i64,
+    /// Rows older than the cutoff held by an exclusion at planning time, per reason.
+    pub held_at_planning: sqlx::types::Json<BTreeMap<String, i64>>,
+    /// Items deleted.
+    pub deleted: i64,
+    /// Items already gone when their command ran.
+    pub already_absent: i64,
+    /// Items held by an exclusion when their command ran.
+    pub excluded: i64,
+    /// Items no longer older than the cutoff when their command ran.
+    pub not_eligible: i64,
+    /// Items whose action failed.
+    pub failed: i64,
+    /// Items a dry run would delete.
+    pub would_delete: i64,
+    /// Closure check: rows still eligible when the run completed (expected 0), counted up to
+    /// `remaining_eligible_cap`. Null until the run completes.
+    pub remaining_eligible: Option<i64>,
+    /// The cap of that count.
+    pub remaining_eligible_cap: Option<i64>,
+    /// The `sub` of the token that created the run.
+    pub triggered_by: String,
+    /// When the run was created.
+    pub created_at: DateTime<Utc>,
+    /// When planning finished.
+    pub planned_at: Option<DateTime<Utc>>,
+    /// When the last command finished.
+    pub completed_at: Option<DateTime<Utc>>,
+}
+
+fn ser_window<S: serde::Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&crate::window::format(*t))
+}
+
+impl Run {
+    /// Whether no more work will happen for the run.
+    pub fn is_terminal(&self) -> bool {
+        is_terminal_run_status(&self.status)
+    }
+}
+
+/// Whether a run status is final.
+pub fn is_terminal_run_status(status: &str) -> bool {
+    matches!(
+        status,
+        "completed" | "completed_with_dead_letters" | "cancelled"
+    )
+}
+
+const RUN_COLUMNS: &str = "run_id, policy, policy_version, window_at, cutoff, dry_run, status,
+    planning_done, pending_commands, commands_total, quarantined_commands, eligible_planned,
+    held_at_planning, deleted, already_absent, excluded, not_eligible, failed, would_delete,
+    remaining_eligible, remaining_eligible_cap, triggered_by, created_at, planned_at, completed_at";
+
+/// Loads one run.
+pub async fn get_run(conn: &mut PgConnection, run_id: &str) -> sqlx::Result<Option<Run>> {
+    let sql = format!("select {RUN_COLUMNS} from sweeper.runs where run_id = $1");
+    sqlx::query_as(&sql)
+    .bind(run_id)
+    .fetch_optional(conn)
+    .await
+}
+
+/// Lists runs, newest window first, optionally filtered; at most `limit`.
+pub async fn list_runs(
+    pool: &PgPool,
+    policy: Option<&str>,
+    status: Option<&str>,
+    limit: i64,
+) -> sqlx::Result<Vec<Run>> {
+    let sql = format!(
+        "select {RUN_COLUMNS} from sweeper.runs
+          where ($1::text is null or policy = $1) and ($2::text is null or status = $2)
+          order by window_at desc, created_at desc limit $3"
+    );
+    sqlx::query_as(&sql)
+    .bind(policy)
+    .bind(status)
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
+
+/// Commands of a run per state (`pending`, `leased`, `succeeded`, `quarantined`, `cancelled`).
+pub async fn command_states(pool: &PgPool, run_id: &str) -> sqlx::Result<BTreeMap<String, i64>> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "select state, count(*) from sweeper.commands where run_id = $1 group by state",
+    )
+    .bind(run_id)
+    .fetch_all(pool)
+    .await?;
+    let mut out: BTreeMap<String, i64> = [
+        "pending",
+        "leased",
+        "succeeded",
+        "quarantined",
+        "cancelled",
+    ]
+    .into_iter()
+    .map(|s| (s.to_string(), 0))
+    .collect();
+    out.extend(rows);
+    Ok(out)
+}
+
+/// The pinned spec of a run and the policy's current spec (if it differs), from the ledger.
+pub async fn run_specs(
+    conn: &mut PgConnection,
+    policy: &str,
+    pinned_version: &str,
+) -> sqlx::Result<(PolicySpec, String, Option<PolicySpec>)> {
+    let (pinned, current_version, current): (
+        sqlx::types::Json<PolicySpec>,
+        String,
+        sqlx::types::Json<PolicySpec>,
+    ) = sqlx::query_as(
+        "select pv.spec, cur.version, cur.spec
+           from sweeper.policy_versions pv,
+                lateral (select version, spec from sweeper.policy_versions
+                          where policy = $1 order by seq desc limit 1) cur
+          where pv.policy = $1 and pv.version = $2",
+    )
+    .bind(policy)
+    .bind(pinned_version)
+    .fetch_one(conn)
+    .await?;
+    let current = (current_version != pinned_version).then_some(current.0);
+    Ok((pinned.0, current_version, current))
+}

@@ -1,0 +1,23 @@
+//! sweeper: scheduled data-retention cleanup with a run ledger, idempotent execution and an
+//! audit trail. See README.md for the picture and DESIGN.md (shared) for the contract.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod app;
+pub mod audit;
+pub mod auth;
+pub mod cli;
+pub mod config;
+pub mod consume;
+pub mod failpoints;
+pub mod http;
+pub mod ledger;
+pub mod ops;
+pub mod plan;
+pub mod policy;
+pub mod policy_check;
+pub mod quickstart;
+pub mod retry;
+pub mod transport;
+pub mod trigger;
+pub mod window;

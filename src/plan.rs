@@ -1,0 +1,266 @@
+//! Planning: turns a run into bounded commands, one keyset page per transaction (DESIGN §2.11, §8).
+//!
+//! Each planning job is a leased ledger row any replica can pick up. A page reads at most
+//! `planning.page_rows` rows of the target in key order after the persisted cursor, applies the
+//! run's cutoff and every exclusion, writes the eligible keys as commands of `batch_size` keys,
+//! adds the held rows per reason to the run, and moves the cursor — all in one transaction, so a
+//! crash resumes from the last committed page and every eligible key lands in exactly one command.
+//! The scan goes in key order (keys never change), not timestamp order (timestamps may), which is
+//! what makes "exactly one command per key" hold while rows change under the scan.
+
+use std::collections::BTreeMap;
+
+use sqlx::{Postgres, QueryBuilder, Row};
+use tracing::{info, warn};
+use uuid::Uuid;
+
+use crate::app::AppState;
+use crate::ledger;
+use crate::policy::RuleSet;
+use crate::retry::Failure;
+
+/// What one planning step did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum PlanStep {
+    /// No planning job was due.
+    Idle,
+    /// A page was planned; more remain.
+    Page,
+    /// The job's last page was planned.
+    Done,
+    /// The lease was lost to another replica (ours expired); nothing was written.
+    LostLease,
+}
+
+/// Claims a due planning job (unleased, or with an expired lease) and plans it to the end,
+/// renewing the lease with each page. Returns how the last step ended.
+pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
+    let lease = state.config.planning.lease.seconds();
+    let token = Uuid::new_v4();
+    let claimed: Option<String> = sqlx::query_scalar(
+        "update sweeper.planning_jobs
+            set lease_token = $1, lease_until = (select sweeper.now()) + make_interval(secs => $2)
+          where run_id = (select run_id from sweeper.planning_jobs
+                           where not done
+                             and (lease_until is null or lease_until < (select sweeper.now()))
+                           order by created_at
+                           limit 1
+                           for update skip locked)
+          returning run_id",
+    )
+    .bind(token)
+    .bind(lease as f64)
+    .fetch_optional(&state.pool)
+    .await
+    .map_err(|e| Failure::from_db(&e))?;
+    let Some(run_id) = claimed else {
+        return Ok(PlanStep::Idle);
+    };
+    loop {
+        match plan_page(state, &run_id, token).await {
+            Ok(PlanStep::Page) => {
+                state.wake_workers.notify_waiters();
+                crate::crash_point!("plan_after_page");
+            }
+            Ok(step) => {
+                state.wake_workers.notify_waiters();
+                return Ok(step);
+            }
+            Err(f) => {
+                warn!(run_id, error = %f.message, "planning page failed; the job is retried after its lease");
+                return Err(f);
+            }
+        }
+    }
+}
+
+/// Plans one page of `run_id` if `token` still holds the job's lease.
+pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<PlanStep, Failure> {
+    let db = |e: sqlx::Error| Failure::from_db(&e);
+    let mut tx = state.pool.begin().await.map_err(db)?;
+    let job = sqlx::query(
+        "select j.cursor_key, j.next_batch_no, r.policy, r.policy_version, r.window_at, r.cutoff
+           from sweeper.planning_jobs j join sweeper.runs r using (run_id)
+          where j.run_id = $1 and j.lease_token = $2 and not j.done
+          for update of j",
+    )
+    .bind(run_id)
+    .bind(token)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(db)?;
+    let Some(job) = job else {
+        return Ok(PlanStep::LostLease);
+    };
+    let cursor: Option<String> = job.get("cursor_key");
+    let next_batch_no: i32 = job.get("next_batch_no");
+    let policy: String = job.get("policy");
+    let pinned_version: String = job.get("policy_version");
+    let window: chrono::DateTime<chrono::Utc> = job.get("window_at");
+    let cutoff: chrono::DateTime<chrono::Utc> = job.get("cutoff");
+
+    let (pinned, _current_version, current) =
+        ledger::run_specs(&mut tx, &policy, &pinned_version)
+            .await
+            .map_err(db)?;
+    let table = state.catalog.get(&state.pool, &pinned.target.table).await?;
+    let rules = RuleSet::effective(&pinned, current.as_ref(), cutoff, window, &table)
+        .map_err(|h| Failure::permanent(h.0))?;
+    let batch_size = state
+        .config
+        .policy(&policy)
+        .map(|p| p.batch_size)
+        .unwrap_or(250);
+    let page_rows = state.config.planning.page_rows;
+
+    // One bounded scan in key order after the cursor.
+    let mut q: QueryBuilder<Postgres> = QueryBuilder::new("select ");
+    q.push(rules.key_sql());
+    q.push("::text as item_key, ");
+    rules.push_old_enough(&mut q);
+    q.push(" as old_enough, ");
+    rules.push_excluded_reason(&mut q);
+    q.push(" as reason from ");
+    q.push(rules.table_sql());
+    if let Some(c) = &cursor {
+        q.push(format!(" where {} > cast(", rules.key_sql()));
+        q.push_bind(c.clone());
+        q.push(format!(" as {})", rules.key_type()));
+    }
+    q.push(format!(" order by {} limit ", rules.key_sql()));
+    q.push_bind(page_rows);
+    let rows = q.build().fetch_all(&mut *tx).await.map_err(db)?;
+    let scanned = rows.len() as i64;
+    let end_of_table = scanned < page_rows;
+
+    let mut eligible: Vec<(usize, String)> = Vec::new();
+    for (i, r) in rows.iter().enumerate() {
+        let old_enough: bool = r.get("old_enough");
+        let reason: Option<String> = r.get("reason");
+        if old_enough && reason.is_none() {
+            eligible.push((i, r.get("item_key")));
+        }
+    }
+    // Cut the page after the last full batch, so commands are full-sized; take everything at the
+    // end of the table, or when the page holds less than one batch (progress is guaranteed).
+    let full = eligible.len() / batch_size * batch_size;
+    let (take, last_row) = if end_of_table || full == 0 {
+        (eligible.len(), rows.len().checked_sub(1))
+    } else {
+        (full, Some(eligible[full - 1].0))
+    };
+    let new_cursor: Option<String> = match last_row {
+        Some(i) => Some(rows[i].get("item_key")),
+        None => cursor.clone(),
+    };
+    let mut held: BTreeMap<String, i64> = BTreeMap::new();
+    if let Some(last) = last_row {
+        for r in &rows[..=last] {
+            let old_enough: bool = r.get("old_enough");
+            if let (true, Some(reason)) = (old_enough, r.get::<Option<String>, _>("reason")) {
+                *held.entry(reason).or_default() += 1;
+            }
+        }
+    }
+    let batches: Vec<Vec<String>> = eligible[..take]
+        .chunks(batch_size)
+        .map(|c| c.iter().map(|(_, k)| k.clone()).collect())
+        .collect();
+    let n_commands = batches.len() as i32;
+    let n_items = take as i64;
+    let done = end_of_table && take == eligible.len();
+
+    if n_commands > 0 {
+        sqlx::query(
+            "insert into sweeper.commands
+                 (command_id, run_id, batch_no, item_keys, transport, next_attempt_at)
+             select $1 || ':' || (b.ord - 1 + $3), $1, b.ord - 1 + $3,
+                    array(select jsonb_array_elements_text(b.keys)), $4, r.window_at
+               from jsonb_array_elements($2) with ordinality as b(keys, ord),
+                    sweeper.runs r
+              where r.run_id = $1",
+        )
+        .bind(run_id)
+        .bind(sqlx::types::Json(&batches))
+        .bind(next_batch_no)
+        .bind(crate::policy::Transport::Builtin.as_str())
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+    }
+    sqlx::query(
+        "update sweeper.planning_jobs
+            set cursor_key = $2, next_batch_no = next_batch_no + $3, pages_done = pages_done + 1,
+                done = $4, lease_until = (select sweeper.now()) + make_interval(secs => $5)
+          where run_id = $1",
+    )
+    .bind(run_id)
+    .bind(&new_cursor)
+    .bind(n_commands)
+    .bind(done)
+    .bind(state.config.planning.lease.seconds() as f64)
+    .execute(&mut *tx)
+    .await
+    .map_err(db)?;
+    let status: String = sqlx::query_scalar(
+        "update sweeper.runs
+            set commands_total = commands_total + $2,
+                pending_commands = pending_commands + $2,
+                eligible_planned = eligible_planned + $3,
+                held_at_planning = (
+                    select coalesce(jsonb_object_agg(k, v), '{}'::jsonb)
+                      from (select k, sum(v)::bigint as v
+                              from (select key as k, value::bigint as v from jsonb_each_text(held_at_planning)
+                                    union all
+                                    select key, value::bigint from jsonb_each_text($4)) s
+                             group by k) t),
+                planning_done = $5,
+                planned_at = case when $5 then sweeper.now() end,
+                status = case when status <> 'planning' then status
+                              when $5 and pending_commands + $2 = 0 then 'completed'
+                              when $5 then 'running'
+                              else 'planning' end,
+                completed_at = case when $5 and pending_commands + $2 = 0 then sweeper.now() end
+          where run_id = $1
+          returning status",
+    )
+    .bind(run_id)
+    .bind(n_commands)
+    .bind(n_items)
+    .bind(sqlx::types::Json(&held))
+    .bind(done)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(db)?;
+    if status == "completed" {
+        crate::consume::record_closure_check(&mut tx, run_id, &rules, state.config.planning.closure_check_cap)
+            .await
+            .map_err(db)?;
+    }
+    tx.commit().await.map_err(db)?;
+    if done {
+        info!(run_id, status, "planning done");
+        Ok(PlanStep::Done)
+    } else {
+        Ok(PlanStep::Page)
+    }
+}
+
+/// Runs planning jobs until `shutdown`; nudged by triggers, and polling as a fallback.
+pub async fn planner_loop(state: AppState, shutdown: tokio_util::sync::CancellationToken) {
+    loop {
+        let notified = state.wake_planner.notified();
+        let step = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            step = plan_next_job(&state) => step,
+        };
+        if matches!(step, Ok(PlanStep::Done) | Ok(PlanStep::LostLease)) {
+            continue;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = notified => {}
+            _ = tokio::time::sleep(state.config.queue.poll_interval.std()) => {}
+        }
+    }
+}

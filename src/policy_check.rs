@@ -1,0 +1,232 @@
+//! Checking policies against the database (DESIGN §6), for `sweeper check-config` and start-up:
+//! tables and columns exist; the key is `bigint`, `integer`, `uuid` or `text` and unique; the
+//! timestamp is `timestamptz` (or `timestamp` with `timestamp_zone`); exclusion values cast to
+//! their column's type; indexes support the scans; foreign keys that reference the target are
+//! reported with their `ON DELETE` rule.
+
+use std::fmt;
+
+use sqlx::PgPool;
+
+use crate::policy::{ExclusionTest, Policy, TableInfo};
+
+/// How serious a finding is. Errors stop `serve` and make `check-config` exit 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    /// The policy cannot work.
+    Error,
+    /// It works, but slowly or with a caveat.
+    Warning,
+    /// Worth knowing.
+    Info,
+}
+
+/// One finding about one policy.
+#[derive(Debug, Clone)]
+pub struct Finding {
+    /// Severity.
+    pub level: Level,
+    /// The policy.
+    pub policy: String,
+    /// What was found and what to do.
+    pub message: String,
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let level = match self.level {
+            Level::Error => "error",
+            Level::Warning => "warning",
+            Level::Info => "info",
+        };
+        write!(f, "{level}: policy[{}]: {}", self.policy, self.message)
+    }
+}
+
+/// Checks every policy; database errors (not findings) are returned as `Err`.
+pub async fn check_policies(pool: &PgPool, policies: &[Policy]) -> sqlx::Result<Vec<Finding>> {
+    let mut out = Vec::new();
+    for p in policies {
+        check_policy(pool, p, &mut out).await?;
+    }
+    Ok(out)
+}
+
+async fn check_policy(pool: &PgPool, p: &Policy, out: &mut Vec<Finding>) -> sqlx::Result<()> {
+    let mut say = |level, message: String| {
+        out.push(Finding {
+            level,
+            policy: p.name.to_string(),
+            message,
+        })
+    };
+    let t = &p.spec.target;
+    let Some(info) = TableInfo::load(pool, &t.table).await? else {
+        say(
+            Level::Error,
+            format!("target.table: table {} does not exist", t.table),
+        );
+        return Ok(());
+    };
+    let col = |name: &str| info.columns.get(name);
+
+    match col(t.key.as_str()) {
+        None => say(
+            Level::Error,
+            format!("target.key: column {} does not exist in {}", t.key.as_str(), t.table),
+        ),
+        Some(c) if !matches!(c.type_name.as_str(), "int8" | "int4" | "uuid" | "text") => say(
+            Level::Error,
+            format!(
+                "target.key: column {} is {}; the key must be bigint, integer, uuid or text",
+                t.key.as_str(),
+                c.type_sql
+            ),
+        ),
+        Some(_) => {
+            let (unique, leading): (bool, bool) = sqlx::query_as(
+                "select coalesce(bool_or(i.indisunique and i.indnatts = 1), false),
+                        coalesce(bool_or(true), false)
+                   from pg_index i
+                   join pg_attribute a on a.attrelid = i.indrelid and a.attnum = i.indkey[0]
+                  where i.indrelid = to_regclass($1) and a.attname = $2",
+            )
+            .bind(t.table.quoted())
+            .bind(t.key.as_str())
+            .fetch_one(pool)
+            .await?;
+            if !unique {
+                say(
+                    Level::Error,
+                    format!(
+                        "target.key: column {} has no unique index (primary key or unique constraint); \
+                         a key must name exactly one row",
+                        t.key.as_str()
+                    ),
+                );
+            } else if !leading {
+                say(
+                    Level::Warning,
+                    format!("target.key: no index leads with {}; planning scans in key order", t.key.as_str()),
+                );
+            }
+        }
+    }
+
+    match (col(t.timestamp.as_str()), &t.timestamp_zone) {
+        (None, _) => say(
+            Level::Error,
+            format!(
+                "target.timestamp: column {} does not exist in {}",
+                t.timestamp.as_str(),
+                t.table
+            ),
+        ),
+        (Some(c), None) if c.type_name == "timestamptz" => {}
+        (Some(c), Some(_)) if c.type_name == "timestamp" => {}
+        (Some(c), None) if c.type_name == "timestamp" => say(
+            Level::Error,
+            format!(
+                "target.timestamp: column {} is timestamp without time zone; set target.timestamp_zone \
+                 to the IANA zone its values are written in",
+                t.timestamp.as_str()
+            ),
+        ),
+        (Some(c), Some(_)) if c.type_name == "timestamptz" => say(
+            Level::Error,
+            format!(
+                "target.timestamp_zone: column {} is timestamptz, which carries its own zone; remove timestamp_zone",
+                t.timestamp.as_str()
+            ),
+        ),
+        (Some(c), _) => say(
+            Level::Error,
+            format!(
+                "target.timestamp: column {} is {}; it must be timestamptz (or timestamp with timestamp_zone)",
+                t.timestamp.as_str(),
+                c.type_sql
+            ),
+        ),
+    }
+    if col(t.timestamp.as_str()).is_some() {
+        let indexed: bool = sqlx::query_scalar(
+            "select exists (select 1 from pg_index i
+                              join pg_attribute a on a.attrelid = i.indrelid and a.attnum = i.indkey[0]
+                             where i.indrelid = to_regclass($1) and a.attname = $2)",
+        )
+        .bind(t.table.quoted())
+        .bind(t.timestamp.as_str())
+        .fetch_one(pool)
+        .await?;
+        if !indexed {
+            say(
+                Level::Warning,
+                format!(
+                    "target.timestamp: no index leads with {}; the closure check after each run scans the table \
+                     (create index on {} ({}))",
+                    t.timestamp.as_str(),
+                    t.table,
+                    t.timestamp.as_str()
+                ),
+            );
+        }
+    }
+
+    for (i, e) in p.spec.exclude.iter().enumerate() {
+        let Some(c) = col(e.column.as_str()) else {
+            say(
+                Level::Error,
+                format!("exclude[{i}]: column {} does not exist in {}", e.column.as_str(), t.table),
+            );
+            continue;
+        };
+        let values: Vec<String> = match &e.test {
+            ExclusionTest::Equals { value } => vec![value.clone()],
+            ExclusionTest::In { values } => values.clone(),
+            ExclusionTest::IsNull | ExclusionTest::IsNotNull => vec![],
+        };
+        for v in values {
+            let sql = format!("select cast($1 as {}) is not null", c.type_sql);
+            if let Err(err) = sqlx::query(&sql).bind(&v).execute(pool).await {
+                let why = err
+                    .as_database_error()
+                    .map(|d| d.message().to_string())
+                    .unwrap_or_else(|| err.to_string());
+                say(
+                    Level::Error,
+                    format!(
+                        "exclude[{i}]: value `{v}` is not a valid {} for column {}: {why}",
+                        c.type_sql,
+                        e.column.as_str()
+                    ),
+                );
+            }
+        }
+    }
+
+    let fks: Vec<(String, String, String)> = sqlx::query_as(
+        "select conname::text, conrelid::regclass::text,
+                case confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT'
+                                 when 'c' then 'CASCADE' when 'n' then 'SET NULL'
+                                 when 'd' then 'SET DEFAULT' end
+           from pg_constraint where contype = 'f' and confrelid = to_regclass($1)",
+    )
+    .bind(t.table.quoted())
+    .fetch_all(pool)
+    .await?;
+    for (name, from, rule) in fks {
+        let consequence = match rule.as_str() {
+            "CASCADE" => "deleting a row also deletes its referencing rows, which are not audited",
+            "SET NULL" | "SET DEFAULT" => "deleting a row rewrites its referencing rows",
+            _ => "a row that is still referenced cannot be deleted and is recorded as `failed`",
+        };
+        say(
+            Level::Warning,
+            format!(
+                "foreign key {name} on {from} references {} with ON DELETE {rule}: {consequence}",
+                t.table
+            ),
+        );
+    }
+    Ok(())
+}

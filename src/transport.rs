@@ -1,0 +1,118 @@
+//! Transports: how commands reach the consume pipeline (DESIGN §8). So far only the built-in
+//! PostgreSQL queue; push transports (Pub/Sub, QStash) will publish from the same ledger rows and
+//! arrive through `/consume`.
+//!
+//! The built-in queue claims one due command at a time in a short transaction
+//! (`FOR UPDATE SKIP LOCKED`, lease, attempt number), then runs the same pipeline as `/consume`
+//! with that attempt number fencing every write, so a worker whose lease expired cannot overwrite
+//! a newer attempt's result.
+
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::app::AppState;
+use crate::consume::{self, ConsumeOutcome, Executor};
+use crate::retry::Failure;
+
+/// The actor recorded in audit rows written by built-in workers.
+pub const BUILTIN_ACTOR: &str = "sweeper:builtin-queue";
+
+/// What one worker step did.
+#[derive(Debug)]
+pub enum WorkerStep {
+    /// Nothing was due.
+    Idle,
+    /// A command was claimed and driven to this outcome.
+    Ran(ConsumeOutcome),
+}
+
+/// Claims one due built-in command (pending and due, or leased with an expired lease) and executes
+/// it. Tests drive the queue deterministically through this.
+pub async fn run_one_command(state: &AppState) -> Result<WorkerStep, Failure> {
+    let claimed: Option<(String, i32)> = sqlx::query_as(
+        "update sweeper.commands c
+            set state = 'leased', attempts = c.attempts + 1,
+                lease_until = (select sweeper.now()) + make_interval(secs => $1)
+          where c.command_id = (
+                select command_id from sweeper.commands
+                 where transport = 'builtin'
+                   and ((state = 'pending' and next_attempt_at <= (select sweeper.now()))
+                     or (state = 'leased' and lease_until < (select sweeper.now())))
+                 order by next_attempt_at
+                 limit 1
+                 for update skip locked)
+          returning c.command_id, c.attempts",
+    )
+    .bind(state.config.queue.lease.seconds() as f64)
+    .fetch_optional(&state.pool)
+    .await
+    .map_err(|e| Failure::from_db(&e))?;
+    let Some((command_id, attempt)) = claimed else {
+        return Ok(WorkerStep::Idle);
+    };
+    crate::crash_point!("worker_after_claim");
+    let outcome = consume::execute(
+        state,
+        &command_id,
+        Executor::Claimed(attempt),
+        BUILTIN_ACTOR,
+    )
+    .await?;
+    if let ConsumeOutcome::NotNow {
+        retry_after_seconds,
+        ..
+    } = &outcome
+    {
+        release(state, &command_id, attempt, *retry_after_seconds).await?;
+    }
+    Ok(WorkerStep::Ran(outcome))
+}
+
+/// Gives a claimed command back without spending its attempt (held, or this replica's
+/// configuration is behind): it is due again after `retry_after_seconds`.
+async fn release(
+    state: &AppState,
+    command_id: &str,
+    attempt: i32,
+    retry_after_seconds: u64,
+) -> Result<(), Failure> {
+    sqlx::query(
+        "update sweeper.commands
+            set state = 'pending', lease_until = null, attempts = attempts - 1,
+                next_attempt_at = greatest(next_attempt_at,
+                                           sweeper.now() + make_interval(secs => $3))
+          where command_id = $1 and state = 'leased' and attempts = $2",
+    )
+    .bind(command_id)
+    .bind(attempt)
+    .bind(retry_after_seconds as f64)
+    .execute(&state.pool)
+    .await
+    .map_err(|e| Failure::from_db(&e))?;
+    Ok(())
+}
+
+/// One built-in worker: runs due commands until `shutdown`, then returns after its current
+/// command (each command is one short transaction, so the drain is bounded by
+/// `consume.statement_timeout`).
+pub async fn worker_loop(state: AppState, worker_no: usize, shutdown: CancellationToken) {
+    loop {
+        if shutdown.is_cancelled() {
+            return;
+        }
+        let notified = state.wake_workers.notified();
+        match run_one_command(&state).await {
+            Ok(WorkerStep::Ran(outcome)) => {
+                debug!(worker_no, ?outcome, "command done");
+                continue;
+            }
+            Ok(WorkerStep::Idle) => {}
+            Err(f) => warn!(worker_no, error = %f.message, "worker step failed"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = notified => {}
+            _ = tokio::time::sleep(state.config.queue.poll_interval.std()) => {}
+        }
+    }
+}

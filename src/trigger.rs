@@ -1,0 +1,256 @@
+//! `POST /trigger/{policy}`: find the window, create its run (or return the existing one), fix
+//! the cutoff once, and leave planning to a ledger job (DESIGN §1, §2.1, §2.2).
+//!
+//! The answer comes in bounded time whatever the backlog: this module only writes the run row and
+//! its planning job; [`crate::plan`] does the scan in bounded pages afterwards.
+
+use chrono::{DateTime, NaiveDate, Utc};
+use tracing::info;
+
+use crate::app::AppState;
+use crate::auth::Principal;
+use crate::ledger::{self, Run};
+use crate::policy::Policy;
+use crate::window;
+
+/// Where the caller said which window it means, in order of precedence.
+#[derive(Debug, Default)]
+pub struct WindowHints {
+    /// The `X-CloudScheduler-ScheduleTime` header (RFC 3339), sent by Cloud Scheduler for
+    /// unix-cron jobs.
+    pub schedule_time_header: Option<String>,
+    /// `?window=`: RFC 3339, or a date `YYYY-MM-DD` naming the single tick on that local date.
+    pub window_param: Option<String>,
+}
+
+/// What a trigger did.
+#[derive(Debug)]
+pub enum TriggerOutcome {
+    /// A new run was created (202).
+    Created(Run),
+    /// The window's run already existed (200).
+    Existing(Run),
+}
+
+/// Why a trigger was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum TriggerError {
+    /// The window is malformed, not a tick, or in the future (400).
+    #[error("{0}")]
+    BadWindow(String),
+    /// The window is a backfill and the caller lacks `ops:write` (403).
+    #[error("{0}")]
+    Forbidden(String),
+    /// The ledger failed.
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+/// Resolves the window and creates or finds its run.
+///
+/// The window is the schedule-time header when present, else `?window=`, else the latest tick at
+/// or before arrival + the early tolerance. It must be a tick; it must not be later than arrival +
+/// the early tolerance; one older than the latest tick minus the tolerance is a backfill and needs
+/// `ops:write` to create (an existing run is returned to anyone allowed to trigger).
+pub async fn trigger(
+    state: &AppState,
+    policy: &Policy,
+    hints: WindowHints,
+    dry_run: bool,
+    principal: &Principal,
+) -> Result<TriggerOutcome, TriggerError> {
+    let mut conn = state.pool.acquire().await?;
+    let arrival = ledger::now(&mut conn).await?;
+    let tolerance = policy.early_tolerance.delta();
+    let horizon = arrival + tolerance;
+    let window = resolve_window(policy, &hints, horizon)?;
+    if !policy.schedule.is_tick(window) {
+        return Err(TriggerError::BadWindow(format!(
+            "window {} is not a tick of the schedule `{}` ({})",
+            window::format(window),
+            policy.schedule.expr(),
+            policy.schedule.zone_name()
+        )));
+    }
+    if window > horizon {
+        return Err(TriggerError::BadWindow(format!(
+            "window {} is in the future: a trigger may arrive at most {} before its tick",
+            window::format(window),
+            policy.early_tolerance
+        )));
+    }
+    let latest = policy
+        .schedule
+        .latest_tick_at_or_before(horizon)
+        .unwrap_or(window);
+    let backfill = window < latest - tolerance;
+
+    if !dry_run {
+        let existing = sqlx::query_scalar::<_, String>(
+            "select run_id from sweeper.runs where policy = $1 and window_at = $2 and not dry_run",
+        )
+        .bind(policy.name.as_str())
+        .bind(window)
+        .fetch_optional(&mut *conn)
+        .await?;
+        if let Some(run_id) = existing {
+            let run = ledger::get_run(&mut conn, &run_id).await?.expect("run just seen");
+            return Ok(TriggerOutcome::Existing(run));
+        }
+    }
+    if backfill && !principal.has("ops:write") {
+        return Err(TriggerError::Forbidden(format!(
+            "window {} is older than the latest tick {}: creating a run for it is a backfill and needs scope ops:write",
+            window::format(window),
+            window::format(latest)
+        )));
+    }
+    drop(conn);
+
+    let cutoff = policy.cutoff(window);
+    let outcome = if dry_run {
+        create_dry_run(state, policy, window, cutoff, principal).await?
+    } else {
+        create_run(state, policy, window, cutoff, principal).await?
+    };
+    if let TriggerOutcome::Created(run) = &outcome {
+        info!(run_id = %run.run_id, policy = %policy.name, window = %window::format(window),
+              cutoff = %run.cutoff.to_rfc3339(), dry_run, backfill, "run created");
+        state.wake_planner.notify_waiters();
+    }
+    Ok(outcome)
+}
+
+fn resolve_window(
+    policy: &Policy,
+    hints: &WindowHints,
+    horizon: DateTime<Utc>,
+) -> Result<DateTime<Utc>, TriggerError> {
+    if let Some(h) = &hints.schedule_time_header {
+        return window::parse_rfc3339(h).map(window::normalize).ok_or_else(|| {
+            TriggerError::BadWindow(format!(
+                "X-CloudScheduler-ScheduleTime `{h}` is not an RFC 3339 instant"
+            ))
+        });
+    }
+    if let Some(w) = &hints.window_param {
+        if let Some(t) = window::parse_rfc3339(w) {
+            return Ok(window::normalize(t));
+        }
+        if let Ok(date) = NaiveDate::parse_from_str(w.trim(), "%Y-%m-%d") {
+            let ticks = policy.schedule.ticks_on_local_date(date);
+            return match ticks.as_slice() {
+                [one] => Ok(*one),
+                [] => Err(TriggerError::BadWindow(format!(
+                    "the schedule has no tick on {date} ({})",
+                    policy.schedule.zone_name()
+                ))),
+                _ => Err(TriggerError::BadWindow(format!(
+                    "the schedule has {} ticks on {date}; give the window as an RFC 3339 instant",
+                    ticks.len()
+                ))),
+            };
+        }
+        return Err(TriggerError::BadWindow(format!(
+            "window `{w}` is neither an RFC 3339 instant nor a date YYYY-MM-DD"
+        )));
+    }
+    policy
+        .schedule
+        .latest_tick_at_or_before(horizon)
+        .ok_or_else(|| TriggerError::BadWindow("the schedule has no tick yet".into()))
+}
+
+async fn create_run(
+    state: &AppState,
+    policy: &Policy,
+    window: DateTime<Utc>,
+    cutoff: DateTime<Utc>,
+    principal: &Principal,
+) -> Result<TriggerOutcome, TriggerError> {
+    let run_id = format!("{}:{}", policy.name, window::format(window));
+    let mut tx = state.pool.begin().await?;
+    let inserted = sqlx::query_scalar::<_, String>(
+        "insert into sweeper.runs (run_id, policy, policy_version, window_at, cutoff, triggered_by)
+         values ($1, $2, $3, $4, $5, $6)
+         on conflict do nothing
+         returning run_id",
+    )
+    .bind(&run_id)
+    .bind(policy.name.as_str())
+    .bind(&policy.version)
+    .bind(window)
+    .bind(cutoff)
+    .bind(&principal.subject)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if inserted.is_none() {
+        // A concurrent trigger won the race; its run is the window's run.
+        tx.rollback().await?;
+        let mut conn = state.pool.acquire().await?;
+        let run = ledger::get_run(&mut conn, &run_id)
+            .await?
+            .ok_or_else(|| sqlx::Error::RowNotFound)?;
+        return Ok(TriggerOutcome::Existing(run));
+    }
+    sqlx::query("insert into sweeper.planning_jobs (run_id) values ($1)")
+        .bind(&run_id)
+        .execute(&mut *tx)
+        .await?;
+    let run = ledger::get_run(&mut tx, &run_id).await?.expect("inserted");
+    tx.commit().await?;
+    Ok(TriggerOutcome::Created(run))
+}
+
+async fn create_dry_run(
+    state: &AppState,
+    policy: &Policy,
+    window: DateTime<Utc>,
+    cutoff: DateTime<Utc>,
+    principal: &Principal,
+) -> Result<TriggerOutcome, TriggerError> {
+    // Dry runs repeat freely: `{policy}:{window}:dry-{n}`. Concurrent dry runs for one window race
+    // for n; the loser takes the next number.
+    for _ in 0..20 {
+        let mut tx = state.pool.begin().await?;
+        let n: i32 = sqlx::query_scalar(
+            "select coalesce(max(dry_run_no), 0) + 1 from sweeper.runs
+              where policy = $1 and window_at = $2 and dry_run",
+        )
+        .bind(policy.name.as_str())
+        .bind(window)
+        .fetch_one(&mut *tx)
+        .await?;
+        let run_id = format!("{}:{}:dry-{n}", policy.name, window::format(window));
+        let inserted = sqlx::query_scalar::<_, String>(
+            "insert into sweeper.runs
+                 (run_id, policy, policy_version, window_at, cutoff, dry_run, dry_run_no, triggered_by)
+             values ($1, $2, $3, $4, $5, true, $6, $7)
+             on conflict do nothing
+             returning run_id",
+        )
+        .bind(&run_id)
+        .bind(policy.name.as_str())
+        .bind(&policy.version)
+        .bind(window)
+        .bind(cutoff)
+        .bind(n)
+        .bind(&principal.subject)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if inserted.is_none() {
+            tx.rollback().await?;
+            continue;
+        }
+        sqlx::query("insert into sweeper.planning_jobs (run_id) values ($1)")
+            .bind(&run_id)
+            .execute(&mut *tx)
+            .await?;
+        let run = ledger::get_run(&mut tx, &run_id).await?.expect("inserted");
+        tx.commit().await?;
+        return Ok(TriggerOutcome::Created(run));
+    }
+    Err(TriggerError::Db(sqlx::Error::Protocol(
+        "too many concurrent dry runs for one window".into(),
+    )))
+}
