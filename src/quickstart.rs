@@ -236,9 +236,9 @@ async fn recreate_database(server_url: &str) -> anyhow::Result<()> {
 /// Seeds `demo.tickets`: `rows` tickets closed over the last two years (deterministic: the
 /// generator is seeded), ~7 % `open` (never closed), ~5 % `pending_export`, ~2 % on legal hold.
 async fn seed(conn: &mut PgConnection, rows: i64) -> anyhow::Result<()> {
+    sqlx::query("create schema demo").execute(&mut *conn).await?;
     sqlx::query(
-        "create schema demo;
-         create table demo.tickets (
+        "create table demo.tickets (
              id          bigint primary key,
              customer_id bigint not null,
              status      text not null,
