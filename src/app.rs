@@ -139,7 +139,9 @@ impl Application {
         while let Some(joined) = tasks.join_next().await {
             if !shutdown.is_cancelled() {
                 match &joined {
-                    Ok((name, r)) => warn!(task = name, ok = r.is_ok(), "task exited; shutting down"),
+                    Ok((name, r)) => {
+                        warn!(task = name, ok = r.is_ok(), "task exited; shutting down")
+                    }
                     Err(e) => error!(error = %e, "task panicked; shutting down"),
                 }
                 shutdown.cancel();

@@ -37,7 +37,11 @@ impl std::fmt::Debug for Issuer {
             .field("audience", &self.audience)
             .field(
                 "kids",
-                &self.keys.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(),
+                &self
+                    .keys
+                    .iter()
+                    .map(|(k, _)| k.as_str())
+                    .collect::<Vec<_>>(),
             )
             .finish()
     }
@@ -163,12 +167,7 @@ pub fn verify(issuers: &[Issuer], token: &str) -> Result<Principal, AuthError> {
         .ok_or_else(|| AuthError::Invalid("no `kid` in the header".into()))?;
     let (issuer, secret) = issuers
         .iter()
-        .find_map(|i| {
-            i.keys
-                .iter()
-                .find(|(k, _)| *k == kid)
-                .map(|(_, s)| (i, s))
-        })
+        .find_map(|i| i.keys.iter().find(|(k, _)| *k == kid).map(|(_, s)| (i, s)))
         .ok_or_else(|| AuthError::Invalid(format!("unknown kid `{kid}`")))?;
     let key = DecodingKey::from_secret(secret.expose_secret().as_bytes())
         .map_err(|_| AuthError::Invalid("key unusable".into()))?;
@@ -267,7 +266,10 @@ mod tests {
         let mut forged = issuer();
         forged.keys = vec![("new".into(), SecretString::from("x".repeat(32)))];
         let t = mint(&forged, "mallory", &["ops:write".into()], 60).unwrap();
-        assert!(matches!(verify(&[issuer()], &t), Err(AuthError::Invalid(_))));
+        assert!(matches!(
+            verify(&[issuer()], &t),
+            Err(AuthError::Invalid(_))
+        ));
     }
 
     #[test]

@@ -90,9 +90,15 @@ fn init_tracing(default: &str) {
 pub fn run(cli: Cli) -> ExitCode {
     // One crypto provider for rustls and jsonwebtoken: aws-lc-rs.
     let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
-    let quiet = matches!(cli.command, Command::Quickstart { .. } | Command::Token { .. });
+    let quiet = matches!(
+        cli.command,
+        Command::Quickstart { .. } | Command::Token { .. }
+    );
     init_tracing(if quiet { "warn" } else { "info" });
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: cannot start the runtime: {e}");
@@ -148,7 +154,11 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 Ok(c) => c,
                 Err(code) => return Ok(code),
             };
-            println!("{}: configuration is valid ({} policies)", path.display(), config.policies.len());
+            println!(
+                "{}: configuration is valid ({} policies)",
+                path.display(),
+                config.policies.len()
+            );
             let pool = app::connect(&config).await?;
             let findings = crate::policy_check::check_policies(&pool, &config.policies).await?;
             let errors = findings
@@ -189,7 +199,10 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 .filter(|s| !s.is_empty())
                 .map(str::to_string)
                 .collect();
-            println!("{}", crate::auth::mint(issuer, &sub, &scopes, ttl.seconds())?);
+            println!(
+                "{}",
+                crate::auth::mint(issuer, &sub, &scopes, ttl.seconds())?
+            );
             Ok(ExitCode::SUCCESS)
         }
         Command::Quickstart { exit, port, rows } => {

@@ -50,7 +50,9 @@ impl std::str::FromStr for DurationSpec {
     /// Parses `90d`, `5m`, `1h`, `30s`, `2w`. Errors name the input and the accepted units.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let bad = || {
-            format!("bad duration `{s}`: write a whole number and one unit of s, m, h, d or w (e.g. `90d`, `5m`)")
+            format!(
+                "bad duration `{s}`: write a whole number and one unit of s, m, h, d or w (e.g. `90d`, `5m`)"
+            )
         };
         let s_trim = s.trim();
         let unit_at = s_trim.len().checked_sub(1).ok_or_else(bad)?;
@@ -424,13 +426,30 @@ mod tests {
 
     #[test]
     fn durations_accept_only_the_five_units() {
-        assert_eq!("90d".parse::<DurationSpec>().unwrap().seconds(), 90 * 86_400);
+        assert_eq!(
+            "90d".parse::<DurationSpec>().unwrap().seconds(),
+            90 * 86_400
+        );
         assert_eq!("5m".parse::<DurationSpec>().unwrap().seconds(), 300);
         assert_eq!("2w".parse::<DurationSpec>().unwrap().seconds(), 1_209_600);
         assert_eq!("1h".parse::<DurationSpec>().unwrap().seconds(), 3_600);
         assert_eq!("30s".parse::<DurationSpec>().unwrap().seconds(), 30);
-        for bad in ["", "d", "5", "5ms", "1y", "1mo", "-5m", "1.5h", "5 m", "99999999999999999999w"] {
-            assert!(bad.parse::<DurationSpec>().is_err(), "{bad} must be rejected");
+        for bad in [
+            "",
+            "d",
+            "5",
+            "5ms",
+            "1y",
+            "1mo",
+            "-5m",
+            "1.5h",
+            "5 m",
+            "99999999999999999999w",
+        ] {
+            assert!(
+                bad.parse::<DurationSpec>().is_err(),
+                "{bad} must be rejected"
+            );
         }
         assert_eq!("90d".parse::<DurationSpec>().unwrap().to_string(), "90d");
         assert_eq!("1440m".parse::<DurationSpec>().unwrap().to_string(), "1d");

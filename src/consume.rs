@@ -225,7 +225,10 @@ async fn attempt(
         "select set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)",
     )
     .bind(format!("{}s", state.config.consume.lock_timeout.seconds()))
-    .bind(format!("{}s", state.config.consume.statement_timeout.seconds()))
+    .bind(format!(
+        "{}s",
+        state.config.consume.statement_timeout.seconds()
+    ))
     .execute(&mut *tx)
     .await?;
     let loaded = match load(state, &mut tx, command_id, executor).await? {
@@ -419,14 +422,20 @@ async fn load(
         let command_id = command_id.to_string();
         return Ok(Step::Done(match run_status {
             Some(s) if ledger::is_terminal_run_status(&s) => {
-                info!(command_id, "delivery for an unknown command of a terminal run; acknowledged");
+                info!(
+                    command_id,
+                    "delivery for an unknown command of a terminal run; acknowledged"
+                );
                 ConsumeOutcome::UnknownOfTerminalRun { command_id }
             }
             _ => ConsumeOutcome::Unknown { command_id },
         }));
     };
     let cmd_state: String = row.get("state");
-    if matches!(cmd_state.as_str(), "succeeded" | "quarantined" | "cancelled") {
+    if matches!(
+        cmd_state.as_str(),
+        "succeeded" | "quarantined" | "cancelled"
+    ) {
         return Ok(Step::Done(ConsumeOutcome::Duplicate {
             command_id: command_id.to_string(),
             state: cmd_state,
@@ -572,8 +581,7 @@ pub async fn record_closure_check(
     rules: &RuleSet,
     cap: i64,
 ) -> sqlx::Result<()> {
-    let mut q: QueryBuilder<Postgres> =
-        QueryBuilder::new("select count(*) from (select 1 from ");
+    let mut q: QueryBuilder<Postgres> = QueryBuilder::new("select count(*) from (select 1 from ");
     q.push(rules.table_sql());
     q.push(" where ");
     rules.push_eligible(&mut q);
@@ -625,7 +633,10 @@ async fn record_failure(
     let cmd_state: String = row.get("state");
     let attempts: i32 = row.get("attempts");
     let run_id: String = row.get("run_id");
-    if matches!(cmd_state.as_str(), "succeeded" | "quarantined" | "cancelled") {
+    if matches!(
+        cmd_state.as_str(),
+        "succeeded" | "quarantined" | "cancelled"
+    ) {
         return Ok(ConsumeOutcome::Duplicate {
             command_id: command_id.to_string(),
             state: cmd_state,

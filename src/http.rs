@@ -228,9 +228,8 @@ async fn trigger_handler(
     headers: HeaderMap,
 ) -> Result<Response, Problem> {
     caller.require(&format!("trigger:{policy}"))?;
-    let Query(query) = query.map_err(|e| {
-        Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text())
-    })?;
+    let Query(query) =
+        query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
     let policy = state.config.policy(&policy).ok_or_else(|| {
         Problem::new(
             StatusCode::NOT_FOUND,
@@ -248,7 +247,9 @@ async fn trigger_handler(
         .await
         .map_err(|e| match e {
             TriggerError::BadWindow(m) => Problem::new(StatusCode::BAD_REQUEST, "bad-window", m),
-            TriggerError::Forbidden(m) => Problem::new(StatusCode::FORBIDDEN, "backfill-forbidden", m),
+            TriggerError::Forbidden(m) => {
+                Problem::new(StatusCode::FORBIDDEN, "backfill-forbidden", m)
+            }
             TriggerError::Db(e) => Problem::from(e),
         })?;
     let (status, run) = match outcome {
@@ -297,7 +298,9 @@ async fn consume_handler(
             command_id,
             counts,
             run_status,
-        } => json!({"command_id": command_id, "result": "executed", "counts": counts, "run_status": run_status}),
+        } => {
+            json!({"command_id": command_id, "result": "executed", "counts": counts, "run_status": run_status})
+        }
         ConsumeOutcome::Duplicate { command_id, state } => {
             json!({"command_id": command_id, "result": "duplicate", "state": state})
         }
@@ -311,8 +314,10 @@ async fn consume_handler(
             reason,
             retry_after_seconds,
         } => {
-            return Err(Problem::new(StatusCode::SERVICE_UNAVAILABLE, "not-now", reason)
-                .retry_after(retry_after_seconds));
+            return Err(
+                Problem::new(StatusCode::SERVICE_UNAVAILABLE, "not-now", reason)
+                    .retry_after(retry_after_seconds),
+            );
         }
         ConsumeOutcome::Unknown { command_id } => {
             return Err(Problem::new(

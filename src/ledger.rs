@@ -130,10 +130,7 @@ const RUN_COLUMNS: &str = "run_id, policy, policy_version, window_at, cutoff, dr
 /// Loads one run.
 pub async fn get_run(conn: &mut PgConnection, run_id: &str) -> sqlx::Result<Option<Run>> {
     let sql = format!("select {RUN_COLUMNS} from sweeper.runs where run_id = $1");
-    sqlx::query_as(&sql)
-    .bind(run_id)
-    .fetch_optional(conn)
-    .await
+    sqlx::query_as(&sql).bind(run_id).fetch_optional(conn).await
 }
 
 /// Lists runs, newest window first, optionally filtered; at most `limit`.
@@ -149,11 +146,11 @@ pub async fn list_runs(
           order by window_at desc, created_at desc limit $3"
     );
     sqlx::query_as(&sql)
-    .bind(policy)
-    .bind(status)
-    .bind(limit)
-    .fetch_all(pool)
-    .await
+        .bind(policy)
+        .bind(status)
+        .bind(limit)
+        .fetch_all(pool)
+        .await
 }
 
 /// Commands of a run per state (`pending`, `leased`, `succeeded`, `quarantined`, `cancelled`).
@@ -164,16 +161,11 @@ pub async fn command_states(pool: &PgPool, run_id: &str) -> sqlx::Result<BTreeMa
     .bind(run_id)
     .fetch_all(pool)
     .await?;
-    let mut out: BTreeMap<String, i64> = [
-        "pending",
-        "leased",
-        "succeeded",
-        "quarantined",
-        "cancelled",
-    ]
-    .into_iter()
-    .map(|s| (s.to_string(), 0))
-    .collect();
+    let mut out: BTreeMap<String, i64> =
+        ["pending", "leased", "succeeded", "quarantined", "cancelled"]
+            .into_iter()
+            .map(|s| (s.to_string(), 0))
+            .collect();
     out.extend(rows);
     Ok(out)
 }

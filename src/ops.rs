@@ -55,7 +55,8 @@ pub async fn list_runs(
     if !(1..=500).contains(&limit) {
         return Err(bad_query("limit must be between 1 and 500"));
     }
-    let runs = ledger::list_runs(&state.pool, q.policy.as_deref(), q.status.as_deref(), limit).await?;
+    let runs =
+        ledger::list_runs(&state.pool, q.policy.as_deref(), q.status.as_deref(), limit).await?;
     Ok(Json(json!({ "runs": runs })).into_response())
 }
 
@@ -163,12 +164,15 @@ pub async fn healthz() -> Response {
 
 /// `GET /readyz`: the database answers and every migration this binary knows is applied.
 pub async fn readyz(State(state): State<AppState>) -> Response {
-    let latest = ledger::MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
-    let applied: Result<Option<i64>, _> = sqlx::query_scalar(
-        "select max(version) from _sqlx_migrations where success",
-    )
-    .fetch_one(&state.pool)
-    .await;
+    let latest = ledger::MIGRATOR
+        .iter()
+        .map(|m| m.version)
+        .max()
+        .unwrap_or(0);
+    let applied: Result<Option<i64>, _> =
+        sqlx::query_scalar("select max(version) from _sqlx_migrations where success")
+            .fetch_one(&state.pool)
+            .await;
     match applied {
         Ok(Some(v)) if v >= latest => {
             (StatusCode::OK, Json(json!({"status": "ready"}))).into_response()

@@ -99,10 +99,9 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     let window: chrono::DateTime<chrono::Utc> = job.get("window_at");
     let cutoff: chrono::DateTime<chrono::Utc> = job.get("cutoff");
 
-    let (pinned, _current_version, current) =
-        ledger::run_specs(&mut tx, &policy, &pinned_version)
-            .await
-            .map_err(db)?;
+    let (pinned, _current_version, current) = ledger::run_specs(&mut tx, &policy, &pinned_version)
+        .await
+        .map_err(db)?;
     let table = state.catalog.get(&state.pool, &pinned.target.table).await?;
     let rules = RuleSet::effective(&pinned, current.as_ref(), cutoff, window, &table)
         .map_err(|h| Failure::permanent(h.0))?;
@@ -233,9 +232,14 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     .await
     .map_err(db)?;
     if status == "completed" {
-        crate::consume::record_closure_check(&mut tx, run_id, &rules, state.config.planning.closure_check_cap)
-            .await
-            .map_err(db)?;
+        crate::consume::record_closure_check(
+            &mut tx,
+            run_id,
+            &rules,
+            state.config.planning.closure_check_cap,
+        )
+        .await
+        .map_err(db)?;
     }
     tx.commit().await.map_err(db)?;
     if done {

@@ -348,9 +348,7 @@ impl Policy {
         let schedule = Schedule::new(&c.schedule.cron, &c.schedule.timezone)
             .map_err(|e| errors.push(format!("schedule.{e}")))
             .ok();
-        let early_tolerance = c
-            .early_tolerance
-            .unwrap_or(DurationSpec::from_seconds(300));
+        let early_tolerance = c.early_tolerance.unwrap_or(DurationSpec::from_seconds(300));
         if let Some(s) = &schedule {
             let period = s.shortest_period_seconds();
             if early_tolerance.seconds() >= period {
@@ -365,10 +363,7 @@ impl Policy {
             errors.push("retain_for: must be at least 1s".into());
         }
         if !(1..=10_000).contains(&c.batch_size) {
-            errors.push(format!(
-                "batch_size: {} is outside 1..=10000",
-                c.batch_size
-            ));
+            errors.push(format!("batch_size: {} is outside 1..=10000", c.batch_size));
         }
         let table = TableName::parse(&c.target.table)
             .map_err(|e| errors.push(format!("target.table: {e}")))
@@ -581,10 +576,7 @@ impl RuleSet {
             cutoff = cutoff.min(current_cutoff);
         }
         let mut column_types = HashMap::new();
-        let key_type = table
-            .type_of(&pinned.target.key)
-            .map_err(Held)?
-            .to_string();
+        let key_type = table.type_of(&pinned.target.key).map_err(Held)?.to_string();
         table.type_of(&pinned.target.timestamp).map_err(Held)?;
         for e in &exclude {
             let t = table.type_of(&e.column).map_err(Held)?;

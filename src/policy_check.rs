@@ -73,7 +73,11 @@ async fn check_policy(pool: &PgPool, p: &Policy, out: &mut Vec<Finding>) -> sqlx
     match col(t.key.as_str()) {
         None => say(
             Level::Error,
-            format!("target.key: column {} does not exist in {}", t.key.as_str(), t.table),
+            format!(
+                "target.key: column {} does not exist in {}",
+                t.key.as_str(),
+                t.table
+            ),
         ),
         Some(c) if !matches!(c.type_name.as_str(), "int8" | "int4" | "uuid" | "text") => say(
             Level::Error,
@@ -107,7 +111,10 @@ async fn check_policy(pool: &PgPool, p: &Policy, out: &mut Vec<Finding>) -> sqlx
             } else if !leading {
                 say(
                     Level::Warning,
-                    format!("target.key: no index leads with {}; planning scans in key order", t.key.as_str()),
+                    format!(
+                        "target.key: no index leads with {}; planning scans in key order",
+                        t.key.as_str()
+                    ),
                 );
             }
         }
@@ -176,7 +183,11 @@ async fn check_policy(pool: &PgPool, p: &Policy, out: &mut Vec<Finding>) -> sqlx
         let Some(c) = col(e.column.as_str()) else {
             say(
                 Level::Error,
-                format!("exclude[{i}]: column {} does not exist in {}", e.column.as_str(), t.table),
+                format!(
+                    "exclude[{i}]: column {} does not exist in {}",
+                    e.column.as_str(),
+                    t.table
+                ),
             );
             continue;
         };

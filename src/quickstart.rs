@@ -52,7 +52,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     demo_url.set_path(&format!("/{DEMO_DATABASE}"));
 
     println!("== sweeper quickstart ==");
-    println!("creating database {DEMO_DATABASE} with {} support tickets ...", opts.rows);
+    println!(
+        "creating database {DEMO_DATABASE} with {} support tickets ...",
+        opts.rows
+    );
     let t_seed = Instant::now();
     recreate_database(&server_url).await?;
     let mut conn = PgConnection::connect(demo_url.as_str()).await?;
@@ -86,7 +89,12 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let token = crate::auth::mint(
         &issuer,
         "quickstart",
-        &["trigger:*".into(), "ops:read".into(), "ops:write".into(), "consume".into()],
+        &[
+            "trigger:*".into(),
+            "ops:read".into(),
+            "ops:write".into(),
+            "consume".into(),
+        ],
         3_600,
     )?;
     let client = reqwest::Client::new();
@@ -107,7 +115,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         bail!("trigger answered {status}: {run}");
     }
     let run_id = run["run_id"].as_str().context("no run_id")?.to_string();
-    println!("-> {status}: run {run_id}, cutoff {}", run["cutoff"].as_str().unwrap_or("?"));
+    println!(
+        "-> {status}: run {run_id}, cutoff {}",
+        run["cutoff"].as_str().unwrap_or("?")
+    );
 
     let started = Instant::now();
     let run = loop {
@@ -155,8 +166,14 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
 
     println!();
     println!("run {run_id}: {}", run["status"].as_str().unwrap_or("?"));
-    println!("  window              {}", run["window"].as_str().unwrap_or("?"));
-    println!("  cutoff              {}", run["cutoff"].as_str().unwrap_or("?"));
+    println!(
+        "  window              {}",
+        run["window"].as_str().unwrap_or("?")
+    );
+    println!(
+        "  cutoff              {}",
+        run["cutoff"].as_str().unwrap_or("?")
+    );
     println!("  eligible (planned)  {}", n("eligible_planned"));
     println!("  deleted             {}", n("deleted"));
     println!("  held at planning    {held_total}");
@@ -207,7 +224,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         println!("sweeper keeps serving on {base} until Ctrl-C. Try:");
         println!("  export TOKEN={token}");
         println!("  curl -s -H \"Authorization: Bearer $TOKEN\" {base}/runs/{run_id}");
-        println!("  curl -s -H \"Authorization: Bearer $TOKEN\" '{base}/runs/{run_id}/items?limit=5'");
+        println!(
+            "  curl -s -H \"Authorization: Bearer $TOKEN\" '{base}/runs/{run_id}/items?limit=5'"
+        );
         println!("  curl -s -H \"Authorization: Bearer $TOKEN\" {base}/policies");
         println!(
             "  curl -s -X POST -H \"Authorization: Bearer $TOKEN\" '{base}/trigger/ticket-retention?dry_run=true'"
@@ -224,9 +243,11 @@ async fn recreate_database(server_url: &str) -> anyhow::Result<()> {
         .await
         .with_context(|| "cannot connect to the PostgreSQL server in DATABASE_URL".to_string())?;
     // The name is a constant: only sweeper's own demo database is ever dropped.
-    sqlx::query(&format!("drop database if exists {DEMO_DATABASE} with (force)"))
-        .execute(&mut admin)
-        .await?;
+    sqlx::query(&format!(
+        "drop database if exists {DEMO_DATABASE} with (force)"
+    ))
+    .execute(&mut admin)
+    .await?;
     sqlx::query(&format!("create database {DEMO_DATABASE}"))
         .execute(&mut admin)
         .await?;
@@ -236,7 +257,9 @@ async fn recreate_database(server_url: &str) -> anyhow::Result<()> {
 /// Seeds `demo.tickets`: `rows` tickets closed over the last two years (deterministic: the
 /// generator is seeded), ~7 % `open` (never closed), ~5 % `pending_export`, ~2 % on legal hold.
 async fn seed(conn: &mut PgConnection, rows: i64) -> anyhow::Result<()> {
-    sqlx::query("create schema demo").execute(&mut *conn).await?;
+    sqlx::query("create schema demo")
+        .execute(&mut *conn)
+        .await?;
     sqlx::query(
         "create table demo.tickets (
              id          bigint primary key,
@@ -249,7 +272,9 @@ async fn seed(conn: &mut PgConnection, rows: i64) -> anyhow::Result<()> {
     )
     .execute(&mut *conn)
     .await?;
-    sqlx::query("select setseed(0.42)").execute(&mut *conn).await?;
+    sqlx::query("select setseed(0.42)")
+        .execute(&mut *conn)
+        .await?;
     sqlx::query(
         "insert into demo.tickets (id, customer_id, status, legal_hold, closed_at, subject, body)
          select g, 1 + (g * 7919) % 5000, s.status, random() < 0.02,
@@ -272,14 +297,16 @@ async fn seed(conn: &mut PgConnection, rows: i64) -> anyhow::Result<()> {
     sqlx::query("create index tickets_closed_at on demo.tickets (closed_at)")
         .execute(&mut *conn)
         .await?;
-    sqlx::query("analyze demo.tickets").execute(&mut *conn).await?;
+    sqlx::query("analyze demo.tickets")
+        .execute(&mut *conn)
+        .await?;
     Ok(())
 }
 
 async fn counts(conn: &mut PgConnection) -> anyhow::Result<(i64, i64)> {
-    Ok(sqlx::query_as(
-        "select count(*), count(*) filter (where legal_hold) from demo.tickets",
+    Ok(
+        sqlx::query_as("select count(*), count(*) filter (where legal_hold) from demo.tickets")
+            .fetch_one(conn)
+            .await?,
     )
-    .fetch_one(conn)
-    .await?)
 }

@@ -94,7 +94,9 @@ pub async fn trigger(
         .fetch_optional(&mut *conn)
         .await?;
         if let Some(run_id) = existing {
-            let run = ledger::get_run(&mut conn, &run_id).await?.expect("run just seen");
+            let run = ledger::get_run(&mut conn, &run_id)
+                .await?
+                .expect("run just seen");
             return Ok(TriggerOutcome::Existing(run));
         }
     }
@@ -127,11 +129,13 @@ fn resolve_window(
     horizon: DateTime<Utc>,
 ) -> Result<DateTime<Utc>, TriggerError> {
     if let Some(h) = &hints.schedule_time_header {
-        return window::parse_rfc3339(h).map(window::normalize).ok_or_else(|| {
-            TriggerError::BadWindow(format!(
-                "X-CloudScheduler-ScheduleTime `{h}` is not an RFC 3339 instant"
-            ))
-        });
+        return window::parse_rfc3339(h)
+            .map(window::normalize)
+            .ok_or_else(|| {
+                TriggerError::BadWindow(format!(
+                    "X-CloudScheduler-ScheduleTime `{h}` is not an RFC 3339 instant"
+                ))
+            });
     }
     if let Some(w) = &hints.window_param {
         if let Some(t) = window::parse_rfc3339(w) {

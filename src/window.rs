@@ -171,9 +171,21 @@ mod tests {
 
     #[test]
     fn bad_expressions_and_zones_are_named() {
-        assert!(Schedule::new("0 2 * *", "UTC").unwrap_err().starts_with("cron:"));
-        assert!(Schedule::new("0 25 * * *", "UTC").unwrap_err().starts_with("cron:"));
-        assert!(Schedule::new("0 2 * * *", "Mars/Olympus").unwrap_err().starts_with("timezone:"));
+        assert!(
+            Schedule::new("0 2 * *", "UTC")
+                .unwrap_err()
+                .starts_with("cron:")
+        );
+        assert!(
+            Schedule::new("0 25 * * *", "UTC")
+                .unwrap_err()
+                .starts_with("cron:")
+        );
+        assert!(
+            Schedule::new("0 2 * * *", "Mars/Olympus")
+                .unwrap_err()
+                .starts_with("timezone:")
+        );
     }
 
     #[test]

@@ -1,0 +1,288 @@
+//! The `sweeper` binary: `check-config`, `token`, and `serve` as a real process under different
+//! time zones.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::common::*;
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sweeper");
+
+fn write_config(text: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("sweeper-test-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sweeper.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn sweeper(args: &[&str]) -> Command {
+    let mut c = Command::new(BIN);
+    c.args(args)
+        .env_remove("DATABASE_URL")
+        .env_remove("SWEEPER_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+#[tokio::test]
+async fn check_config_names_each_mismatch_with_the_database() {
+    let db = TestDb::create().await;
+    let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+    for stmt in [
+        "create schema demo",
+        "create table demo.tickets (id bigint, status text, legal_hold boolean, closed_at timestamp)",
+        "create table demo.events (id uuid primary key, at timestamptz, flag boolean)",
+        "create table demo.event_refs (id bigint primary key, event_id uuid references demo.events (id))",
+    ] {
+        sqlx::query(stmt).execute(&pool).await.unwrap();
+    }
+    let policies = r#"
+[[policy]]
+name = "tickets"
+schedule = { cron = "0 2 * * *" }
+target = { table = "demo.tickets", key = "id", timestamp = "closed_at" }
+retain_for = "90d"
+exclude = [ { column = "legal_hold", equals = "maybe" }, { column = "missing", is_null = true } ]
+
+[[policy]]
+name = "events"
+schedule = { cron = "0 * * * *" }
+target = { table = "demo.events", key = "id", timestamp = "at" }
+retain_for = "1d"
+"#;
+    let path = write_config(&config_toml(&db.url, 0, "", policies));
+    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for expected in [
+        "error: policy[tickets]: target.key: column id has no unique index",
+        "error: policy[tickets]: target.timestamp: column closed_at is timestamp without time zone",
+        "error: policy[tickets]: exclude[0]: value `maybe` is not a valid boolean",
+        "error: policy[tickets]: exclude[1]: column missing does not exist",
+        "warning: policy[events]: target.timestamp: no index leads with at",
+        "warning: policy[events]: foreign key event_refs_event_id_fkey on demo.event_refs references demo.events with ON DELETE NO ACTION",
+    ] {
+        assert!(
+            stdout.contains(expected),
+            "missing `{expected}` in:\n{stdout}"
+        );
+    }
+    assert!(!stdout.contains("policy[events]: target.key"), "{stdout}");
+
+    // `serve` refuses the same configuration.
+    let out = sweeper(&["serve", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("has no unique index"));
+}
+
+#[tokio::test]
+async fn invalid_configuration_exits_2_and_names_every_problem() {
+    let text = r#"
+database_url = "postgres://127.0.0.1/none"
+[queue]
+lease = "10x"
+[[auth.issuer]]
+iss = "a"
+audience = "b"
+keys = [ { kid = "k", secret_env = "SWEEPER_TEST_UNSET_SECRET" } ]
+[[policy]]
+name = "p"
+schedule = { cron = "0 2 * *", timezone = "Mars/Base" }
+target = { table = "t", key = "id", timestamp = "ts" }
+retain_for = "3mo"
+"#;
+    let path = write_config(text);
+    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("bad duration `10x`"), "{stderr}");
+
+    let text = text.replace("lease = \"10x\"", "lease = \"10m\"");
+    let path = write_config(&text);
+    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("bad duration `3mo`"), "{stderr}");
+    let text = text.replace("retain_for = \"3mo\"", "retain_for = \"90d\"");
+    let path = write_config(&text);
+    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    for expected in [
+        "auth.issuer[0].keys[k]: environment variable SWEEPER_TEST_UNSET_SECRET is not set",
+        "policy[p].schedule.cron: `0 2 * *` has 4 fields",
+    ] {
+        assert!(
+            stderr.contains(expected),
+            "missing `{expected}` in:\n{stderr}"
+        );
+    }
+    let text = text.replace("0 2 * *\"", "0 2 * * *\"");
+    let path = write_config(&text);
+    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("policy[p].schedule.timezone: `Mars/Base` is not an IANA time zone name"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("secret ="), "secrets never printed");
+}
+
+#[tokio::test]
+async fn the_token_command_mints_tokens_the_server_accepts() {
+    let app = TestApp::spawn(Spawn::default()).await;
+    let path = write_config(&config_toml(&app.db.url, 0, "", &ticket_policy(10)));
+    let out = sweeper(&[
+        "token",
+        "--config",
+        path.to_str().unwrap(),
+        "--scope",
+        "ops:read",
+        "--ttl",
+        "10m",
+        "--sub",
+        "oncall",
+    ])
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let token = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let claims = jsonwebtoken::dangerous::insecure_decode::<Value>(&token)
+        .unwrap()
+        .claims;
+    assert_eq!(claims["sub"], "oncall");
+    assert_eq!(claims["iss"], "sweeper-test");
+    assert_eq!(claims["aud"], "sweeper");
+    let ttl = claims["exp"].as_i64().unwrap() - chrono::Utc::now().timestamp();
+    assert!((590..=600).contains(&ttl), "{ttl}");
+    let ok = app
+        .client
+        .get(format!("{}/policies", app.base))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    let listed = app
+        .client
+        .get(format!("{}/runs", app.base))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(listed.status(), 200);
+    let denied = app.post("/trigger/ticket-retention", Some(&token)).await;
+    assert_eq!(denied.status(), 403);
+}
+
+/// Starts `sweeper serve` as a child process with `tz` as its time zone; returns it and its URL.
+async fn serve_process(db_url: &str, tz: &str) -> (std::process::Child, String) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let text = config_toml(db_url, 2, "", &ticket_policy(10))
+        .replace("127.0.0.1:0", &format!("127.0.0.1:{port}"));
+    let path = write_config(&text);
+    let child = Command::new(BIN)
+        .args(["serve", "--config", path.to_str().unwrap()])
+        .env_remove("DATABASE_URL")
+        .env("TZ", tz)
+        .env("PGTZ", tz)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let started = Instant::now();
+    while reqwest::get(format!("{base}/readyz"))
+        .await
+        .map(|r| r.status() != 200)
+        .unwrap_or(true)
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "server did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (child, base)
+}
+
+#[tokio::test]
+async fn the_selected_set_is_the_same_under_utc_and_tokyo() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        ..Default::default()
+    })
+    .await;
+    // Rows straddling the cutoff (2026-06-03T02:00:00Z) by a second, and by the Tokyo offset.
+    let cutoff = at("2026-06-03T02:00:00Z");
+    let mut rows = Vec::new();
+    for (i, delta) in [-32_401i64, -32_400, -3_601, -1, 0, 1, 3_600, 32_400]
+        .iter()
+        .enumerate()
+    {
+        rows.push((
+            i as i64 + 1,
+            Some("closed"),
+            Some(false),
+            Some(cutoff + chrono::TimeDelta::seconds(*delta)),
+        ));
+    }
+    insert_tickets(&app.pool, &rows).await;
+    let token = app.ops_token();
+    let mut sets = Vec::new();
+    for tz in ["UTC", "Asia/Tokyo"] {
+        let (mut child, base) = serve_process(&app.db.url, tz).await;
+        let r = reqwest::Client::new()
+            .post(format!("{base}/trigger/ticket-retention?dry_run=true"))
+            .bearer_auth(&token)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 202);
+        let run: Value = r.json().await.unwrap();
+        let run_id = run["run_id"].as_str().unwrap().to_string();
+        let done = app.wait_terminal(&run_id).await;
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(done["cutoff"], "2026-06-03T02:00:00Z");
+        let mut keys: Vec<String> = app
+            .audit(&run_id)
+            .await
+            .into_iter()
+            .filter(|(_, o, _)| o == "would_delete")
+            .map(|(k, _, _)| k)
+            .collect();
+        keys.sort();
+        sets.push(keys);
+    }
+    assert_eq!(sets[0], vec!["1", "2", "3", "4"]);
+    assert_eq!(sets[0], sets[1]);
+}

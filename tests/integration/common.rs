@@ -1,0 +1,451 @@
+//! The test harness: a fresh database per test (cloned from a migrated template), a real server on
+//! a random port, real HTTP, real JWTs, and the ledger's clock moved by a test-only offset.
+
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::{Connection, PgConnection, PgPool};
+use sweeper::app::{AppState, Application};
+use sweeper::auth::Issuer;
+use sweeper::config::Config;
+use tokio_util::sync::CancellationToken;
+
+pub const SECRET: &str = "test-secret-test-secret-test-secret-0123456789";
+pub const OTHER_SECRET: &str = "another-secret-another-secret-another-secret-99";
+
+/// The PostgreSQL server the tests use (`DATABASE_URL`'s server, default the local one).
+pub fn server_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+pub fn database_url(name: &str) -> String {
+    let mut u = url::Url::parse(&server_url()).unwrap();
+    u.set_path(&format!("/{name}"));
+    u.to_string()
+}
+
+static TEMPLATE: OnceLock<String> = OnceLock::new();
+
+/// Creates (once per test process) a database with the ledger migrated, to clone per test.
+fn template() -> &'static str {
+    TEMPLATE.get_or_init(|| {
+        let name = format!("sweeper_tpl_{}", std::process::id());
+        let n = name.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async {
+                let mut admin = PgConnection::connect(&server_url()).await.unwrap();
+                // Leftovers of earlier, killed test processes.
+                let stale: Vec<String> = sqlx::query_scalar(
+                    "select datname::text from pg_database
+                      where datname like 'sweeper_tpl_%' or datname like 'sweeper_t_%'",
+                )
+                .fetch_all(&mut admin)
+                .await
+                .unwrap();
+                for db in stale {
+                    let pid: Option<&str> = db.rsplit('_').next();
+                    let alive = pid
+                        .and_then(|p| p.parse::<u32>().ok())
+                        .map(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+                        .unwrap_or(false);
+                    if !alive {
+                        let _ = sqlx::query(&format!("drop database if exists {db} with (force)"))
+                            .execute(&mut admin)
+                            .await;
+                    }
+                }
+                sqlx::query(&format!("create database {n}"))
+                    .execute(&mut admin)
+                    .await
+                    .unwrap();
+                let pool = PgPool::connect(&database_url(&n)).await.unwrap();
+                sweeper::ledger::MIGRATOR.run(&pool).await.unwrap();
+                pool.close().await;
+            });
+        })
+        .join()
+        .unwrap();
+        name
+    })
+}
+
+/// A test database, dropped when this value drops (even when the test panics).
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+}
+
+impl TestDb {
+    pub async fn create() -> TestDb {
+        let tpl = template();
+        // The pid suffix lets a later process tell our leftovers from a live run's databases.
+        let name = format!(
+            "sweeper_t_{}_{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12],
+            std::process::id()
+        );
+        let mut admin = PgConnection::connect(&server_url()).await.unwrap();
+        sqlx::query(&format!("create database {name} template {tpl}"))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        TestDb {
+            url: database_url(&name),
+            name,
+        }
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async {
+                if let Ok(mut admin) = PgConnection::connect(&server_url()).await {
+                    let _ = sqlx::query(&format!("drop database if exists {name} with (force)"))
+                        .execute(&mut admin)
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// Sets the ledger clock so that `sweeper.now()` reads `at` (approximately: the offset is taken
+/// against the database clock now).
+pub async fn set_clock(pool: &PgPool, at: DateTime<Utc>) {
+    sqlx::query(
+        "insert into sweeper.clock_offset (singleton, offset_seconds)
+         values (true, extract(epoch from ($1::timestamptz - clock_timestamp())))
+         on conflict (singleton) do update set offset_seconds = excluded.offset_seconds",
+    )
+    .bind(at)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+pub fn at(s: &str) -> DateTime<Utc> {
+    sweeper::window::parse_rfc3339(s).unwrap()
+}
+
+/// The standard demo table used by most tests.
+pub const TICKETS: &str = "
+create schema demo;
+create table demo.tickets (
+    id bigint primary key,
+    status text,
+    legal_hold boolean,
+    closed_at timestamptz
+);
+create index on demo.tickets (closed_at);
+";
+
+/// A policy over `demo.tickets`, daily at 02:00 UTC, 90 days, excluding legal hold and open or
+/// pending-export tickets.
+pub fn ticket_policy(batch_size: usize) -> String {
+    format!(
+        r#"
+[[policy]]
+name = "ticket-retention"
+schedule = {{ cron = "0 2 * * *", timezone = "UTC" }}
+target = {{ table = "demo.tickets", key = "id", timestamp = "closed_at" }}
+retain_for = "90d"
+exclude = [ {{ column = "legal_hold", equals = true }},
+            {{ column = "status", in = ["open", "pending_export"] }} ]
+batch_size = {batch_size}
+"#
+    )
+}
+
+/// What to start.
+pub struct Spawn {
+    pub setup_sql: &'static str,
+    pub policies: String,
+    pub workers: usize,
+    pub now: Option<DateTime<Utc>>,
+    pub extra_toml: String,
+}
+
+impl Default for Spawn {
+    fn default() -> Self {
+        Spawn {
+            setup_sql: TICKETS,
+            policies: ticket_policy(10),
+            workers: 0,
+            now: None,
+            extra_toml: String::new(),
+        }
+    }
+}
+
+pub struct TestApp {
+    pub base: String,
+    pub state: AppState,
+    pub pool: PgPool,
+    pub client: reqwest::Client,
+    pub issuer: Issuer,
+    pub shutdown: CancellationToken,
+    pub server: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    pub db: TestDb,
+}
+
+pub fn config_toml(db_url: &str, workers: usize, extra: &str, policies: &str) -> String {
+    format!(
+        r#"
+database_url = "{db_url}"
+listen = "127.0.0.1:0"
+migrate_on_start = true
+[database]
+max_connections = 8
+[queue]
+workers = {workers}
+poll_interval = "1s"
+{extra}
+[[auth.issuer]]
+iss = "sweeper-test"
+audience = "sweeper"
+keys = [ {{ kid = "k2", secret = "{SECRET}" }}, {{ kid = "k1", secret = "{OTHER_SECRET}" }} ]
+{policies}
+"#
+    )
+}
+
+impl TestApp {
+    pub async fn spawn(s: Spawn) -> TestApp {
+        let db = TestDb::create().await;
+        let pool = PgPool::connect(&db.url).await.unwrap();
+        for stmt in s
+            .setup_sql
+            .split(';')
+            .map(str::trim)
+            .filter(|x| !x.is_empty())
+        {
+            sqlx::query(stmt).execute(&pool).await.unwrap();
+        }
+        if let Some(now) = s.now {
+            set_clock(&pool, now).await;
+        }
+        Self::start(db, pool, s.workers, &s.extra_toml, &s.policies).await
+    }
+
+    /// Starts a server on an existing test database (used to restart with another config).
+    pub async fn start(
+        db: TestDb,
+        pool: PgPool,
+        workers: usize,
+        extra: &str,
+        policies: &str,
+    ) -> TestApp {
+        let config = Config::from_toml(&config_toml(&db.url, workers, extra, policies))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let issuer = config.issuers[0].clone();
+        let app = Application::build(config).await.unwrap();
+        let base = format!("http://127.0.0.1:{}", app.port());
+        let state = app.state();
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(app.run_until(shutdown.clone()));
+        TestApp {
+            base,
+            state,
+            pool,
+            client: reqwest::Client::new(),
+            issuer,
+            shutdown,
+            server: Some(server),
+            db,
+        }
+    }
+
+    pub async fn stop(mut self) -> (TestDb, PgPool) {
+        self.shutdown.cancel();
+        if let Some(s) = self.server.take() {
+            s.await.unwrap().unwrap();
+        }
+        (self.db, self.pool)
+    }
+
+    pub fn token(&self, scopes: &[&str]) -> String {
+        let scopes: Vec<String> = scopes.iter().map(|s| s.to_string()).collect();
+        sweeper::auth::mint(&self.issuer, "test-operator", &scopes, 600).unwrap()
+    }
+
+    pub fn ops_token(&self) -> String {
+        self.token(&["ops:read", "ops:write", "trigger:*", "consume"])
+    }
+
+    pub async fn post(&self, path: &str, token: Option<&str>) -> reqwest::Response {
+        let mut r = self.client.post(format!("{}{path}", self.base));
+        if let Some(t) = token {
+            r = r.bearer_auth(t);
+        }
+        r.send().await.unwrap()
+    }
+
+    pub async fn get_json(&self, path: &str) -> Value {
+        let r = self
+            .client
+            .get(format!("{}{path}", self.base))
+            .bearer_auth(self.ops_token())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "GET {path}");
+        r.json().await.unwrap()
+    }
+
+    /// Triggers `policy` with a `?window=` and returns (status, run json).
+    pub async fn trigger(&self, policy: &str, query: &str) -> (u16, Value) {
+        let r = self
+            .post(
+                &format!("/trigger/{policy}{query}"),
+                Some(&self.ops_token()),
+            )
+            .await;
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap())
+    }
+
+    pub async fn consume(&self, command_id: &str) -> reqwest::Response {
+        self.client
+            .post(format!("{}/consume", self.base))
+            .bearer_auth(self.token(&["consume"]))
+            .json(&serde_json::json!({ "command_id": command_id }))
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// Waits until the run's planning is done.
+    pub async fn wait_planned(&self, run_id: &str) {
+        self.wait_until(run_id, "planning done", |r| r["planning_done"] == true)
+            .await;
+    }
+
+    /// Waits until the run is terminal; returns it.
+    pub async fn wait_terminal(&self, run_id: &str) -> Value {
+        self.wait_until(run_id, "terminal", |r| {
+            matches!(
+                r["status"].as_str(),
+                Some("completed" | "completed_with_dead_letters" | "cancelled")
+            )
+        })
+        .await
+    }
+
+    pub async fn wait_until(&self, run_id: &str, what: &str, f: impl Fn(&Value) -> bool) -> Value {
+        let started = Instant::now();
+        loop {
+            let r = self.get_json(&format!("/runs/{run_id}")).await;
+            if f(&r) {
+                return r;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "run {run_id} not {what} after 60 s: {r}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Drives the built-in queue until nothing is due.
+    pub async fn drain(&self) -> usize {
+        let mut n = 0;
+        while let sweeper::transport::WorkerStep::Ran(_) =
+            sweeper::transport::run_one_command(&self.state)
+                .await
+                .unwrap()
+        {
+            n += 1;
+        }
+        n
+    }
+
+    pub async fn command_ids(&self, run_id: &str) -> Vec<String> {
+        sqlx::query_scalar(
+            "select command_id from sweeper.commands where run_id = $1 order by batch_no",
+        )
+        .bind(run_id)
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+    }
+
+    /// (item_key, outcome, reason) of every audit row of a run.
+    pub async fn audit(&self, run_id: &str) -> Vec<(String, String, Option<String>)> {
+        sqlx::query_as(
+            "select item_key, outcome, reason from sweeper.audit where run_id = $1 order by audit_id",
+        )
+        .bind(run_id)
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+    }
+
+    pub async fn ticket_ids(&self) -> Vec<i64> {
+        sqlx::query_scalar("select id from demo.tickets order by id")
+            .fetch_all(&self.pool)
+            .await
+            .unwrap()
+    }
+}
+
+/// Inserts tickets: (id, status, legal_hold, closed_at).
+/// A ticket row: (id, status, legal_hold, closed_at).
+pub type Ticket<'a> = (i64, Option<&'a str>, Option<bool>, Option<DateTime<Utc>>);
+
+pub async fn insert_tickets(pool: &PgPool, rows: &[Ticket<'_>]) {
+    let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+    let statuses: Vec<Option<String>> = rows.iter().map(|r| r.1.map(str::to_string)).collect();
+    let holds: Vec<Option<bool>> = rows.iter().map(|r| r.2).collect();
+    let closed: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.3).collect();
+    sqlx::query(
+        "insert into demo.tickets (id, status, legal_hold, closed_at)
+         select * from unnest($1::bigint[], $2::text[], $3::boolean[], $4::timestamptz[])",
+    )
+    .bind(ids)
+    .bind(statuses)
+    .bind(holds)
+    .bind(closed)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Seeds `n` tickets with ids 1..=n: every third too young, every seventh on legal hold, every
+/// eleventh open; the rest eligible for a window of `window` with 90 days' retention.
+/// Returns the eligible ids.
+pub async fn seed_mixed(pool: &PgPool, n: i64, window: DateTime<Utc>) -> Vec<i64> {
+    let cutoff = window - chrono::TimeDelta::days(90);
+    let mut rows = Vec::new();
+    let mut eligible = Vec::new();
+    for id in 1..=n {
+        let young = id % 3 == 0;
+        let hold = id % 7 == 0;
+        let open = id % 11 == 0;
+        let closed = if young {
+            cutoff + chrono::TimeDelta::hours(id)
+        } else {
+            cutoff - chrono::TimeDelta::hours(id)
+        };
+        if !young && !hold && !open {
+            eligible.push(id);
+        }
+        rows.push((
+            id,
+            Some(if open { "open" } else { "closed" }),
+            Some(hold),
+            Some(closed),
+        ));
+    }
+    for chunk in rows.chunks(5_000) {
+        insert_tickets(pool, chunk).await;
+    }
+    eligible
+}

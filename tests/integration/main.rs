@@ -1,0 +1,8 @@
+//! Integration tests: a real server on a real port, a real PostgreSQL, real JWTs.
+
+mod cli;
+mod common;
+mod consume;
+mod contract;
+mod planning;
+mod trigger;

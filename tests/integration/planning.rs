@@ -1,0 +1,221 @@
+//! Planning across pages, overlapping runs, the run views and the audit trail's guarantees.
+
+use std::collections::HashMap;
+
+use crate::common::*;
+use serde_json::Value;
+
+#[tokio::test]
+async fn a_run_bigger_than_a_planning_page_plans_each_key_once_and_leaves_nothing_eligible() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: ticket_policy(7),
+        workers: 2,
+        extra_toml: "[planning]\npage_rows = 100".into(),
+        ..Default::default()
+    })
+    .await;
+    let eligible = seed_mixed(&app.pool, 1_000, at("2026-09-01T02:00:00Z")).await;
+    let (status, run) = app.trigger("ticket-retention", "").await;
+    assert_eq!(status, 202);
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    let run = app.wait_terminal(&run_id).await;
+
+    let pages: i32 =
+        sqlx::query_scalar("select pages_done from sweeper.planning_jobs where run_id = $1")
+            .bind(&run_id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert!(pages >= 10, "planned in {pages} pages");
+    let per_key: Vec<(String, i64)> = sqlx::query_as(
+        "select k, count(*) from sweeper.commands, unnest(item_keys) k where run_id = $1 group by k",
+    )
+    .bind(&run_id)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(per_key.len(), eligible.len());
+    assert!(
+        per_key.iter().all(|(_, n)| *n == 1),
+        "a key in two commands"
+    );
+    let sizes: Vec<i32> =
+        sqlx::query_scalar("select cardinality(item_keys) from sweeper.commands where run_id = $1")
+            .bind(&run_id)
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert!(sizes.iter().all(|s| (1..=7).contains(s)));
+    assert_eq!(run["deleted"].as_i64().unwrap() as usize, eligible.len());
+    assert_eq!(run["remaining_eligible"], 0);
+    assert_eq!(run["status"], "completed");
+    let held = &run["held_at_planning"];
+    let holds: i64 = sqlx::query_scalar(
+        "select count(*) from demo.tickets where legal_hold and closed_at < '2026-06-03T02:00:00Z'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(held["legal_hold"].as_i64().unwrap(), holds, "{held}");
+    let left = app.ticket_ids().await;
+    assert!(eligible.iter().all(|id| !left.contains(id)));
+    assert_eq!(left.len(), 1_000 - eligible.len());
+}
+
+#[tokio::test]
+async fn overlapping_runs_over_the_same_rows_do_not_deadlock_or_delete_twice() {
+    let hourly = r#"
+[[policy]]
+name = "ticket-retention"
+schedule = { cron = "0 * * * *", timezone = "UTC" }
+target = { table = "demo.tickets", key = "id", timestamp = "closed_at" }
+retain_for = "90d"
+exclude = [ { column = "legal_hold", equals = true } ]
+batch_size = 13
+"#;
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T11:00:10Z")),
+        policies: hourly.into(),
+        workers: 4,
+        ..Default::default()
+    })
+    .await;
+    // Both runs select the same rows; four workers execute their commands concurrently.
+    let eligible = seed_mixed(&app.pool, 600, at("2026-09-01T10:00:00Z")).await;
+    let (s1, r1) = app
+        .trigger("ticket-retention", "?window=2026-09-01T10:00:00Z")
+        .await;
+    let (s2, r2) = app
+        .trigger("ticket-retention", "?window=2026-09-01T11:00:00Z")
+        .await;
+    assert_eq!((s1, s2), (202, 202));
+    let a = app.wait_terminal(r1["run_id"].as_str().unwrap()).await;
+    let b = app.wait_terminal(r2["run_id"].as_str().unwrap()).await;
+    assert_eq!(a["status"], "completed");
+    assert_eq!(b["status"], "completed");
+
+    let deleted: Vec<(String, i64)> = sqlx::query_as(
+        "select item_key, count(*) from sweeper.audit where outcome = 'deleted' group by item_key",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert!(
+        deleted.iter().all(|(_, n)| *n == 1),
+        "an item deleted twice"
+    );
+    let left = app.ticket_ids().await;
+    assert!(eligible.iter().all(|id| !left.contains(id)));
+    assert_eq!(
+        a["deleted"].as_i64().unwrap() + b["deleted"].as_i64().unwrap(),
+        deleted.len() as i64
+    );
+}
+
+#[tokio::test]
+async fn run_views_filter_and_paginate_the_audit_trail() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        workers: 2,
+        ..Default::default()
+    })
+    .await;
+    let eligible = seed_mixed(&app.pool, 120, at("2026-09-01T02:00:00Z")).await;
+    let (_, run) = app.trigger("ticket-retention", "").await;
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(
+        run["commands"]["succeeded"].as_i64().unwrap() as usize,
+        eligible.len().div_ceil(10)
+    );
+    assert_eq!(run["commands"]["pending"], 0);
+    assert_eq!(run["policy_version"].as_str().unwrap().len(), 16);
+
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let q = match &cursor {
+            Some(c) => format!("/runs/{run_id}/items?limit=25&cursor={c}"),
+            None => format!("/runs/{run_id}/items?limit=25"),
+        };
+        let page = app.get_json(&q).await;
+        for item in page["items"].as_array().unwrap() {
+            assert_eq!(item["run_id"], run_id.as_str());
+            assert_eq!(item["cutoff"], "2026-06-03T02:00:00Z");
+            seen.push(item["item_key"].as_str().unwrap().parse::<i64>().unwrap());
+        }
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_string()),
+            None => break,
+        }
+    }
+    seen.sort();
+    assert_eq!(seen, eligible);
+
+    let runs = app
+        .get_json("/runs?policy=ticket-retention&status=completed")
+        .await;
+    assert_eq!(runs["runs"].as_array().unwrap().len(), 1);
+    let none = app.get_json("/runs?status=running").await;
+    assert!(none["runs"].as_array().unwrap().is_empty());
+    let r = app
+        .client
+        .get(format!("{}/runs?status=finished", app.base))
+        .bearer_auth(app.ops_token())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let r = app
+        .client
+        .get(format!("{}/runs/nope:2026-01-01T00:00:00Z", app.base))
+        .bearer_auth(app.ops_token())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+
+    let policies = app.get_json("/policies").await;
+    let p = &policies["policies"][0];
+    assert_eq!(p["name"], "ticket-retention");
+    assert_eq!(p["version"], p["current_version"]);
+    assert_eq!(p["retain_for"], "90d");
+    assert!(!policies.to_string().contains(SECRET));
+}
+
+#[tokio::test]
+async fn the_audit_trail_refuses_updates_and_deletes() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        workers: 1,
+        ..Default::default()
+    })
+    .await;
+    seed_mixed(&app.pool, 10, at("2026-09-01T02:00:00Z")).await;
+    let (_, run) = app.trigger("ticket-retention", "").await;
+    app.wait_terminal(run["run_id"].as_str().unwrap()).await;
+    let before: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert!(before > 0);
+    for stmt in [
+        "update sweeper.audit set outcome = 'excluded'",
+        "delete from sweeper.audit",
+        "truncate sweeper.audit",
+    ] {
+        let err = sqlx::query(stmt).execute(&app.pool).await.unwrap_err();
+        assert!(err.to_string().contains("append-only"), "{stmt}: {err}");
+    }
+    let counts: HashMap<String, i64> =
+        sqlx::query_as("select outcome, count(*) from sweeper.audit group by 1")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    assert_eq!(counts.values().sum::<i64>(), before);
+    assert!(!counts.contains_key("excluded"));
+    let _: Value = app.get_json("/healthz").await;
+}
