@@ -216,7 +216,9 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
                 planning_done = $5,
                 planned_at = case when $5 then sweeper.now() end,
                 status = case when status <> 'planning' then status
-                              when $5 and pending_commands + $2 = 0 then 'completed'
+                              when $5 and pending_commands + $2 = 0 then
+                                  case when quarantined_commands > 0 or failed > 0
+                                       then 'completed_with_dead_letters' else 'completed' end
                               when $5 then 'running'
                               else 'planning' end,
                 completed_at = case when $5 and pending_commands + $2 = 0 then sweeper.now() end
@@ -231,7 +233,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     .fetch_one(&mut *tx)
     .await
     .map_err(db)?;
-    if status == "completed" {
+    if done && ledger::is_terminal_run_status(&status) {
         crate::consume::record_closure_check(
             &mut tx,
             run_id,
