@@ -105,6 +105,22 @@ impl serde::Serialize for DurationSpec {
     }
 }
 
+/// The `SWEEPER_*` variables that override settings: those naming a top-level setting or a field
+/// of a section (`SWEEPER_QUEUE__WORKERS`). Others are ignored, so `SWEEPER_CONFIG` (the file's
+/// path) and the `SWEEPER_SERVICE_HOST`-style variables Kubernetes injects for a Service named
+/// `sweeper` do not count as unknown settings.
+fn environment_overrides() -> config::Map<String, String> {
+    const TOP: &[&str] = &["DATABASE_URL", "LISTEN", "MIGRATE_ON_START"];
+    const SECTIONS: &[&str] = &["DATABASE__", "QUEUE__", "PLANNING__", "CONSUME__"];
+    std::env::vars()
+        .filter(|(k, _)| {
+            k.strip_prefix("SWEEPER_").is_some_and(|rest| {
+                TOP.contains(&rest) || SECTIONS.iter().any(|s| rest.starts_with(s))
+            })
+        })
+        .collect()
+}
+
 /// The file as written: every field the TOML may hold. Converted to [`Config`] by [`Config::load`].
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -314,7 +330,8 @@ impl Config {
             .add_source(
                 config::Environment::with_prefix("SWEEPER")
                     .prefix_separator("_")
-                    .separator("__"),
+                    .separator("__")
+                    .source(Some(environment_overrides())),
             );
         if std::env::var_os("SWEEPER_DATABASE_URL").is_none()
             && let Ok(url) = std::env::var("DATABASE_URL")

@@ -377,6 +377,7 @@ async fn attempt(
         &counts,
         false,
         rules,
+        loaded.dry_run,
         state.config.planning.closure_check_cap,
     )
     .await?;
@@ -529,6 +530,7 @@ async fn finish_in_run(
     counts: &Counts,
     quarantined: bool,
     rules: &RuleSet,
+    rules_dry_run: bool,
     closure_cap: i64,
 ) -> sqlx::Result<String> {
     let status: String = sqlx::query_scalar(
@@ -566,7 +568,7 @@ async fn finish_in_run(
                 .bind(run_id)
                 .fetch_one(&mut **tx)
                 .await?;
-        if already.is_none() {
+        if already.is_none() && !rules_dry_run {
             record_closure_check(tx, run_id, rules, closure_cap).await?;
         }
     }
@@ -574,7 +576,8 @@ async fn finish_in_run(
 }
 
 /// The closure check: how many rows are still eligible under the run's rules, counted up to
-/// `cap` so the statement stays bounded on huge tables. Expected 0 for a completed real run.
+/// `cap` so the statement stays bounded on huge tables. Expected 0 for a completed real run;
+/// dry runs skip it (`remaining_eligible` stays null: they change nothing to check).
 pub async fn record_closure_check(
     conn: &mut PgConnection,
     run_id: &str,

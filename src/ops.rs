@@ -184,6 +184,14 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
         )
         .retry_after(5)
         .into_response(),
+        // A database that was never migrated has no migrations table: reachable, not ready.
+        Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01") => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not-ready",
+            "the ledger is not migrated; run `sweeper migrate`",
+        )
+        .retry_after(5)
+        .into_response(),
         Err(e) => Problem::unavailable(e, 5).into_response(),
     }
 }

@@ -79,7 +79,8 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     let db = |e: sqlx::Error| Failure::from_db(&e);
     let mut tx = state.pool.begin().await.map_err(db)?;
     let job = sqlx::query(
-        "select j.cursor_key, j.next_batch_no, r.policy, r.policy_version, r.window_at, r.cutoff
+        "select j.cursor_key, j.next_batch_no, r.policy, r.policy_version, r.window_at, r.cutoff,
+                r.dry_run
            from sweeper.planning_jobs j join sweeper.runs r using (run_id)
           where j.run_id = $1 and j.lease_token = $2 and not j.done
           for update of j",
@@ -98,6 +99,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     let pinned_version: String = job.get("policy_version");
     let window: chrono::DateTime<chrono::Utc> = job.get("window_at");
     let cutoff: chrono::DateTime<chrono::Utc> = job.get("cutoff");
+    let dry_run: bool = job.get("dry_run");
 
     let (pinned, _current_version, current) = ledger::run_specs(&mut tx, &policy, &pinned_version)
         .await
@@ -233,7 +235,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     .fetch_one(&mut *tx)
     .await
     .map_err(db)?;
-    if done && ledger::is_terminal_run_status(&status) {
+    if done && !dry_run && ledger::is_terminal_run_status(&status) {
         crate::consume::record_closure_check(
             &mut tx,
             run_id,

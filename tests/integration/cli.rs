@@ -54,7 +54,12 @@ target = { table = "demo.events", key = "id", timestamp = "at" }
 retain_for = "1d"
 "#;
     let path = write_config(&config_toml(&db.url, 0, "", policies));
-    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
+    // The path from SWEEPER_CONFIG; variables Kubernetes injects for a Service named sweeper
+    // are not settings.
+    let out = sweeper(&["check-config"])
+        .env("SWEEPER_CONFIG", &path)
+        .env("SWEEPER_SERVICE_HOST", "10.0.0.1")
+        .env("SWEEPER_PORT", "tcp://10.0.0.1:80")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -89,10 +94,10 @@ retain_for = "1d"
 
 #[tokio::test]
 async fn invalid_configuration_exits_2_and_names_every_problem() {
-    let text = r#"
+    let base = r#"
 database_url = "postgres://127.0.0.1/none"
 [queue]
-lease = "10x"
+lease = "10m"
 [[auth.issuer]]
 iss = "a"
 audience = "b"
@@ -101,51 +106,51 @@ keys = [ { kid = "k", secret_env = "SWEEPER_TEST_UNSET_SECRET" } ]
 name = "p"
 schedule = { cron = "0 2 * *", timezone = "Mars/Base" }
 target = { table = "t", key = "id", timestamp = "ts" }
-retain_for = "3mo"
+retain_for = "90d"
 "#;
-    let path = write_config(text);
-    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("bad duration `10x`"), "{stderr}");
-
-    let text = text.replace("lease = \"10x\"", "lease = \"10m\"");
-    let path = write_config(&text);
-    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("bad duration `3mo`"), "{stderr}");
-    let text = text.replace("retain_for = \"3mo\"", "retain_for = \"90d\"");
-    let path = write_config(&text);
-    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let check = |text: &str, env: Option<(&str, &str)>| {
+        let path = write_config(text);
+        let mut cmd = sweeper(&["check-config", "--config", path.to_str().unwrap()]);
+        if let Some((k, v)) = env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(!stderr.contains("secret ="), "secrets never printed");
+        stderr
+    };
+    // Type errors stop at the first one, with its key.
+    let e = check(&base.replace("\"10m\"", "\"10x\""), None);
+    assert!(e.contains("bad duration `10x`"), "{e}");
+    let e = check(&base.replace("\"90d\"", "\"3mo\""), None);
+    assert!(
+        e.contains("bad duration `3mo`") && e.contains("retain_for"),
+        "{e}"
+    );
+    // An environment override is validated like the file.
+    let e = check(base, Some(("SWEEPER_QUEUE__POLL_INTERVAL", "2ms")));
+    assert!(e.contains("bad duration `2ms`"), "{e}");
+    // Validation reports every problem at once, each with its path.
+    let e = check(base, None);
     for expected in [
         "auth.issuer[0].keys[k]: environment variable SWEEPER_TEST_UNSET_SECRET is not set",
         "policy[p].schedule.cron: `0 2 * *` has 4 fields",
     ] {
-        assert!(
-            stderr.contains(expected),
-            "missing `{expected}` in:\n{stderr}"
-        );
+        assert!(e.contains(expected), "missing `{expected}` in:\n{e}");
     }
-    let text = text.replace("0 2 * *\"", "0 2 * * *\"");
-    let path = write_config(&text);
-    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let e = check(&base.replace("0 2 * *\"", "0 2 * * *\""), None);
     assert!(
-        stderr.contains("policy[p].schedule.timezone: `Mars/Base` is not an IANA time zone name"),
-        "{stderr}"
+        e.contains("policy[p].schedule.timezone: `Mars/Base` is not an IANA time zone name"),
+        "{e}"
     );
-    assert!(!stderr.contains("secret ="), "secrets never printed");
+    let e = check(
+        &base
+            .replace("0 2 * *\"", "0 0 * * * *\"")
+            .replace("lease = \"10m\"", "unknown_knob = 1"),
+        None,
+    );
+    assert!(e.contains("unknown_knob"), "{e}");
 }
 
 #[tokio::test]

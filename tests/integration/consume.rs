@@ -247,6 +247,10 @@ async fn dry_runs_delete_nothing_record_would_delete_and_repeat_freely() {
         let run = app.wait_terminal(run_id).await;
         assert_eq!(run["dry_run"], true);
         assert_eq!(run["deleted"], 0);
+        assert!(
+            run["remaining_eligible"].is_null(),
+            "dry runs skip the closure check"
+        );
         let mut would: Vec<i64> = app
             .audit(run_id)
             .await
