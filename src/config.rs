@@ -320,25 +320,33 @@ impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError(vec![format!("{}: {e}", path.display())]))?;
-        Self::from_toml(&text)
+        Self::build(&text, true)
     }
 
-    /// Like [`Config::load`], from TOML text.
+    /// Parses and validates TOML text alone, ignoring the environment (the quick start and the
+    /// tests build their configuration this way, so a `DATABASE_URL` in the environment cannot
+    /// point them at another database).
     pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        Self::build(text, false)
+    }
+
+    fn build(text: &str, with_environment: bool) -> Result<Config, ConfigError> {
         let mut builder = config::Config::builder()
-            .add_source(config::File::from_str(text, config::FileFormat::Toml))
-            .add_source(
+            .add_source(config::File::from_str(text, config::FileFormat::Toml));
+        if with_environment {
+            builder = builder.add_source(
                 config::Environment::with_prefix("SWEEPER")
                     .prefix_separator("_")
                     .separator("__")
                     .source(Some(environment_overrides())),
             );
-        if std::env::var_os("SWEEPER_DATABASE_URL").is_none()
-            && let Ok(url) = std::env::var("DATABASE_URL")
-        {
-            builder = builder
-                .set_override("database_url", url)
-                .map_err(|e| ConfigError(vec![e.to_string()]))?;
+            if std::env::var_os("SWEEPER_DATABASE_URL").is_none()
+                && let Ok(url) = std::env::var("DATABASE_URL")
+            {
+                builder = builder
+                    .set_override("database_url", url)
+                    .map_err(|e| ConfigError(vec![e.to_string()]))?;
+            }
         }
         let raw: RawConfig = builder
             .build()

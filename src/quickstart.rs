@@ -78,7 +78,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         demo = demo_url,
         port = opts.port,
     );
-    // The quick start must not pick up a deployment's overrides.
+    // From the text alone: a deployment's SWEEPER_* or DATABASE_URL must not redirect it.
     let config = Config::from_toml(&toml).map_err(|e| anyhow::anyhow!("{e}"))?;
     let issuer = config.issuers[0].clone();
     let app = Application::build(config).await?;

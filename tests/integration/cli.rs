@@ -84,6 +84,20 @@ retain_for = "1d"
     }
     assert!(!stdout.contains("policy[events]: target.key"), "{stdout}");
 
+    // DATABASE_URL overrides the file's database_url for the binary.
+    let elsewhere = write_config(&config_toml(
+        "postgres://127.0.0.1:1/nowhere",
+        0,
+        "",
+        policies,
+    ));
+    let out = sweeper(&["check-config", "--config", elsewhere.to_str().unwrap()])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("has no unique index"));
+
     // `serve` refuses the same configuration.
     let out = sweeper(&["serve", "--config", path.to_str().unwrap()])
         .output()
