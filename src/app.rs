@@ -30,6 +30,8 @@ pub struct AppState {
     pub wake_workers: Arc<Notify>,
     /// Wakes the planner (a run was created).
     pub wake_planner: Arc<Notify>,
+    /// This process's identity as a lease owner.
+    pub replica_id: uuid::Uuid,
 }
 
 /// Opens a pool on `config.database_url` with the configured size and acquire timeout.
@@ -95,6 +97,7 @@ impl Application {
                 catalog: Arc::new(Catalog::default()),
                 wake_workers: Arc::new(Notify::new()),
                 wake_planner: Arc::new(Notify::new()),
+                replica_id: uuid::Uuid::new_v4(),
             },
         })
     }
@@ -135,13 +138,32 @@ impl Application {
             crate::plan::planner_loop(s, t).await;
             ("planner", Ok(()))
         });
+        let (s, t) = (state.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            housekeeping_loop(s, t).await;
+            ("housekeeping", Ok(()))
+        });
         let mut first_error = None;
-        while let Some(joined) = tasks.join_next().await {
+        let drain = state.config.queue.drain.std();
+        loop {
+            // Before shutdown: wait for any task. After: wait at most `queue.drain` for the rest.
+            let joined = if shutdown.is_cancelled() {
+                match tokio::time::timeout(drain, tasks.join_next()).await {
+                    Ok(j) => j,
+                    Err(_) => {
+                        warn!(drain = %state.config.queue.drain, "drain timed out; aborting in-flight work");
+                        tasks.abort_all();
+                        while tasks.join_next().await.is_some() {}
+                        None
+                    }
+                }
+            } else {
+                tasks.join_next().await
+            };
+            let Some(joined) = joined else { break };
             if !shutdown.is_cancelled() {
                 match &joined {
-                    Ok((name, r)) => {
-                        warn!(task = name, ok = r.is_ok(), "task exited; shutting down")
-                    }
+                    Ok((name, r)) => warn!(task = name, ok = r.is_ok(), "task exited; shutting down"),
                     Err(e) => error!(error = %e, "task panicked; shutting down"),
                 }
                 shutdown.cancel();
@@ -151,10 +173,48 @@ impl Application {
                 first_error.get_or_insert(e);
             }
         }
+        match crate::transport::release_own_leases(&state).await {
+            Ok(0) => {}
+            Ok(n) => info!(released = n, "released leases of unfinished commands for other replicas"),
+            Err(f) => warn!(error = %f.message, "could not release leases; they expire on their own"),
+        }
         state.pool.close().await;
         match first_error {
             Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+}
+
+/// Periodic ledger work any replica may do: purging old terminal commands in bounded batches.
+pub async fn housekeeping_loop(state: AppState, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(state.config.ledger.housekeeping_interval.std()) => {}
+        }
+        if let Err(e) = housekeeping_once(&state).await {
+            warn!(error = %e, "housekeeping failed; retrying next round");
+        }
+    }
+}
+
+/// One round of housekeeping: purges until a batch comes back short. Returns commands purged.
+pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
+    let mut total = 0;
+    loop {
+        let n = ledger::purge_terminal_commands(
+            &state.pool,
+            state.config.ledger.command_retention.seconds(),
+            state.config.ledger.purge_batch,
+        )
+        .await?;
+        total += n;
+        if n < state.config.ledger.purge_batch as u64 {
+            if total > 0 {
+                info!(purged = total, "purged terminal commands past their retention");
+            }
+            return Ok(total);
         }
     }
 }

@@ -139,6 +139,8 @@ struct RawConfig {
     #[serde(default)]
     consume: ConsumeConfig,
     #[serde(default)]
+    ledger: LedgerConfig,
+    #[serde(default)]
     auth: AuthConfig,
     #[serde(default)]
     policy: Vec<PolicyConfig>,
@@ -182,6 +184,9 @@ pub struct QueueConfig {
     pub lease: DurationSpec,
     /// How often idle workers look for due commands when nothing nudges them.
     pub poll_interval: DurationSpec,
+    /// On SIGTERM, how long in-flight commands may take to finish; what is still leased then is
+    /// released for another replica.
+    pub drain: DurationSpec,
 }
 
 impl Default for QueueConfig {
@@ -190,6 +195,7 @@ impl Default for QueueConfig {
             workers: 2,
             lease: DurationSpec::from_seconds(300),
             poll_interval: DurationSpec::from_seconds(1),
+            drain: DurationSpec::from_seconds(30),
         }
     }
 }
@@ -228,6 +234,11 @@ pub struct ConsumeConfig {
     pub statement_timeout: DurationSpec,
     /// The `Retry-After` (seconds) sent with 503 answers when nothing better is known.
     pub retry_after: DurationSpec,
+    /// The longest one try of a command may take, start to answer; a try that exceeds it is
+    /// rolled back and counts as transient. At least `statement_timeout`, shorter than
+    /// `queue.lease`, and it must stay below the push queue's attempt deadline (Pub/Sub's ack
+    /// deadline, Cloud Tasks' dispatch deadline) when one delivers to `/consume`.
+    pub command_deadline: DurationSpec,
 }
 
 impl Default for ConsumeConfig {
@@ -236,6 +247,32 @@ impl Default for ConsumeConfig {
             lock_timeout: DurationSpec::from_seconds(5),
             statement_timeout: DurationSpec::from_seconds(30),
             retry_after: DurationSpec::from_seconds(5),
+            command_deadline: DurationSpec::from_seconds(60),
+        }
+    }
+}
+
+/// Ledger hygiene (DESIGN §7).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LedgerConfig {
+    /// Terminal commands without an open dead letter, and their attempts, are purged this long
+    /// after they finished. Must exceed every redelivery horizon in use: a delivery of a purged
+    /// command is acknowledged as a no-op only because its run is terminal. At least 8d (Pub/Sub
+    /// retains an unacknowledged message for up to 7 days).
+    pub command_retention: DurationSpec,
+    /// Rows deleted per purge statement.
+    pub purge_batch: i64,
+    /// How often housekeeping runs.
+    pub housekeeping_interval: DurationSpec,
+}
+
+impl Default for LedgerConfig {
+    fn default() -> Self {
+        Self {
+            command_retention: DurationSpec::from_seconds(30 * 86_400),
+            purge_batch: 1_000,
+            housekeeping_interval: DurationSpec::from_seconds(60),
         }
     }
 }
@@ -301,6 +338,8 @@ pub struct Config {
     pub planning: PlanningConfig,
     /// Per-command transaction limits.
     pub consume: ConsumeConfig,
+    /// Ledger hygiene.
+    pub ledger: LedgerConfig,
     /// Issuers with their resolved secrets.
     pub issuers: Vec<crate::auth::Issuer>,
     /// The policies, validated.
@@ -384,6 +423,27 @@ impl Config {
                 raw.queue.lease, raw.consume.statement_timeout
             ));
         }
+        if raw.consume.command_deadline < raw.consume.statement_timeout
+            || raw.consume.command_deadline >= raw.queue.lease
+        {
+            errors.push(format!(
+                "consume.command_deadline ({}) must be at least consume.statement_timeout ({}) and \
+                 shorter than queue.lease ({})",
+                raw.consume.command_deadline, raw.consume.statement_timeout, raw.queue.lease
+            ));
+        }
+        if raw.ledger.command_retention.seconds() < 8 * 86_400
+            || raw.ledger.command_retention <= raw.queue.lease
+        {
+            errors.push(format!(
+                "ledger.command_retention ({}) must be at least 8d and longer than queue.lease: \
+                 a command may be redelivered until every transport's horizon has passed",
+                raw.ledger.command_retention
+            ));
+        }
+        if !(1..=100_000).contains(&raw.ledger.purge_batch) {
+            errors.push("ledger.purge_batch: must be between 1 and 100000".into());
+        }
         if raw.planning.page_rows < 1 || raw.planning.page_rows > 1_000_000 {
             errors.push("planning.page_rows: must be between 1 and 1000000".into());
         }
@@ -397,6 +457,8 @@ impl Config {
             ("queue.poll_interval", raw.queue.poll_interval),
             ("planning.lease", raw.planning.lease),
             ("database.acquire_timeout", raw.database.acquire_timeout),
+            ("queue.drain", raw.queue.drain),
+            ("ledger.housekeeping_interval", raw.ledger.housekeeping_interval),
         ] {
             if d.seconds() < 1 {
                 errors.push(format!("{name}: must be at least 1s"));
@@ -434,6 +496,7 @@ impl Config {
             queue: raw.queue,
             planning: raw.planning,
             consume: raw.consume,
+            ledger: raw.ledger,
             issuers,
             policies,
         })

@@ -8,6 +8,7 @@
 //! constant number of statements whatever the batch size.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Instant;
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -17,10 +18,7 @@ use tracing::{info, warn};
 use crate::app::AppState;
 use crate::ledger;
 use crate::policy::RuleSet;
-use crate::retry::{Backoff, Failure, FailureClass};
-
-/// Attempts before a command failing transiently is quarantined.
-pub const MAX_ATTEMPTS: i32 = 10;
+use crate::retry::{Failure, FailureClass};
 
 /// The built-in envelope: identity only, never data (DESIGN §2.12).
 ///
@@ -169,6 +167,8 @@ struct Loaded {
     dry_run: bool,
     keys: Vec<String>,
     rules: RuleSet,
+    max_concurrent: u32,
+    redrive_of: Option<i64>,
 }
 
 enum Step {
@@ -178,23 +178,36 @@ enum Step {
 
 /// Executes `command_id` to a committed decision.
 ///
-/// `Err` only when the ledger itself could not record anything (answer 503).
+/// Each try runs under `consume.command_deadline`; a try that exceeds it is rolled back and
+/// counts as a transient failure. `Err` only when the ledger itself could not record anything
+/// (answer 503).
 pub async fn execute(
     state: &AppState,
     command_id: &str,
     executor: Executor,
     actor: &str,
 ) -> Result<ConsumeOutcome, Failure> {
+    let started = Instant::now();
+    let deadline = state.config.consume.command_deadline.std();
     let mut per_item = false;
     loop {
-        match attempt(state, command_id, executor, actor, per_item).await {
+        let tried =
+            tokio::time::timeout(deadline, attempt(state, command_id, executor, actor, per_item, started))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(AttemptError::Failed(Failure::transient(format!(
+                        "the command exceeded its deadline of {}",
+                        state.config.consume.command_deadline
+                    ))))
+                });
+        match tried {
             Ok(outcome) => return Ok(outcome),
             Err(AttemptError::BulkFailed(f)) if !per_item => {
                 info!(command_id, error = %f.message, "bulk delete failed permanently; retrying item by item");
                 per_item = true;
             }
             Err(AttemptError::BulkFailed(f)) | Err(AttemptError::Failed(f)) => {
-                return record_failure(state, command_id, executor, f).await;
+                return record_failure(state, command_id, executor, f, started).await;
             }
         }
     }
@@ -219,6 +232,7 @@ async fn attempt(
     executor: Executor,
     actor: &str,
     per_item: bool,
+    started: Instant,
 ) -> Result<ConsumeOutcome, AttemptError> {
     let mut tx = state.pool.begin().await?;
     sqlx::query(
@@ -239,6 +253,27 @@ async fn attempt(
         Step::Run(l) => l,
     };
     let rules = &loaded.rules;
+
+    // The policy's cap on concurrent commands, across replicas: one of N transaction-scoped
+    // advisory locks (released at commit, rollback or crash). None free: snooze.
+    let slot_free: bool = sqlx::query_scalar(
+        "select exists (select 1 from generate_series(0, $2 - 1) s
+                         where pg_try_advisory_xact_lock(hashtext('sweeper:' || $1), s))",
+    )
+    .bind(&loaded.policy)
+    .bind(loaded.max_concurrent as i32)
+    .fetch_one(&mut *tx)
+    .await?;
+    if !slot_free {
+        let retry_after = state.config.consume.retry_after.delta();
+        return Err(AttemptError::Failed(Failure::throttled(
+            Utc::now() + retry_after,
+            format!(
+                "policy {} already runs {} commands (max_concurrent_commands)",
+                loaded.policy, loaded.max_concurrent
+            ),
+        )));
+    }
 
     // Lock the candidates in key order (overlapping runs cannot deadlock) and classify each from
     // the same snapshot that deletes. A dry run locks nothing.
@@ -360,15 +395,40 @@ async fn attempt(
     .execute(&mut *tx)
     .await?;
 
+    // A failed item is an item-level dead letter; its neighbours complete.
+    let failed: Vec<(String, String)> = a_keys
+        .iter()
+        .zip(&a_outcomes)
+        .zip(&a_reasons)
+        .filter(|((_, o), _)| **o == Outcome::Failed.as_str())
+        .map(|((k, _), r)| (k.clone(), r.clone().unwrap_or_default()))
+        .collect();
+    if !failed.is_empty() {
+        record_item_dead_letters(&mut tx, &loaded, command_id, &failed).await?;
+    }
+
+    // Mark the command done, record the attempt, resolve a redriven dead letter: one statement.
     let attempts_inc = matches!(executor, Executor::Delivery) as i32;
     sqlx::query(
-        "update sweeper.commands
-            set state = 'succeeded', attempts = attempts + $2, finished_at = sweeper.now(),
-                lease_until = null, last_error = null, last_error_class = null
-          where command_id = $1",
+        "with c as (
+             update sweeper.commands
+                set state = 'succeeded', attempts = attempts + $2, finished_at = sweeper.now(),
+                    lease_until = null, lease_owner = null, last_error = null, last_error_class = null
+              where command_id = $1
+          returning attempts, redrive_of),
+         a as (
+             insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
+             select $1, c.attempts, sweeper.now() - make_interval(secs => $3), sweeper.now(), 'succeeded'
+               from c)
+         update sweeper.dead_letters d
+            set status = 'resolved', resolved_at = sweeper.now()
+          where d.status = 'redriven'
+            and ((d.kind = 'command' and d.command_id = $1)
+                 or d.dead_letter_id = (select redrive_of from c))",
     )
     .bind(command_id)
     .bind(attempts_inc)
+    .bind(started.elapsed().as_secs_f64())
     .execute(&mut *tx)
     .await?;
     let run_status = finish_in_run(
@@ -376,13 +436,14 @@ async fn attempt(
         &loaded.run_id,
         &counts,
         false,
-        rules,
-        loaded.dry_run,
+        loaded.redrive_of.is_some(),
+        (!loaded.dry_run).then_some(rules),
         state.config.planning.closure_check_cap,
     )
     .await?;
     crate::crash_point!("consume_before_commit");
     tx.commit().await?;
+    crate::metrics::attempt_succeeded();
     crate::crash_point!("consume_after_commit");
     Ok(ConsumeOutcome::Executed {
         command_id: command_id.to_string(),
@@ -402,8 +463,10 @@ async fn load(
         "select c.state, c.item_keys, c.attempts, c.run_id,
                 greatest(0, extract(epoch from c.next_attempt_at - (select sweeper.now())))::float8
                     as due_in_seconds,
-                r.policy, r.policy_version, r.window_at, r.cutoff, r.dry_run
+                c.redrive_of, r.policy, r.policy_version, r.window_at, r.cutoff, r.dry_run,
+                coalesce(ps.suspended, false) as suspended
            from sweeper.commands c join sweeper.runs r using (run_id)
+           left join sweeper.policy_state ps on ps.policy = r.policy
           where c.command_id = $1
           for update of c",
     )
@@ -456,15 +519,21 @@ async fn load(
         }));
     }
     let policy: String = row.get("policy");
+    let retry_after = state.config.consume.retry_after.seconds() as u64;
+    if row.get::<bool, _>("suspended") {
+        return Ok(Step::Done(ConsumeOutcome::NotNow {
+            reason: format!("policy {policy} is suspended"),
+            retry_after_seconds: retry_after.max(60),
+        }));
+    }
     let policy_version: String = row.get("policy_version");
     let window: DateTime<Utc> = row.get("window_at");
     let cutoff: DateTime<Utc> = row.get("cutoff");
     let (pinned, current_version, current) =
         ledger::run_specs(tx, &policy, &policy_version).await?;
     // A replica must not act under rules older than the newest any replica registered.
-    let retry_after = state.config.consume.retry_after.seconds() as u64;
-    match state.config.policy(&policy) {
-        Some(p) if p.version == current_version => {}
+    let max_concurrent = match state.config.policy(&policy) {
+        Some(p) if p.version == current_version => p.max_concurrent_commands,
         Some(_) => {
             return Ok(Step::Done(ConsumeOutcome::NotNow {
                 reason: format!(
@@ -479,7 +548,7 @@ async fn load(
                 retry_after_seconds: retry_after,
             }));
         }
-    }
+    };
     let table = state
         .catalog
         .get(&state.pool, &pinned.target.table)
@@ -502,6 +571,8 @@ async fn load(
         dry_run: row.get("dry_run"),
         keys: row.get("item_keys"),
         rules,
+        max_concurrent,
+        redrive_of: row.get("redrive_of"),
     })))
 }
 
@@ -523,26 +594,34 @@ async fn delete(
 }
 
 /// Records a command's terminal state in its run, under the run-row lock: counts, the pending
-/// counter, and completion when this was the last command of a fully planned run.
+/// counter, and completion when this was the last command of a fully planned run. A run with a
+/// dead letter that is not resolved completes as `completed_with_dead_letters`.
+///
+/// `item_redrive`: the command re-executed one item whose earlier outcome was `failed`, so that
+/// outcome is superseded. `rules`: run the closure check on completion (None for dry runs and
+/// for quarantined commands, whose rules may not be buildable).
 async fn finish_in_run(
     tx: &mut Transaction<'_, Postgres>,
     run_id: &str,
     counts: &Counts,
     quarantined: bool,
-    rules: &RuleSet,
-    rules_dry_run: bool,
+    item_redrive: bool,
+    rules: Option<&RuleSet>,
     closure_cap: i64,
 ) -> sqlx::Result<String> {
+    // Only the command that completes the run sees a completed status here: the status changes
+    // once, under the run-row lock, when the pending counter reaches zero.
     let status: String = sqlx::query_scalar(
         "update sweeper.runs
             set pending_commands = pending_commands - 1,
                 quarantined_commands = quarantined_commands + $2,
                 deleted = deleted + $3, already_absent = already_absent + $4,
                 excluded = excluded + $5, not_eligible = not_eligible + $6,
-                failed = failed + $7, would_delete = would_delete + $8,
+                failed = greatest(0, failed + $7 - $9), would_delete = would_delete + $8,
                 status = case
                     when status in ('planning', 'running') and planning_done and pending_commands = 1
-                    then case when quarantined_commands + $2 > 0 or failed + $7 > 0
+                    then case when exists (select 1 from sweeper.dead_letters d
+                                            where d.run_id = $1 and d.status <> 'resolved')
                               then 'completed_with_dead_letters' else 'completed' end
                     else status end,
                 completed_at = case
@@ -559,18 +638,12 @@ async fn finish_in_run(
     .bind(counts.not_eligible)
     .bind(counts.failed)
     .bind(counts.would_delete)
+    .bind(item_redrive as i64)
     .fetch_one(&mut **tx)
     .await?;
-    if ledger::is_terminal_run_status(&status) {
-        // Only the completing command gets here (the status changed under the run-row lock).
-        let already: Option<i64> =
-            sqlx::query_scalar("select remaining_eligible from sweeper.runs where run_id = $1")
-                .bind(run_id)
-                .fetch_one(&mut **tx)
-                .await?;
-        if already.is_none() && !rules_dry_run {
-            record_closure_check(tx, run_id, rules, closure_cap).await?;
-        }
+    let completed = matches!(status.as_str(), "completed" | "completed_with_dead_letters");
+    if let (true, Some(rules)) = (completed, rules) {
+        record_closure_check(tx, run_id, rules, closure_cap).await?;
     }
     Ok(status)
 }
@@ -603,28 +676,78 @@ pub async fn record_closure_check(
     Ok(())
 }
 
-/// After a failed attempt (rolled back): either schedule the next attempt or, when the failure
-/// is permanent or the attempts are spent, quarantine the command — committed either way.
+/// Item-level dead letters for the items that failed in this command (in its transaction). An
+/// item re-executed by a redrive reopens its own dead letter instead of adding one.
+async fn record_item_dead_letters(
+    tx: &mut Transaction<'_, Postgres>,
+    loaded: &Loaded,
+    command_id: &str,
+    failed: &[(String, String)],
+) -> sqlx::Result<()> {
+    if let Some(dl) = loaded.redrive_of {
+        sqlx::query(
+            "update sweeper.dead_letters
+                set status = 'open', reason = $2, last_failure_at = sweeper.now(),
+                    failures = failures + 1
+              where dead_letter_id = $1",
+        )
+        .bind(dl)
+        .bind(&failed[0].1)
+        .execute(&mut **tx)
+        .await?;
+        return Ok(());
+    }
+    let keys: Vec<&str> = failed.iter().map(|(k, _)| k.as_str()).collect();
+    let reasons: Vec<&str> = failed.iter().map(|(_, r)| r.as_str()).collect();
+    sqlx::query(
+        "insert into sweeper.dead_letters
+             (kind, run_id, policy, command_id, item_key, reason, class, first_failure_at,
+              last_failure_at)
+         select 'item', $1, $2, $3, u.item_key, u.reason, 'permanent', sweeper.now(), sweeper.now()
+           from unnest($4::text[], $5::text[]) as u(item_key, reason)
+         on conflict (command_id, item_key) where kind = 'item' and status in ('open', 'redriven')
+         do update set reason = excluded.reason, last_failure_at = excluded.last_failure_at,
+                       failures = sweeper.dead_letters.failures + 1, status = 'open'",
+    )
+    .bind(&loaded.run_id)
+    .bind(&loaded.policy)
+    .bind(command_id)
+    .bind(&keys)
+    .bind(&reasons)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// After a failed try (rolled back): snooze, retry later, or quarantine — committed either way,
+/// with an attempt row for the history.
+///
+/// * `throttled`: a snooze. It spends no attempt but counts against `max_age`.
+/// * `transient`: the attempt is spent; retried after full-jitter backoff, or quarantined once
+///   `max_attempts` or `max_age` is spent.
+/// * `permanent`: quarantined now.
+///
+/// A quarantined command gets a dead letter (one per command: a later failure of a redriven
+/// command reopens it) holding its attempt history.
 async fn record_failure(
     state: &AppState,
     command_id: &str,
     executor: Executor,
     f: Failure,
+    started: Instant,
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
-    if let Failure {
-        message,
-        class: FailureClass::Permanent,
-    } = &f
-        && message.contains("SQLSTATE 42")
-    {
+    if f.class == FailureClass::Permanent && f.message.contains("SQLSTATE 42") {
         // A schema error: read the catalog afresh next time.
         state.catalog.forget_all();
     }
     let mut tx = state.pool.begin().await.map_err(db)?;
     let row = sqlx::query(
-        "select c.state, c.attempts, c.run_id from sweeper.commands c
-          where c.command_id = $1 for update",
+        "select c.state, c.attempts, c.run_id, r.policy,
+                extract(epoch from sweeper.now() - c.due_since)::float8 - c.age_credit_seconds
+                    as age_seconds
+           from sweeper.commands c join sweeper.runs r using (run_id)
+          where c.command_id = $1 for update of c",
     )
     .bind(command_id)
     .fetch_optional(&mut *tx)
@@ -636,10 +759,9 @@ async fn record_failure(
     let cmd_state: String = row.get("state");
     let attempts: i32 = row.get("attempts");
     let run_id: String = row.get("run_id");
-    if matches!(
-        cmd_state.as_str(),
-        "succeeded" | "quarantined" | "cancelled"
-    ) {
+    let policy: String = row.get("policy");
+    let age_seconds: f64 = row.get("age_seconds");
+    if matches!(cmd_state.as_str(), "succeeded" | "quarantined" | "cancelled") {
         return Ok(ConsumeOutcome::Duplicate {
             command_id: command_id.to_string(),
             state: cmd_state,
@@ -650,75 +772,165 @@ async fn record_failure(
     {
         return Ok(ConsumeOutcome::Stale);
     }
+    let retry = state
+        .config
+        .policy(&policy)
+        .map(|p| p.retry)
+        .unwrap_or_default();
+    let snooze = matches!(f.class, FailureClass::Throttled { .. });
+    // The attempt number this try ran as; a snooze gives its claimed attempt back.
     let this_attempt = match executor {
         Executor::Delivery => attempts + 1,
         Executor::Claimed(n) => n,
     };
-    let quarantine = f.class == FailureClass::Permanent || this_attempt >= MAX_ATTEMPTS;
+    let attempts_after = if snooze { this_attempt - 1 } else { this_attempt };
+    let age_spent = age_seconds > retry.max_age.seconds() as f64;
+    let quarantine = f.class == FailureClass::Permanent
+        || age_spent
+        || (!snooze && attempts_after >= retry.max_attempts as i32);
+    let elapsed = started.elapsed().as_secs_f64();
+
     if quarantine {
+        let reason = if age_spent && f.class != FailureClass::Permanent {
+            format!("max_age {} spent: {}", retry.max_age, f.message)
+        } else {
+            f.message.clone()
+        };
         sqlx::query(
-            "update sweeper.commands
-                set state = 'quarantined', attempts = $2, finished_at = sweeper.now(),
-                    lease_until = null, last_error = $3, last_error_class = $4
-              where command_id = $1",
+            "with c as (
+                 update sweeper.commands
+                    set state = 'quarantined', attempts = $2, finished_at = sweeper.now(),
+                        lease_until = null, lease_owner = null, last_error = $3, last_error_class = $4
+                  where command_id = $1
+              returning due_since),
+             a as (
+                 insert into sweeper.attempts
+                     (command_id, attempt_no, started_at, ended_at, outcome, class, error)
+                 values ($1, $2, sweeper.now() - make_interval(secs => $5), sweeper.now(),
+                         'quarantined', $4, $3)
+                 returning attempt_no, started_at, ended_at, outcome, class, error, delay_seconds),
+             history as (
+                 select coalesce(jsonb_agg(h order by h.started_at), '[]'::jsonb) as attempts
+                   from (select attempt_no, started_at, ended_at, outcome, class, error, delay_seconds
+                           from sweeper.attempts where command_id = $1
+                         union all select * from a) h)
+             insert into sweeper.dead_letters
+                 (kind, run_id, policy, command_id, reason, class, attempts, first_failure_at,
+                  last_failure_at)
+             select 'command', $6, $7, $1, $3, $4, history.attempts,
+                    coalesce((select min(started_at) from sweeper.attempts
+                               where command_id = $1 and outcome <> 'succeeded'), sweeper.now()),
+                    sweeper.now()
+               from history
+             on conflict (command_id) where kind = 'command' and status in ('open', 'redriven')
+             do update set status = 'open', reason = excluded.reason, class = excluded.class,
+                           attempts = excluded.attempts, last_failure_at = excluded.last_failure_at,
+                           failures = sweeper.dead_letters.failures + 1",
         )
         .bind(command_id)
-        .bind(this_attempt)
-        .bind(&f.message)
+        .bind(attempts_after)
+        .bind(&reason)
         .bind(f.class.as_str())
+        .bind(elapsed)
+        .bind(&run_id)
+        .bind(&policy)
         .execute(&mut *tx)
         .await
         .map_err(db)?;
-        // Completion bookkeeping without a rule set: a quarantined last command leaves the run
-        // completed with dead letters, and the closure check is skipped (it may be unbuildable).
-        sqlx::query(
-            "update sweeper.runs
-                set pending_commands = pending_commands - 1,
-                    quarantined_commands = quarantined_commands + 1,
-                    status = case when status in ('planning', 'running') and planning_done
-                                        and pending_commands = 1
-                                   then 'completed_with_dead_letters' else status end,
-                    completed_at = case when status in ('planning', 'running') and planning_done
-                                             and pending_commands = 1
-                                        then sweeper.now() else completed_at end
-              where run_id = $1",
+        finish_in_run(
+            &mut tx,
+            &run_id,
+            &Counts::default(),
+            true,
+            false,
+            None,
+            state.config.planning.closure_check_cap,
         )
-        .bind(&run_id)
-        .execute(&mut *tx)
         .await
         .map_err(db)?;
         tx.commit().await.map_err(db)?;
-        warn!(command_id, class = f.class.as_str(), error = %f.message, attempts = this_attempt, "command quarantined");
+        crate::metrics::quarantined(f.class);
+        warn!(command_id, class = f.class.as_str(), error = %reason, attempts = attempts_after, "command quarantined");
         return Ok(ConsumeOutcome::Quarantined {
             command_id: command_id.to_string(),
-            error: f.message,
+            error: reason,
         });
     }
+
     let delay = match f.class {
-        FailureClass::Throttled { until } => (until - Utc::now()).num_seconds().max(1) as f64,
-        _ => Backoff::default()
-            .delay_seconds(this_attempt as u32, &mut rand::rng())
+        FailureClass::Throttled { until } => (until - Utc::now()).num_milliseconds().max(1_000) as f64 / 1000.0,
+        _ => retry
+            .backoff()
+            .delay_seconds(attempts_after.max(0) as u32, &mut rand::rng())
             .max(1.0),
     };
     sqlx::query(
-        "update sweeper.commands
-            set state = 'pending', attempts = $2, lease_until = null,
-                next_attempt_at = sweeper.now() + make_interval(secs => $3),
-                last_error = $4, last_error_class = $5
-          where command_id = $1",
+        "with c as (
+             update sweeper.commands
+                set state = 'pending', attempts = $2, lease_until = null, lease_owner = null,
+                    next_attempt_at = sweeper.now() + make_interval(secs => $3),
+                    last_error = $4, last_error_class = $5
+              where command_id = $1)
+         insert into sweeper.attempts
+             (command_id, attempt_no, started_at, ended_at, outcome, class, error, delay_seconds)
+         values ($1, $2, sweeper.now() - make_interval(secs => $6), sweeper.now(), $7, $5, $4, $3)",
     )
     .bind(command_id)
-    .bind(this_attempt)
+    .bind(attempts_after)
     .bind(delay)
     .bind(&f.message)
     .bind(f.class.as_str())
+    .bind(elapsed)
+    .bind(if snooze { "snoozed" } else { "failed" })
     .execute(&mut *tx)
     .await
     .map_err(db)?;
     tx.commit().await.map_err(db)?;
-    warn!(command_id, error = %f.message, attempt = this_attempt, retry_in_seconds = delay, "attempt failed; retrying later");
+    crate::metrics::attempt_failed(f.class);
+    warn!(command_id, class = f.class.as_str(), error = %f.message, attempt = attempts_after,
+          retry_in_seconds = delay, "not done; next attempt scheduled");
     Ok(ConsumeOutcome::NotNow {
         reason: f.message,
         retry_after_seconds: delay.ceil() as u64,
     })
+}
+
+/// The most of an unparseable body kept in its dead letter, in bytes.
+pub const RAW_BODY_LIMIT: usize = 8 * 1024;
+
+/// Quarantines an envelope that could not be parsed (from an authenticated sender): its bounded
+/// raw body and the SHA-256 of the whole body become a dead letter, so the queue can be
+/// acknowledged instead of redelivering a poison message for ever. The same body delivered again
+/// counts on the same open dead letter. Returns its id.
+pub async fn quarantine_envelope(
+    state: &AppState,
+    body: &[u8],
+    error: &str,
+    subject: &str,
+) -> Result<i64, Failure> {
+    use sha2::{Digest, Sha256};
+    let hash = hex::encode(Sha256::digest(body));
+    let cut = &body[..body.len().min(RAW_BODY_LIMIT)];
+    let raw = String::from_utf8_lossy(cut).replace('\0', "\u{FFFD}");
+    let reason: String = format!("invalid_payload: {error} (from {subject})")
+        .chars()
+        .take(crate::retry::MAX_ERROR_CHARS)
+        .collect();
+    let id: i64 = sqlx::query_scalar(
+        "insert into sweeper.dead_letters
+             (kind, reason, class, raw_body, raw_sha256, first_failure_at, last_failure_at)
+         values ('envelope', $1, 'permanent', $2, $3, sweeper.now(), sweeper.now())
+         on conflict (raw_sha256) where kind = 'envelope' and status = 'open'
+         do update set last_failure_at = excluded.last_failure_at,
+                       failures = sweeper.dead_letters.failures + 1
+         returning dead_letter_id",
+    )
+    .bind(reason)
+    .bind(raw)
+    .bind(hash)
+    .fetch_one(&state.pool)
+    .await
+    .map_err(|e| Failure::from_db(&e))?;
+    crate::metrics::quarantined(FailureClass::Permanent);
+    Ok(id)
 }

@@ -33,8 +33,17 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/runs/{run_id}"),
     ("GET", "/runs/{run_id}/items"),
     ("GET", "/policies"),
+    ("POST", "/runs/{run_id}/cancel"),
+    ("GET", "/dead-letters"),
+    ("POST", "/dead-letters/redrive"),
+    ("GET", "/dead-letters/{id}"),
+    ("POST", "/dead-letters/{id}/redrive"),
+    ("POST", "/dead-letters/{id}/abandon"),
+    ("POST", "/policies/{policy}/suspend"),
+    ("POST", "/policies/{policy}/resume"),
     ("GET", "/healthz"),
     ("GET", "/readyz"),
+    ("GET", "/metrics"),
 ];
 
 fn handler_for(method: &str, path: &str) -> MethodRouter<AppState> {
@@ -47,8 +56,17 @@ fn handler_for(method: &str, path: &str) -> MethodRouter<AppState> {
         ("GET", "/runs/{run_id}") => get(crate::ops::get_run),
         ("GET", "/runs/{run_id}/items") => get(crate::ops::run_items),
         ("GET", "/policies") => get(crate::ops::policies),
+        ("POST", "/runs/{run_id}/cancel") => post(crate::ops::cancel_run),
+        ("GET", "/dead-letters") => get(crate::ops::list_dead_letters),
+        ("POST", "/dead-letters/redrive") => post(crate::ops::redrive_dead_letters),
+        ("GET", "/dead-letters/{id}") => get(crate::ops::get_dead_letter),
+        ("POST", "/dead-letters/{id}/redrive") => post(crate::ops::redrive_dead_letter),
+        ("POST", "/dead-letters/{id}/abandon") => post(crate::ops::abandon_dead_letter),
+        ("POST", "/policies/{policy}/suspend") => post(crate::ops::suspend_policy),
+        ("POST", "/policies/{policy}/resume") => post(crate::ops::resume_policy),
         ("GET", "/healthz") => get(crate::ops::healthz),
         ("GET", "/readyz") => get(crate::ops::readyz),
+        ("GET", "/metrics") => get(crate::ops::metrics),
         _ => unreachable!("every entry of ROUTES has a handler"),
     }
 }
@@ -255,6 +273,15 @@ async fn trigger_handler(
     let (status, run) = match outcome {
         TriggerOutcome::Created(run) => (StatusCode::ACCEPTED, run),
         TriggerOutcome::Existing(run) => (StatusCode::OK, run),
+        TriggerOutcome::Suspended(ps) => {
+            return Ok((
+                StatusCode::OK,
+                Json(json!({"policy": ps.policy, "state": "suspended", "suspended_at": ps.suspended_at,
+                            "suspended_by": ps.changed_by, "reason": ps.reason,
+                            "detail": "the policy is suspended: no run was created"})),
+            )
+                .into_response());
+        }
     };
     let location = format!("/runs/{}", run.run_id);
     let mut resp = (status, Json(run)).into_response();
@@ -270,21 +297,29 @@ async fn consume_handler(
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("consume")?;
-    let envelope: Envelope = serde_json::from_slice(&body).map_err(|e| {
-        Problem::new(
-            StatusCode::BAD_REQUEST,
-            "bad-envelope",
-            format!("the body is not a built-in envelope {{\"command_id\": ...}}: {e}"),
-        )
-    })?;
-    if envelope.schema_version.unwrap_or(1) != 1 {
-        return Err(Problem::new(
-            StatusCode::BAD_REQUEST,
-            "bad-envelope",
-            "schema_version must be 1",
-        ));
-    }
     let retry_after = state.config.consume.retry_after.seconds() as u64;
+    let parsed = serde_json::from_slice::<Envelope>(&body)
+        .map_err(|e| e.to_string())
+        .and_then(|e| match e.schema_version.unwrap_or(1) {
+            1 => Ok(e),
+            v => Err(format!("schema_version {v} is not supported (1 is)")),
+        });
+    let envelope = match parsed {
+        Ok(e) => e,
+        Err(why) => {
+            // A poison message from an authenticated sender: quarantine it and acknowledge, so
+            // the queue does not redeliver it for ever (DESIGN §5).
+            let id = consume::quarantine_envelope(&state, &body, &why, &caller.0.subject)
+                .await
+                .map_err(|f| Problem::unavailable(f.message, retry_after))?;
+            info!(dead_letter_id = id, error = %why, "unparseable envelope quarantined");
+            return Ok((
+                StatusCode::OK,
+                Json(json!({"result": "quarantined_envelope", "dead_letter_id": id, "error": why})),
+            )
+                .into_response());
+        }
+    };
     let outcome = consume::execute(
         &state,
         &envelope.command_id,

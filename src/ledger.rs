@@ -194,3 +194,43 @@ pub async fn run_specs(
     let current = (current_version != pinned_version).then_some(current.0);
     Ok((pinned.0, current_version, current))
 }
+
+/// Purges terminal commands that finished more than `retention_seconds` ago and have no live dead
+/// letter, with their attempts, at most `batch` per call (DESIGN §7). Runs, audit, dead letters
+/// and the operator log are never purged. Returns how many commands were purged.
+pub async fn purge_terminal_commands(
+    pool: &PgPool,
+    retention_seconds: i64,
+    batch: i64,
+) -> sqlx::Result<u64> {
+    let mut tx = pool.begin().await?;
+    let ids: Vec<String> = sqlx::query_scalar(
+        "select c.command_id from sweeper.commands c
+          where c.state in ('succeeded', 'quarantined', 'cancelled')
+            and c.finished_at < (select sweeper.now()) - make_interval(secs => $1)
+            and not exists (select 1 from sweeper.dead_letters d
+                             where d.status in ('open', 'redriven')
+                               and (d.command_id = c.command_id or d.dead_letter_id = c.redrive_of))
+          order by c.finished_at
+          limit $2
+          for update skip locked",
+    )
+    .bind(retention_seconds as f64)
+    .bind(batch)
+    .fetch_all(&mut *tx)
+    .await?;
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    sqlx::query("delete from sweeper.attempts where command_id = any($1)")
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?;
+    let n = sqlx::query("delete from sweeper.commands where command_id = any($1)")
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    tx.commit().await?;
+    Ok(n)
+}

@@ -73,8 +73,43 @@ pub async fn get_run(
         .ok_or_else(|| unknown_run(&run_id))?;
     drop(conn);
     let commands = ledger::command_states(&state.pool, &run_id).await?;
+    let stopped: Vec<(String, String, i32, Option<String>, Option<String>)> = sqlx::query_as(
+        "select command_id, state, attempts, last_error, last_error_class from sweeper.commands
+          where run_id = $1 and state in ('quarantined', 'cancelled')
+          order by batch_no limit 100",
+    )
+    .bind(&run_id)
+    .fetch_all(&state.pool)
+    .await?;
+    let verdict = replay_verdict(&state, &run_id).await?;
+    let open = crate::dead_letter::list(
+        &state.pool,
+        &crate::dead_letter::Filter {
+            run_id: Some(&run_id),
+            state: Some("open"),
+            ..Default::default()
+        },
+        None,
+        100,
+    )
+    .await?;
     let mut body = serde_json::to_value(&run).map_err(Problem::internal)?;
     body["commands"] = json!(commands);
+    body["stopped_commands"] = json!(stopped
+        .into_iter()
+        .map(|(command_id, state, attempts, error, class)| json!({
+            "command_id": command_id, "state": state, "attempts": attempts,
+            "last_error": error, "last_error_class": class, "replay_safe": verdict,
+        }))
+        .collect::<Vec<_>>());
+    body["open_dead_letters"] = json!(open
+        .into_iter()
+        .map(|d| {
+            let mut v = serde_json::to_value(&d).unwrap_or_default();
+            v["replay_safe"] = verdict.clone();
+            v
+        })
+        .collect::<Vec<_>>());
     Ok(Json(body).into_response())
 }
 
@@ -194,4 +229,303 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
         .into_response(),
         Err(e) => Problem::unavailable(e, 5).into_response(),
     }
+}
+
+/// `GET /metrics`: Prometheus text (no token: scrape it from inside the cluster).
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    match crate::metrics::render(&state.pool).await {
+        Ok(text) => (
+            StatusCode::OK,
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => Problem::unavailable(e, 5).into_response(),
+    }
+}
+
+/// The body every operator act takes: why, in the operator's words (1-1000 characters).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReasonBody {
+    reason: String,
+    #[serde(default)]
+    run_id: Option<String>,
+    #[serde(default)]
+    class: Option<String>,
+    #[serde(default)]
+    limit: Option<i64>,
+}
+
+fn reason_of(body: &[u8]) -> Result<ReasonBody, Problem> {
+    let b: ReasonBody = serde_json::from_slice(body).map_err(|e| {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "bad-body",
+            format!("send a JSON body {{\"reason\": \"why you do this\"}}: {e}"),
+        )
+    })?;
+    let len = b.reason.trim().chars().count();
+    if !(1..=1000).contains(&len) {
+        return Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "bad-body",
+            "`reason` must be 1-1000 characters",
+        ));
+    }
+    Ok(b)
+}
+
+/// Query of `GET /dead-letters`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeadLettersQuery {
+    run_id: Option<String>,
+    policy: Option<String>,
+    class: Option<String>,
+    state: Option<String>,
+    before: Option<i64>,
+    limit: Option<i64>,
+}
+
+const CLASSES: &[&str] = &["transient", "throttled", "permanent"];
+
+/// `GET /dead-letters?run_id=&policy=&class=&state=open|resolved&before=&limit=` (scope
+/// `ops:read`): newest first; `next_before` pages on.
+pub async fn list_dead_letters(
+    State(state): State<AppState>,
+    caller: Caller,
+    query: Result<Query<DeadLettersQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    caller.require("ops:read")?;
+    let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
+    if let Some(c) = &q.class
+        && !CLASSES.contains(&c.as_str())
+    {
+        return Err(bad_query(format!("class must be one of {}", CLASSES.join(", "))));
+    }
+    if let Some(s) = &q.state
+        && !matches!(s.as_str(), "open" | "resolved")
+    {
+        return Err(bad_query("state must be open or resolved"));
+    }
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(bad_query("limit must be between 1 and 1000"));
+    }
+    let filter = crate::dead_letter::Filter {
+        run_id: q.run_id.as_deref(),
+        policy: q.policy.as_deref(),
+        class: q.class.as_deref(),
+        state: q.state.as_deref(),
+    };
+    let items = crate::dead_letter::list(&state.pool, &filter, q.before, limit).await?;
+    let next_before = (items.len() as i64 == limit)
+        .then(|| items.last().map(|d| d.dead_letter_id))
+        .flatten();
+    Ok(Json(json!({ "dead_letters": items, "next_before": next_before })).into_response())
+}
+
+fn unknown_dead_letter(id: i64) -> Problem {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "unknown-dead-letter",
+        format!("no dead letter {id}"),
+    )
+}
+
+/// `GET /dead-letters/{id}` (scope `ops:read`).
+pub async fn get_dead_letter(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<i64>,
+) -> Result<Response, Problem> {
+    caller.require("ops:read")?;
+    let dl = crate::dead_letter::get(&state.pool, id)
+        .await?
+        .ok_or_else(|| unknown_dead_letter(id))?;
+    let mut body = serde_json::to_value(&dl).map_err(Problem::internal)?;
+    if let Some(run_id) = &dl.run_id {
+        body["replay_safe"] = replay_verdict(&state, run_id).await?;
+    }
+    Ok(Json(body).into_response())
+}
+
+fn act_problem(e: crate::dead_letter::ActError) -> Problem {
+    use crate::dead_letter::ActError;
+    match e {
+        ActError::NotFound(id) => unknown_dead_letter(id),
+        ActError::Conflict(m) => Problem::new(StatusCode::CONFLICT, "conflict", m),
+        ActError::Db(e) => Problem::from(e),
+    }
+}
+
+/// `POST /dead-letters/{id}/redrive` `{"reason": ...}` (scope `ops:write`).
+pub async fn redrive_dead_letter(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<i64>,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("ops:write")?;
+    let b = reason_of(&body)?;
+    let r = crate::dead_letter::redrive(&state.pool, id, &caller.0.subject, b.reason.trim())
+        .await
+        .map_err(act_problem)?;
+    state.wake_workers.notify_waiters();
+    Ok(Json(json!({ "dead_letter_id": id, "result": r })).into_response())
+}
+
+/// `POST /dead-letters/{id}/abandon` `{"reason": ...}` (scope `ops:write`).
+pub async fn abandon_dead_letter(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<i64>,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("ops:write")?;
+    let b = reason_of(&body)?;
+    let r = crate::dead_letter::abandon(&state.pool, id, &caller.0.subject, b.reason.trim())
+        .await
+        .map_err(act_problem)?;
+    Ok(Json(json!({ "dead_letter_id": id, "result": r })).into_response())
+}
+
+/// `POST /dead-letters/redrive` `{"reason", "run_id"?, "class"?, "limit"?}` (scope `ops:write`):
+/// redrives open dead letters of a run and/or a class, at most `limit` (default 100, at most
+/// 1000) per call; the queue paces their execution.
+pub async fn redrive_dead_letters(
+    State(state): State<AppState>,
+    caller: Caller,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("ops:write")?;
+    let b = reason_of(&body)?;
+    if b.run_id.is_none() && b.class.is_none() {
+        return Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "bad-body",
+            "name `run_id`, `class` or both: a bulk redrive never takes everything",
+        ));
+    }
+    if let Some(c) = &b.class
+        && !CLASSES.contains(&c.as_str())
+    {
+        return Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "bad-body",
+            format!("class must be one of {}", CLASSES.join(", ")),
+        ));
+    }
+    let limit = b.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(Problem::new(StatusCode::BAD_REQUEST, "bad-body", "limit must be between 1 and 1000"));
+    }
+    let ids = crate::dead_letter::redrive_many(
+        &state.pool,
+        b.run_id.as_deref(),
+        b.class.as_deref(),
+        limit,
+        &caller.0.subject,
+        b.reason.trim(),
+    )
+    .await
+    .map_err(act_problem)?;
+    state.wake_workers.notify_waiters();
+    Ok(Json(json!({ "redriven": ids })).into_response())
+}
+
+fn require_policy<'a>(state: &'a AppState, policy: &str) -> Result<&'a crate::policy::Policy, Problem> {
+    state.config.policy(policy).ok_or_else(|| {
+        Problem::new(
+            StatusCode::NOT_FOUND,
+            "unknown-policy",
+            format!("no policy named `{policy}` is configured"),
+        )
+    })
+}
+
+/// `POST /policies/{policy}/suspend` `{"reason": ...}` (scope `ops:write`).
+pub async fn suspend_policy(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(policy): Path<String>,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("ops:write")?;
+    require_policy(&state, &policy)?;
+    let b = reason_of(&body)?;
+    let ps = crate::control::suspend(&state.pool, &policy, &caller.0.subject, b.reason.trim()).await?;
+    Ok(Json(ps).into_response())
+}
+
+/// `POST /policies/{policy}/resume` `{"reason": ...}` (scope `ops:write`).
+pub async fn resume_policy(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(policy): Path<String>,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("ops:write")?;
+    require_policy(&state, &policy)?;
+    let b = reason_of(&body)?;
+    let ps = crate::control::resume(&state.pool, &policy, &caller.0.subject, b.reason.trim()).await?;
+    state.wake_workers.notify_waiters();
+    Ok(Json(ps).into_response())
+}
+
+/// `POST /runs/{run_id}/cancel` `{"reason": ...}` (scope `ops:write`).
+pub async fn cancel_run(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(run_id): Path<String>,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("ops:write")?;
+    let b = reason_of(&body)?;
+    let c = crate::control::cancel(&state.pool, &run_id, &caller.0.subject, b.reason.trim())
+        .await
+        .map_err(|e| match e {
+            crate::control::CancelError::NotFound(_) => unknown_run(&run_id),
+            e @ crate::control::CancelError::Completed(..) => {
+                Problem::new(StatusCode::CONFLICT, "conflict", e.to_string())
+            }
+            crate::control::CancelError::Db(e) => Problem::from(e),
+        })?;
+    Ok(Json(c).into_response())
+}
+
+/// Whether replaying the run's commands is safe, and why: the effect is idempotent (one
+/// transaction per command for `delete_rows`), the cutoff is fixed on the run, and the pinned
+/// policy version is still the one that would apply.
+async fn replay_verdict(state: &AppState, run_id: &str) -> Result<serde_json::Value, Problem> {
+    let row: Option<(String, String, Option<String>)> = sqlx::query_as(
+        "select r.policy, r.policy_version,
+                (select version from sweeper.policy_versions v where v.policy = r.policy
+                  order by seq desc limit 1)
+           from sweeper.runs r where r.run_id = $1",
+    )
+    .bind(run_id)
+    .fetch_optional(&state.pool)
+    .await?;
+    let Some((_policy, pinned, current)) = row else {
+        return Ok(json!({"safe": false, "reasons": ["the run no longer exists"]}));
+    };
+    let version_current = current.as_deref() == Some(pinned.as_str());
+    let mut reasons = vec![
+        "effect idempotent: a command's deletes, audit rows and state commit in one transaction".to_string(),
+        "cutoff fixed: stored on the run and bound into every query".to_string(),
+    ];
+    if version_current {
+        reasons.push(format!("pinned policy version {pinned} is still current"));
+    } else {
+        reasons.push(format!(
+            "pinned policy version {pinned} is no longer current ({}): a replay applies the stricter of both",
+            current.as_deref().unwrap_or("none")
+        ));
+    }
+    Ok(json!({ "safe": version_current, "reasons": reasons }))
 }

@@ -219,6 +219,10 @@ pub struct Policy {
     pub spec: PolicySpec,
     /// `spec.version()`, computed once.
     pub version: String,
+    /// Retry settings.
+    pub retry: RetryPolicy,
+    /// Cap on commands executing at once, across replicas.
+    pub max_concurrent_commands: u32,
 }
 
 /// A scalar value in TOML (`equals = true`, `in = ["open", "pending_export"]`).
@@ -273,6 +277,67 @@ pub struct PolicyConfig {
     /// `builtin` (the default).
     #[serde(default)]
     pub transport: Option<String>,
+    /// `{ max_attempts = 5, base = "1s", cap = "1h", max_age = "24h" }` (these are the defaults).
+    #[serde(default)]
+    pub retry: Option<RetryConfig>,
+    /// Most commands of this policy executing at once across all replicas (default 4). More are
+    /// snoozed (class `throttled`), which protects the production database from a burst.
+    #[serde(default)]
+    pub max_concurrent_commands: Option<u32>,
+}
+
+/// `retry = { ... }`: how failed commands are retried (DESIGN §2.7).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryConfig {
+    /// Attempts (claimed executions) before a transiently failing command is quarantined.
+    #[serde(default)]
+    pub max_attempts: Option<u32>,
+    /// Backoff scale: the n-th retry waits a uniformly random time in [0, min(cap, base·2^n)].
+    #[serde(default)]
+    pub base: Option<DurationSpec>,
+    /// Largest backoff.
+    #[serde(default)]
+    pub cap: Option<DurationSpec>,
+    /// Longest a command may stay unfinished from when it became due (snoozes count, suspended
+    /// time does not) before it is quarantined.
+    #[serde(default)]
+    pub max_age: Option<DurationSpec>,
+}
+
+/// A policy's validated retry settings.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct RetryPolicy {
+    /// Attempts before quarantine.
+    pub max_attempts: u32,
+    /// Backoff scale.
+    pub base: DurationSpec,
+    /// Largest backoff.
+    pub cap: DurationSpec,
+    /// Age budget.
+    pub max_age: DurationSpec,
+}
+
+impl Default for RetryPolicy {
+    /// 5 attempts, base 1 s, cap 1 h, max age 24 h.
+    fn default() -> Self {
+        Self {
+            max_attempts: 5,
+            base: DurationSpec::from_seconds(1),
+            cap: DurationSpec::from_seconds(3_600),
+            max_age: DurationSpec::from_seconds(86_400),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The backoff these settings describe.
+    pub fn backoff(&self) -> crate::retry::Backoff {
+        crate::retry::Backoff {
+            base_seconds: self.base.seconds() as f64,
+            cap_seconds: self.cap.seconds() as f64,
+        }
+    }
 }
 
 fn default_batch_size() -> usize {
@@ -393,6 +458,35 @@ impl Policy {
                 "transport: `{other}` is not supported (supported: builtin)"
             )),
         }
+        let defaults = RetryPolicy::default();
+        let r = c.retry.clone().unwrap_or(RetryConfig {
+            max_attempts: None,
+            base: None,
+            cap: None,
+            max_age: None,
+        });
+        let retry = RetryPolicy {
+            max_attempts: r.max_attempts.unwrap_or(defaults.max_attempts),
+            base: r.base.unwrap_or(defaults.base),
+            cap: r.cap.unwrap_or(defaults.cap),
+            max_age: r.max_age.unwrap_or(defaults.max_age),
+        };
+        if !(1..=100).contains(&retry.max_attempts) {
+            errors.push("retry.max_attempts: must be between 1 and 100".into());
+        }
+        if retry.base.seconds() < 1 || retry.base > retry.cap {
+            errors.push(format!(
+                "retry.base ({}) must be at least 1s and not longer than retry.cap ({})",
+                retry.base, retry.cap
+            ));
+        }
+        if retry.max_age.seconds() < 60 {
+            errors.push("retry.max_age: must be at least 1m".into());
+        }
+        let max_concurrent_commands = c.max_concurrent_commands.unwrap_or(4);
+        if !(1..=1_000).contains(&max_concurrent_commands) {
+            errors.push("max_concurrent_commands: must be between 1 and 1000".into());
+        }
         let mut exclude = Vec::new();
         for (i, e) in c.exclude.iter().enumerate() {
             match exclusion_from_config(e) {
@@ -423,6 +517,8 @@ impl Policy {
             transport: Transport::Builtin,
             spec,
             version,
+            retry,
+            max_concurrent_commands,
         })
     }
 

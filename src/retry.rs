@@ -47,6 +47,10 @@ impl Failure {
     pub fn transient(message: impl Into<String>) -> Self {
         Self::new(FailureClass::Transient, message)
     }
+    /// A throttled failure: no new attempt before `until`.
+    pub fn throttled(until: DateTime<Utc>, message: impl Into<String>) -> Self {
+        Self::new(FailureClass::Throttled { until }, message)
+    }
     /// A permanent failure.
     pub fn permanent(message: impl Into<String>) -> Self {
         Self::new(FailureClass::Permanent, message)

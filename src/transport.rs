@@ -31,19 +31,23 @@ pub enum WorkerStep {
 pub async fn run_one_command(state: &AppState) -> Result<WorkerStep, Failure> {
     let claimed: Option<(String, i32)> = sqlx::query_as(
         "update sweeper.commands c
-            set state = 'leased', attempts = c.attempts + 1,
+            set state = 'leased', attempts = c.attempts + 1, lease_owner = $2,
                 lease_until = (select sweeper.now()) + make_interval(secs => $1)
           where c.command_id = (
-                select command_id from sweeper.commands
-                 where transport = 'builtin'
-                   and ((state = 'pending' and next_attempt_at <= (select sweeper.now()))
-                     or (state = 'leased' and lease_until < (select sweeper.now())))
-                 order by next_attempt_at
+                select q.command_id from sweeper.commands q
+                 where q.transport = 'builtin'
+                   and ((q.state = 'pending' and q.next_attempt_at <= (select sweeper.now()))
+                     or (q.state = 'leased' and q.lease_until < (select sweeper.now())))
+                   and not exists (
+                        select 1 from sweeper.runs r join sweeper.policy_state ps using (policy)
+                         where r.run_id = q.run_id and ps.suspended)
+                 order by q.next_attempt_at
                  limit 1
-                 for update skip locked)
+                 for update of q skip locked)
           returning c.command_id, c.attempts",
     )
     .bind(state.config.queue.lease.seconds() as f64)
+    .bind(state.replica_id)
     .fetch_optional(&state.pool)
     .await
     .map_err(|e| Failure::from_db(&e))?;
@@ -92,9 +96,25 @@ async fn release(
     Ok(())
 }
 
+/// Gives back every command this replica still holds a lease on (after its workers stopped),
+/// without spending their attempts, so another replica picks them up at once. Returns how many.
+pub async fn release_own_leases(state: &AppState) -> Result<u64, Failure> {
+    let n = sqlx::query(
+        "update sweeper.commands
+            set state = 'pending', lease_until = null, lease_owner = null, attempts = attempts - 1
+          where lease_owner = $1 and state = 'leased'",
+    )
+    .bind(state.replica_id)
+    .execute(&state.pool)
+    .await
+    .map_err(|e| Failure::from_db(&e))?
+    .rows_affected();
+    Ok(n)
+}
+
 /// One built-in worker: runs due commands until `shutdown`, then returns after its current
-/// command (each command is one short transaction, so the drain is bounded by
-/// `consume.statement_timeout`).
+/// command (each try is bounded by `consume.command_deadline`; the application also bounds the
+/// whole drain by `queue.drain`).
 pub async fn worker_loop(state: AppState, worker_no: usize, shutdown: CancellationToken) {
     loop {
         if shutdown.is_cancelled() {

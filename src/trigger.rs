@@ -30,6 +30,8 @@ pub enum TriggerOutcome {
     Created(Run),
     /// The window's run already existed (200).
     Existing(Run),
+    /// The policy is suspended: no run was created (200, so the cron does not retry).
+    Suspended(crate::control::PolicyState),
 }
 
 /// Why a trigger was refused.
@@ -59,6 +61,11 @@ pub async fn trigger(
     dry_run: bool,
     principal: &Principal,
 ) -> Result<TriggerOutcome, TriggerError> {
+    if let Some(ps) = crate::control::policy_state(&state.pool, policy.name.as_str()).await?
+        && ps.suspended
+    {
+        return Ok(TriggerOutcome::Suspended(ps));
+    }
     let mut conn = state.pool.acquire().await?;
     let arrival = ledger::now(&mut conn).await?;
     let tolerance = policy.early_tolerance.delta();

@@ -1,0 +1,216 @@
+//! Operator control: suspend and resume a policy, cancel a run. Each act is attributed and
+//! recorded in the append-only operator log.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::PgPool;
+
+use crate::dead_letter::log_operator_act;
+
+/// A policy's operator state.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct PolicyState {
+    /// The policy.
+    pub policy: String,
+    /// Whether it is suspended.
+    pub suspended: bool,
+    /// When it was suspended (null when active).
+    pub suspended_at: Option<DateTime<Utc>>,
+    /// When it last changed.
+    pub changed_at: DateTime<Utc>,
+    /// Who changed it.
+    pub changed_by: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// The policy's state, if an operator ever changed it.
+pub async fn policy_state(pool: &PgPool, policy: &str) -> sqlx::Result<Option<PolicyState>> {
+    sqlx::query_as(
+        "select policy, suspended, suspended_at, changed_at, changed_by, reason
+           from sweeper.policy_state where policy = $1",
+    )
+    .bind(policy)
+    .fetch_optional(pool)
+    .await
+}
+
+/// Suspends `policy`: triggers create no run, and no command of it is claimed or executed until
+/// it is resumed. Suspending a suspended policy changes nothing (still logged).
+pub async fn suspend(
+    pool: &PgPool,
+    policy: &str,
+    subject: &str,
+    reason: &str,
+) -> sqlx::Result<PolicyState> {
+    let mut tx = pool.begin().await?;
+    let state: PolicyState = sqlx::query_as(
+        "insert into sweeper.policy_state (policy, suspended, suspended_at, changed_by, reason)
+         values ($1, true, sweeper.now(), $2, $3)
+         on conflict (policy) do update
+            set suspended = true,
+                suspended_at = coalesce(sweeper.policy_state.suspended_at, excluded.suspended_at),
+                changed_at = sweeper.now(), changed_by = excluded.changed_by,
+                reason = excluded.reason
+         returning policy, suspended, suspended_at, changed_at, changed_by, reason",
+    )
+    .bind(policy)
+    .bind(subject)
+    .bind(reason)
+    .fetch_one(&mut *tx)
+    .await?;
+    log_operator_act(&mut tx, subject, "suspend", &format!("policy:{policy}"), reason, serde_json::json!({}))
+        .await?;
+    tx.commit().await?;
+    Ok(state)
+}
+
+/// Resumes `policy`. The time it spent suspended is credited to its unfinished commands, so it
+/// does not count against their `max_age`.
+pub async fn resume(
+    pool: &PgPool,
+    policy: &str,
+    subject: &str,
+    reason: &str,
+) -> sqlx::Result<PolicyState> {
+    let mut tx = pool.begin().await?;
+    let suspended_for: Option<f64> = sqlx::query_scalar(
+        "select extract(epoch from sweeper.now() - suspended_at)::float8
+           from sweeper.policy_state where policy = $1 and suspended for update",
+    )
+    .bind(policy)
+    .fetch_optional(&mut *tx)
+    .await?
+    .flatten();
+    if let Some(seconds) = suspended_for {
+        sqlx::query(
+            "update sweeper.commands c
+                set age_credit_seconds = age_credit_seconds + $2
+               from sweeper.runs r
+              where r.run_id = c.run_id and r.policy = $1 and c.state in ('pending', 'leased')",
+        )
+        .bind(policy)
+        .bind(seconds)
+        .execute(&mut *tx)
+        .await?;
+    }
+    let state: PolicyState = sqlx::query_as(
+        "insert into sweeper.policy_state (policy, suspended, suspended_at, changed_by, reason)
+         values ($1, false, null, $2, $3)
+         on conflict (policy) do update
+            set suspended = false, suspended_at = null, changed_at = sweeper.now(),
+                changed_by = excluded.changed_by, reason = excluded.reason
+         returning policy, suspended, suspended_at, changed_at, changed_by, reason",
+    )
+    .bind(policy)
+    .bind(subject)
+    .bind(reason)
+    .fetch_one(&mut *tx)
+    .await?;
+    log_operator_act(
+        &mut tx,
+        subject,
+        "resume",
+        &format!("policy:{policy}"),
+        reason,
+        serde_json::json!({ "suspended_seconds": suspended_for }),
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(state)
+}
+
+/// What cancelling a run did.
+#[derive(Debug, Clone, Serialize)]
+pub struct Cancelled {
+    /// The run.
+    pub run_id: String,
+    /// Its status now.
+    pub status: String,
+    /// Commands cancelled by this act.
+    pub commands_cancelled: u64,
+}
+
+/// Why a cancel was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum CancelError {
+    /// No such run.
+    #[error("no run `{0}`")]
+    NotFound(String),
+    /// The run already completed; there is nothing left to stop.
+    #[error("run `{0}` already completed ({1}); there is nothing left to cancel")]
+    Completed(String, String),
+    /// The ledger failed.
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+/// Cancels a run: planning stops, every command not yet terminal is cancelled (a command that is
+/// executing right now finishes first: its row lock is waited for), the run becomes `cancelled`.
+/// Cancelling a cancelled run changes nothing.
+///
+/// Lock order is planning job → commands → run, the same as planning and consumption take them,
+/// so cancel cannot deadlock with either.
+pub async fn cancel(
+    pool: &PgPool,
+    run_id: &str,
+    subject: &str,
+    reason: &str,
+) -> Result<Cancelled, CancelError> {
+    let status: Option<String> = sqlx::query_scalar("select status from sweeper.runs where run_id = $1")
+        .bind(run_id)
+        .fetch_optional(pool)
+        .await?;
+    match status.as_deref() {
+        None => return Err(CancelError::NotFound(run_id.into())),
+        Some(s @ ("completed" | "completed_with_dead_letters")) => {
+            return Err(CancelError::Completed(run_id.into(), s.into()));
+        }
+        _ => {}
+    }
+    let mut tx = pool.begin().await?;
+    sqlx::query("update sweeper.planning_jobs set done = true, lease_until = null where run_id = $1")
+        .bind(run_id)
+        .execute(&mut *tx)
+        .await?;
+    let n = sqlx::query(
+        "update sweeper.commands
+            set state = 'cancelled', finished_at = sweeper.now(), lease_until = null, lease_owner = null
+          where run_id = $1 and state in ('pending', 'leased')",
+    )
+    .bind(run_id)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    let status: String = sqlx::query_scalar(
+        "update sweeper.runs
+            set status = case when status in ('planning', 'running') then 'cancelled' else status end,
+                pending_commands = case when status in ('planning', 'running') then 0
+                                        else pending_commands end,
+                completed_at = case when status in ('planning', 'running') then sweeper.now()
+                                    else completed_at end
+          where run_id = $1
+          returning status",
+    )
+    .bind(run_id)
+    .fetch_one(&mut *tx)
+    .await?;
+    if status != "cancelled" {
+        return Err(CancelError::Completed(run_id.into(), status));
+    }
+    log_operator_act(
+        &mut tx,
+        subject,
+        "cancel",
+        &format!("run:{run_id}"),
+        reason,
+        serde_json::json!({ "commands_cancelled": n }),
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(Cancelled {
+        run_id: run_id.into(),
+        status,
+        commands_cancelled: n,
+    })
+}

@@ -1,0 +1,108 @@
+//! Prometheus metrics for alerting (DESIGN §11), served at `GET /metrics`.
+//!
+//! Two kinds: process counters incremented where things happen (attempts by outcome and class),
+//! and ledger-wide values read from the database at scrape time, so every replica reports the
+//! same numbers and nothing resets on restart: dead letters open and the age of the oldest,
+//! quarantined total (dead letters are never purged, so their count only grows), commands by
+//! state, the age of the oldest due command, runs by status, last successful run per policy.
+
+use std::sync::OnceLock;
+
+use metrics::{counter, gauge};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use sqlx::PgPool;
+
+use crate::retry::FailureClass;
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process-wide recorder once and returns its handle.
+pub fn handle() -> &'static PrometheusHandle {
+    HANDLE.get_or_init(|| {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        // A second recorder (another Application in the same process) keeps the first.
+        let _ = metrics::set_global_recorder(recorder);
+        handle
+    })
+}
+
+/// Counts a failed attempt or snooze (`sweeper_attempts_total{outcome, class}`).
+pub fn attempt_failed(class: FailureClass) {
+    let outcome = if matches!(class, FailureClass::Throttled { .. }) {
+        "snoozed"
+    } else {
+        "failed"
+    };
+    counter!("sweeper_attempts_total", "outcome" => outcome, "class" => class.as_str()).increment(1);
+}
+
+/// Counts a quarantine by this process (`sweeper_attempts_total{outcome="quarantined"}`).
+pub fn quarantined(class: FailureClass) {
+    counter!("sweeper_attempts_total", "outcome" => "quarantined", "class" => class.as_str())
+        .increment(1);
+}
+
+/// Counts a successful attempt.
+pub fn attempt_succeeded() {
+    counter!("sweeper_attempts_total", "outcome" => "succeeded", "class" => "none").increment(1);
+}
+
+/// Reads the ledger-wide values and renders everything in Prometheus text format.
+pub async fn render(pool: &PgPool) -> sqlx::Result<String> {
+    let handle = handle();
+    let (open, oldest_open, quarantined_total): (i64, Option<f64>, i64) = sqlx::query_as(
+        "select count(*) filter (where status = 'open'),
+                extract(epoch from sweeper.now() - min(created_at) filter (where status = 'open'))::float8,
+                count(*)
+           from sweeper.dead_letters",
+    )
+    .fetch_one(pool)
+    .await?;
+    gauge!("sweeper_dead_letters_open").set(open as f64);
+    gauge!("sweeper_dead_letters_oldest_open_age_seconds").set(oldest_open.unwrap_or(0.0));
+    counter!("sweeper_quarantined_total").absolute(quarantined_total as u64);
+
+    let states: Vec<(String, i64)> =
+        sqlx::query_as("select state, count(*) from sweeper.commands group by state")
+            .fetch_all(pool)
+            .await?;
+    for s in ["pending", "leased", "succeeded", "quarantined", "cancelled"] {
+        let n = states.iter().find(|(k, _)| k == s).map(|(_, n)| *n).unwrap_or(0);
+        gauge!("sweeper_commands", "state" => s).set(n as f64);
+    }
+    let oldest_due: Option<f64> = sqlx::query_scalar(
+        "select extract(epoch from (select sweeper.now()) - min(next_attempt_at))::float8
+           from sweeper.commands
+          where state = 'pending' and next_attempt_at <= (select sweeper.now())",
+    )
+    .fetch_one(pool)
+    .await?;
+    gauge!("sweeper_oldest_due_command_age_seconds").set(oldest_due.unwrap_or(0.0));
+
+    let runs: Vec<(String, i64)> =
+        sqlx::query_as("select status, count(*) from sweeper.runs group by status")
+            .fetch_all(pool)
+            .await?;
+    for s in [
+        "planning",
+        "running",
+        "completed",
+        "completed_with_dead_letters",
+        "cancelled",
+    ] {
+        let n = runs.iter().find(|(k, _)| k == s).map(|(_, n)| *n).unwrap_or(0);
+        gauge!("sweeper_runs", "status" => s).set(n as f64);
+    }
+    let last: Vec<(String, f64)> = sqlx::query_as(
+        "select policy, extract(epoch from max(completed_at))::float8 from sweeper.runs
+          where status = 'completed' and not dry_run group by policy",
+    )
+    .fetch_all(pool)
+    .await?;
+    for (policy, at) in last {
+        gauge!("sweeper_last_successful_run_timestamp_seconds", "policy" => policy).set(at);
+    }
+    handle.run_upkeep();
+    Ok(handle.render())
+}
