@@ -163,7 +163,9 @@ impl Application {
             let Some(joined) = joined else { break };
             if !shutdown.is_cancelled() {
                 match &joined {
-                    Ok((name, r)) => warn!(task = name, ok = r.is_ok(), "task exited; shutting down"),
+                    Ok((name, r)) => {
+                        warn!(task = name, ok = r.is_ok(), "task exited; shutting down")
+                    }
                     Err(e) => error!(error = %e, "task panicked; shutting down"),
                 }
                 shutdown.cancel();
@@ -175,8 +177,13 @@ impl Application {
         }
         match crate::transport::release_own_leases(&state).await {
             Ok(0) => {}
-            Ok(n) => info!(released = n, "released leases of unfinished commands for other replicas"),
-            Err(f) => warn!(error = %f.message, "could not release leases; they expire on their own"),
+            Ok(n) => info!(
+                released = n,
+                "released leases of unfinished commands for other replicas"
+            ),
+            Err(f) => {
+                warn!(error = %f.message, "could not release leases; they expire on their own")
+            }
         }
         state.pool.close().await;
         match first_error {
@@ -212,7 +219,10 @@ pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
         total += n;
         if n < state.config.ledger.purge_batch as u64 {
             if total > 0 {
-                info!(purged = total, "purged terminal commands past their retention");
+                info!(
+                    purged = total,
+                    "purged terminal commands past their retention"
+                );
             }
             return Ok(total);
         }

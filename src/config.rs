@@ -458,7 +458,10 @@ impl Config {
             ("planning.lease", raw.planning.lease),
             ("database.acquire_timeout", raw.database.acquire_timeout),
             ("queue.drain", raw.queue.drain),
-            ("ledger.housekeeping_interval", raw.ledger.housekeeping_interval),
+            (
+                "ledger.housekeeping_interval",
+                raw.ledger.housekeeping_interval,
+            ),
         ] {
             if d.seconds() < 1 {
                 errors.push(format!("{name}: must be at least 1s"));

@@ -191,15 +191,17 @@ pub async fn execute(
     let deadline = state.config.consume.command_deadline.std();
     let mut per_item = false;
     loop {
-        let tried =
-            tokio::time::timeout(deadline, attempt(state, command_id, executor, actor, per_item, started))
-                .await
-                .unwrap_or_else(|_| {
-                    Err(AttemptError::Failed(Failure::transient(format!(
-                        "the command exceeded its deadline of {}",
-                        state.config.consume.command_deadline
-                    ))))
-                });
+        let tried = tokio::time::timeout(
+            deadline,
+            attempt(state, command_id, executor, actor, per_item, started),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(AttemptError::Failed(Failure::transient(format!(
+                "the command exceeded its deadline of {}",
+                state.config.consume.command_deadline
+            ))))
+        });
         match tried {
             Ok(outcome) => return Ok(outcome),
             Err(AttemptError::BulkFailed(f)) if !per_item => {
@@ -761,7 +763,10 @@ async fn record_failure(
     let run_id: String = row.get("run_id");
     let policy: String = row.get("policy");
     let age_seconds: f64 = row.get("age_seconds");
-    if matches!(cmd_state.as_str(), "succeeded" | "quarantined" | "cancelled") {
+    if matches!(
+        cmd_state.as_str(),
+        "succeeded" | "quarantined" | "cancelled"
+    ) {
         return Ok(ConsumeOutcome::Duplicate {
             command_id: command_id.to_string(),
             state: cmd_state,
@@ -783,7 +788,11 @@ async fn record_failure(
         Executor::Delivery => attempts + 1,
         Executor::Claimed(n) => n,
     };
-    let attempts_after = if snooze { this_attempt - 1 } else { this_attempt };
+    let attempts_after = if snooze {
+        this_attempt - 1
+    } else {
+        this_attempt
+    };
     let age_spent = age_seconds > retry.max_age.seconds() as f64;
     let quarantine = f.class == FailureClass::Permanent
         || age_spent
@@ -858,7 +867,9 @@ async fn record_failure(
     }
 
     let delay = match f.class {
-        FailureClass::Throttled { until } => (until - Utc::now()).num_milliseconds().max(1_000) as f64 / 1000.0,
+        FailureClass::Throttled { until } => {
+            (until - Utc::now()).num_milliseconds().max(1_000) as f64 / 1000.0
+        }
         _ => retry
             .backoff()
             .delay_seconds(attempts_after.max(0) as u32, &mut rand::rng())

@@ -59,8 +59,15 @@ pub async fn suspend(
     .bind(reason)
     .fetch_one(&mut *tx)
     .await?;
-    log_operator_act(&mut tx, subject, "suspend", &format!("policy:{policy}"), reason, serde_json::json!({}))
-        .await?;
+    log_operator_act(
+        &mut tx,
+        subject,
+        "suspend",
+        &format!("policy:{policy}"),
+        reason,
+        serde_json::json!({}),
+    )
+    .await?;
     tx.commit().await?;
     Ok(state)
 }
@@ -157,10 +164,11 @@ pub async fn cancel(
     subject: &str,
     reason: &str,
 ) -> Result<Cancelled, CancelError> {
-    let status: Option<String> = sqlx::query_scalar("select status from sweeper.runs where run_id = $1")
-        .bind(run_id)
-        .fetch_optional(pool)
-        .await?;
+    let status: Option<String> =
+        sqlx::query_scalar("select status from sweeper.runs where run_id = $1")
+            .bind(run_id)
+            .fetch_optional(pool)
+            .await?;
     match status.as_deref() {
         None => return Err(CancelError::NotFound(run_id.into())),
         Some(s @ ("completed" | "completed_with_dead_letters")) => {
@@ -169,10 +177,12 @@ pub async fn cancel(
         _ => {}
     }
     let mut tx = pool.begin().await?;
-    sqlx::query("update sweeper.planning_jobs set done = true, lease_until = null where run_id = $1")
-        .bind(run_id)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query(
+        "update sweeper.planning_jobs set done = true, lease_until = null where run_id = $1",
+    )
+    .bind(run_id)
+    .execute(&mut *tx)
+    .await?;
     let n = sqlx::query(
         "update sweeper.commands
             set state = 'cancelled', finished_at = sweeper.now(), lease_until = null, lease_owner = null

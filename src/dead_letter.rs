@@ -301,12 +301,13 @@ pub async fn abandon(
     reason: &str,
 ) -> Result<ActResult, ActError> {
     let mut tx = pool.begin().await?;
-    let status: String =
-        sqlx::query_scalar("select status from sweeper.dead_letters where dead_letter_id = $1 for update")
-            .bind(id)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(ActError::NotFound(id))?;
+    let status: String = sqlx::query_scalar(
+        "select status from sweeper.dead_letters where dead_letter_id = $1 for update",
+    )
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await?
+    .ok_or(ActError::NotFound(id))?;
     match status.as_str() {
         "open" => {}
         "abandoned" => return Ok(ActResult::NoOp { status }),
@@ -364,8 +365,11 @@ pub async fn redrive_many(
     let mut done = Vec::new();
     for id in ids {
         // One short transaction each, so a conflict on one does not undo the others.
-        if let Ok(ActResult::Redriven { .. }) = redrive(pool, id, subject, reason).await {
-            done.push(id);
+        match redrive(pool, id, subject, reason).await {
+            Ok(ActResult::Redriven { .. }) => done.push(id),
+            // Redriven, resolved or abandoned meanwhile: not this call's to redo.
+            Ok(_) | Err(ActError::NotFound(_)) | Err(ActError::Conflict(_)) => {}
+            Err(e @ ActError::Db(_)) => return Err(e),
         }
     }
     Ok(done)

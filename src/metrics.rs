@@ -34,7 +34,8 @@ pub fn attempt_failed(class: FailureClass) {
     } else {
         "failed"
     };
-    counter!("sweeper_attempts_total", "outcome" => outcome, "class" => class.as_str()).increment(1);
+    counter!("sweeper_attempts_total", "outcome" => outcome, "class" => class.as_str())
+        .increment(1);
 }
 
 /// Counts a quarantine by this process (`sweeper_attempts_total{outcome="quarantined"}`).
@@ -49,8 +50,10 @@ pub fn attempt_succeeded() {
 }
 
 /// Reads the ledger-wide values and renders everything in Prometheus text format.
+///
+/// The ledger-wide values go through a recorder local to this scrape, so concurrent scrapes
+/// (or several applications in one test process) cannot mix their numbers.
 pub async fn render(pool: &PgPool) -> sqlx::Result<String> {
-    let handle = handle();
     let (open, oldest_open, quarantined_total): (i64, Option<f64>, i64) = sqlx::query_as(
         "select count(*) filter (where status = 'open'),
                 extract(epoch from sweeper.now() - min(created_at) filter (where status = 'open'))::float8,
@@ -59,18 +62,10 @@ pub async fn render(pool: &PgPool) -> sqlx::Result<String> {
     )
     .fetch_one(pool)
     .await?;
-    gauge!("sweeper_dead_letters_open").set(open as f64);
-    gauge!("sweeper_dead_letters_oldest_open_age_seconds").set(oldest_open.unwrap_or(0.0));
-    counter!("sweeper_quarantined_total").absolute(quarantined_total as u64);
-
     let states: Vec<(String, i64)> =
         sqlx::query_as("select state, count(*) from sweeper.commands group by state")
             .fetch_all(pool)
             .await?;
-    for s in ["pending", "leased", "succeeded", "quarantined", "cancelled"] {
-        let n = states.iter().find(|(k, _)| k == s).map(|(_, n)| *n).unwrap_or(0);
-        gauge!("sweeper_commands", "state" => s).set(n as f64);
-    }
     let oldest_due: Option<f64> = sqlx::query_scalar(
         "select extract(epoch from (select sweeper.now()) - min(next_attempt_at))::float8
            from sweeper.commands
@@ -78,31 +73,52 @@ pub async fn render(pool: &PgPool) -> sqlx::Result<String> {
     )
     .fetch_one(pool)
     .await?;
-    gauge!("sweeper_oldest_due_command_age_seconds").set(oldest_due.unwrap_or(0.0));
-
     let runs: Vec<(String, i64)> =
         sqlx::query_as("select status, count(*) from sweeper.runs group by status")
             .fetch_all(pool)
             .await?;
-    for s in [
-        "planning",
-        "running",
-        "completed",
-        "completed_with_dead_letters",
-        "cancelled",
-    ] {
-        let n = runs.iter().find(|(k, _)| k == s).map(|(_, n)| *n).unwrap_or(0);
-        gauge!("sweeper_runs", "status" => s).set(n as f64);
-    }
     let last: Vec<(String, f64)> = sqlx::query_as(
         "select policy, extract(epoch from max(completed_at))::float8 from sweeper.runs
           where status = 'completed' and not dry_run group by policy",
     )
     .fetch_all(pool)
     .await?;
-    for (policy, at) in last {
-        gauge!("sweeper_last_successful_run_timestamp_seconds", "policy" => policy).set(at);
-    }
-    handle.run_upkeep();
-    Ok(handle.render())
+
+    let scrape = PrometheusBuilder::new().build_recorder();
+    let scrape_handle = scrape.handle();
+    metrics::with_local_recorder(&scrape, || {
+        gauge!("sweeper_dead_letters_open").set(open as f64);
+        gauge!("sweeper_dead_letters_oldest_open_age_seconds").set(oldest_open.unwrap_or(0.0));
+        counter!("sweeper_quarantined_total").absolute(quarantined_total as u64);
+        for s in ["pending", "leased", "succeeded", "quarantined", "cancelled"] {
+            let n = states
+                .iter()
+                .find(|(k, _)| k == s)
+                .map(|(_, n)| *n)
+                .unwrap_or(0);
+            gauge!("sweeper_commands", "state" => s).set(n as f64);
+        }
+        gauge!("sweeper_oldest_due_command_age_seconds").set(oldest_due.unwrap_or(0.0));
+        for s in [
+            "planning",
+            "running",
+            "completed",
+            "completed_with_dead_letters",
+            "cancelled",
+        ] {
+            let n = runs
+                .iter()
+                .find(|(k, _)| k == s)
+                .map(|(_, n)| *n)
+                .unwrap_or(0);
+            gauge!("sweeper_runs", "status" => s).set(n as f64);
+        }
+        for (policy, at) in &last {
+            gauge!("sweeper_last_successful_run_timestamp_seconds", "policy" => policy.clone())
+                .set(*at);
+        }
+    });
+    let process = handle();
+    process.run_upkeep();
+    Ok(format!("{}{}", scrape_handle.render(), process.render()))
 }

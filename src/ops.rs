@@ -60,6 +60,9 @@ pub async fn list_runs(
     Ok(Json(json!({ "runs": runs })).into_response())
 }
 
+/// (command_id, state, attempts, last_error, last_error_class) of a stopped command.
+type StoppedCommand = (String, String, i32, Option<String>, Option<String>);
+
 /// `GET /runs/{run_id}` (scope `ops:read`): the run with its commands per state.
 pub async fn get_run(
     State(state): State<AppState>,
@@ -73,7 +76,7 @@ pub async fn get_run(
         .ok_or_else(|| unknown_run(&run_id))?;
     drop(conn);
     let commands = ledger::command_states(&state.pool, &run_id).await?;
-    let stopped: Vec<(String, String, i32, Option<String>, Option<String>)> = sqlx::query_as(
+    let stopped: Vec<StoppedCommand> = sqlx::query_as(
         "select command_id, state, attempts, last_error, last_error_class from sweeper.commands
           where run_id = $1 and state in ('quarantined', 'cancelled')
           order by batch_no limit 100",
@@ -95,21 +98,24 @@ pub async fn get_run(
     .await?;
     let mut body = serde_json::to_value(&run).map_err(Problem::internal)?;
     body["commands"] = json!(commands);
-    body["stopped_commands"] = json!(stopped
-        .into_iter()
-        .map(|(command_id, state, attempts, error, class)| json!({
-            "command_id": command_id, "state": state, "attempts": attempts,
-            "last_error": error, "last_error_class": class, "replay_safe": verdict,
-        }))
-        .collect::<Vec<_>>());
-    body["open_dead_letters"] = json!(open
-        .into_iter()
-        .map(|d| {
-            let mut v = serde_json::to_value(&d).unwrap_or_default();
-            v["replay_safe"] = verdict.clone();
-            v
-        })
-        .collect::<Vec<_>>());
+    body["stopped_commands"] = json!(
+        stopped
+            .into_iter()
+            .map(|(command_id, state, attempts, error, class)| json!({
+                "command_id": command_id, "state": state, "attempts": attempts,
+                "last_error": error, "last_error_class": class, "replay_safe": verdict,
+            }))
+            .collect::<Vec<_>>()
+    );
+    body["open_dead_letters"] = json!(
+        open.into_iter()
+            .map(|d| {
+                let mut v = serde_json::to_value(&d).unwrap_or_default();
+                v["replay_safe"] = verdict.clone();
+                v
+            })
+            .collect::<Vec<_>>()
+    );
     Ok(Json(body).into_response())
 }
 
@@ -252,6 +258,13 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
 #[serde(deny_unknown_fields)]
 struct ReasonBody {
     reason: String,
+}
+
+/// The body of a bulk redrive: a reason and what to redrive.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BulkRedriveBody {
+    reason: String,
     #[serde(default)]
     run_id: Option<String>,
     #[serde(default)]
@@ -260,15 +273,29 @@ struct ReasonBody {
     limit: Option<i64>,
 }
 
-fn reason_of(body: &[u8]) -> Result<ReasonBody, Problem> {
-    let b: ReasonBody = serde_json::from_slice(body).map_err(|e| {
+trait HasReason {
+    fn reason(&self) -> &str;
+}
+impl HasReason for ReasonBody {
+    fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+impl HasReason for BulkRedriveBody {
+    fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+fn reason_of<B: serde::de::DeserializeOwned + HasReason>(body: &[u8]) -> Result<B, Problem> {
+    let b: B = serde_json::from_slice(body).map_err(|e| {
         Problem::new(
             StatusCode::BAD_REQUEST,
             "bad-body",
             format!("send a JSON body {{\"reason\": \"why you do this\"}}: {e}"),
         )
     })?;
-    let len = b.reason.trim().chars().count();
+    let len = b.reason().trim().chars().count();
     if !(1..=1000).contains(&len) {
         return Err(Problem::new(
             StatusCode::BAD_REQUEST,
@@ -305,7 +332,10 @@ pub async fn list_dead_letters(
     if let Some(c) = &q.class
         && !CLASSES.contains(&c.as_str())
     {
-        return Err(bad_query(format!("class must be one of {}", CLASSES.join(", "))));
+        return Err(bad_query(format!(
+            "class must be one of {}",
+            CLASSES.join(", ")
+        )));
     }
     if let Some(s) = &q.state
         && !matches!(s.as_str(), "open" | "resolved")
@@ -371,7 +401,7 @@ pub async fn redrive_dead_letter(
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
-    let b = reason_of(&body)?;
+    let b: ReasonBody = reason_of(&body)?;
     let r = crate::dead_letter::redrive(&state.pool, id, &caller.0.subject, b.reason.trim())
         .await
         .map_err(act_problem)?;
@@ -387,7 +417,7 @@ pub async fn abandon_dead_letter(
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
-    let b = reason_of(&body)?;
+    let b: ReasonBody = reason_of(&body)?;
     let r = crate::dead_letter::abandon(&state.pool, id, &caller.0.subject, b.reason.trim())
         .await
         .map_err(act_problem)?;
@@ -403,7 +433,7 @@ pub async fn redrive_dead_letters(
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
-    let b = reason_of(&body)?;
+    let b: BulkRedriveBody = reason_of(&body)?;
     if b.run_id.is_none() && b.class.is_none() {
         return Err(Problem::new(
             StatusCode::BAD_REQUEST,
@@ -422,7 +452,11 @@ pub async fn redrive_dead_letters(
     }
     let limit = b.limit.unwrap_or(100);
     if !(1..=1000).contains(&limit) {
-        return Err(Problem::new(StatusCode::BAD_REQUEST, "bad-body", "limit must be between 1 and 1000"));
+        return Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "bad-body",
+            "limit must be between 1 and 1000",
+        ));
     }
     let ids = crate::dead_letter::redrive_many(
         &state.pool,
@@ -438,7 +472,10 @@ pub async fn redrive_dead_letters(
     Ok(Json(json!({ "redriven": ids })).into_response())
 }
 
-fn require_policy<'a>(state: &'a AppState, policy: &str) -> Result<&'a crate::policy::Policy, Problem> {
+fn require_policy<'a>(
+    state: &'a AppState,
+    policy: &str,
+) -> Result<&'a crate::policy::Policy, Problem> {
     state.config.policy(policy).ok_or_else(|| {
         Problem::new(
             StatusCode::NOT_FOUND,
@@ -457,8 +494,9 @@ pub async fn suspend_policy(
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
     require_policy(&state, &policy)?;
-    let b = reason_of(&body)?;
-    let ps = crate::control::suspend(&state.pool, &policy, &caller.0.subject, b.reason.trim()).await?;
+    let b: ReasonBody = reason_of(&body)?;
+    let ps =
+        crate::control::suspend(&state.pool, &policy, &caller.0.subject, b.reason.trim()).await?;
     Ok(Json(ps).into_response())
 }
 
@@ -471,8 +509,9 @@ pub async fn resume_policy(
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
     require_policy(&state, &policy)?;
-    let b = reason_of(&body)?;
-    let ps = crate::control::resume(&state.pool, &policy, &caller.0.subject, b.reason.trim()).await?;
+    let b: ReasonBody = reason_of(&body)?;
+    let ps =
+        crate::control::resume(&state.pool, &policy, &caller.0.subject, b.reason.trim()).await?;
     state.wake_workers.notify_waiters();
     Ok(Json(ps).into_response())
 }
@@ -485,7 +524,7 @@ pub async fn cancel_run(
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
-    let b = reason_of(&body)?;
+    let b: ReasonBody = reason_of(&body)?;
     let c = crate::control::cancel(&state.pool, &run_id, &caller.0.subject, b.reason.trim())
         .await
         .map_err(|e| match e {
@@ -516,7 +555,8 @@ async fn replay_verdict(state: &AppState, run_id: &str) -> Result<serde_json::Va
     };
     let version_current = current.as_deref() == Some(pinned.as_str());
     let mut reasons = vec![
-        "effect idempotent: a command's deletes, audit rows and state commit in one transaction".to_string(),
+        "effect idempotent: a command's deletes, audit rows and state commit in one transaction"
+            .to_string(),
         "cutoff fixed: stored on the run and bound into every query".to_string(),
     ];
     if version_current {

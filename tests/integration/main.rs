@@ -4,5 +4,6 @@ mod cli;
 mod common;
 mod consume;
 mod contract;
+mod failures;
 mod planning;
 mod trigger;
