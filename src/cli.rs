@@ -199,6 +199,23 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 .filter(|s| !s.is_empty())
                 .map(str::to_string)
                 .collect();
+            if sub.trim().is_empty() {
+                anyhow::bail!("--sub must not be empty: it names who acts with this token");
+            }
+            for scope in &scopes {
+                let known = matches!(
+                    scope.as_str(),
+                    "consume" | "ops:read" | "ops:write" | "trigger:*"
+                ) || scope
+                    .strip_prefix("trigger:")
+                    .is_some_and(|p| config.policy(p).is_some());
+                if !known {
+                    anyhow::bail!(
+                        "unknown scope `{scope}`: use consume, ops:read, ops:write, trigger:* or \
+                         trigger:<policy> for a configured policy"
+                    );
+                }
+            }
             println!(
                 "{}",
                 crate::auth::mint(issuer, &sub, &scopes, ttl.seconds())?

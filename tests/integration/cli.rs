@@ -206,6 +206,21 @@ async fn the_token_command_mints_tokens_the_server_accepts() {
         .await
         .unwrap();
     assert_eq!(ok.status(), 200);
+    for (scope, sub) in [("ops:admin", "x"), ("trigger:nope", "x"), ("ops:read", " ")] {
+        let out = sweeper(&[
+            "token",
+            "--config",
+            path.to_str().unwrap(),
+            "--scope",
+            scope,
+            "--sub",
+            sub,
+        ])
+        .output()
+        .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{scope} / {sub:?}");
+        assert!(out.stdout.is_empty());
+    }
     let listed = app
         .client
         .get(format!("{}/runs", app.base))
