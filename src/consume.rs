@@ -188,6 +188,24 @@ pub async fn execute(
     actor: &str,
 ) -> Result<ConsumeOutcome, Failure> {
     let started = Instant::now();
+    // Fast path for duplicate deliveries: a terminal state is final (a redrive re-queues the
+    // command itself), so one indexed read answers without a transaction or a row lock.
+    if let Executor::Delivery = executor {
+        let terminal: Option<String> = sqlx::query_scalar(
+            "select state from sweeper.commands where command_id = $1
+               and state in ('succeeded', 'quarantined', 'cancelled')",
+        )
+        .bind(command_id)
+        .fetch_optional(&state.pool)
+        .await
+        .map_err(|e| Failure::from_db(&e))?;
+        if let Some(state) = terminal {
+            return Ok(ConsumeOutcome::Duplicate {
+                command_id: command_id.to_string(),
+                state,
+            });
+        }
+    }
     let deadline = state.config.consume.command_deadline.std();
     let mut per_item = false;
     loop {

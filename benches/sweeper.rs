@@ -1,0 +1,647 @@
+//! Sweeper against PostgreSQL's own limit and against a naive job, in one reproducible run.
+//!
+//! `cargo bench --bench sweeper` (release build) on the local PostgreSQL (`DATABASE_URL` names the
+//! server). Every contender works on its own copy of one seeded database (`CREATE DATABASE ...
+//! TEMPLATE`), and repetitions are interleaved, so each figure is a ratio measured side by side.
+//! See BENCHMARKS.md for what each contender is and the last full run.
+//!
+//! Options: `--rows N` (default 1000000), `--backlog N` (default 10000000), `--reps N` (3),
+//! `--batch N` (250), `--naive-sample N` (20000), `--triggers N` (25), `--wrk-seconds N` (5),
+//! `--json PATH` (target/bench/sweeper.json), `--smoke` (small sizes, for CI).
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sqlx::{Connection, PgConnection, PgPool};
+use tokio::sync::Mutex;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sweeper");
+const SECRET: &str = "bench-secret-bench-secret-bench-secret-0123";
+
+#[derive(Debug, Clone)]
+struct Opts {
+    rows: i64,
+    backlog: i64,
+    reps: usize,
+    batch: usize,
+    naive_sample: i64,
+    triggers: usize,
+    wrk_seconds: u64,
+    json: String,
+}
+
+fn opts() -> Opts {
+    let mut o = Opts {
+        rows: 1_000_000,
+        backlog: 10_000_000,
+        reps: 3,
+        batch: 250,
+        naive_sample: 20_000,
+        triggers: 25,
+        wrk_seconds: 5,
+        json: "target/bench/sweeper.json".into(),
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < args.len() {
+        let next = || args.get(i + 1).cloned().unwrap_or_default();
+        match args[i].as_str() {
+            "--smoke" => {
+                o.rows = 20_000;
+                o.backlog = 200_000;
+                o.reps = 1;
+                o.naive_sample = 2_000;
+                o.triggers = 20;
+                o.wrk_seconds = 2;
+                i += 1;
+                continue;
+            }
+            "--rows" => o.rows = next().parse().expect("--rows N"),
+            "--backlog" => o.backlog = next().parse().expect("--backlog N"),
+            "--reps" => o.reps = next().parse().expect("--reps N"),
+            "--batch" => o.batch = next().parse().expect("--batch N"),
+            "--naive-sample" => o.naive_sample = next().parse().expect("--naive-sample N"),
+            "--triggers" => o.triggers = next().parse().expect("--triggers N"),
+            "--wrk-seconds" => o.wrk_seconds = next().parse().expect("--wrk-seconds N"),
+            "--json" => o.json = next(),
+            // cargo bench passes --bench; ignore what is not ours.
+            _ => {
+                i += 1;
+                continue;
+            }
+        }
+        i += 2;
+    }
+    o
+}
+
+fn server_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+fn db_url(name: &str) -> String {
+    let mut u = url::Url::parse(&server_url()).unwrap();
+    u.set_path(&format!("/{name}"));
+    u.to_string()
+}
+
+async fn admin() -> PgConnection {
+    PgConnection::connect(&server_url())
+        .await
+        .expect("PostgreSQL answers")
+}
+
+async fn drop_db(name: &str) {
+    let mut a = admin().await;
+    sqlx::query(&format!("drop database if exists {name} with (force)"))
+        .execute(&mut a)
+        .await
+        .unwrap();
+}
+
+async fn copy_db(template: &str, name: &str) {
+    drop_db(name).await;
+    let mut a = admin().await;
+    sqlx::query(&format!("create database {name} template {template}"))
+        .execute(&mut a)
+        .await
+        .unwrap();
+}
+
+fn policy_toml(batch: usize) -> String {
+    format!(
+        r#"
+[[policy]]
+name = "ticket-retention"
+schedule = {{ cron = "0 2 * * *", timezone = "UTC" }}
+target = {{ table = "demo.tickets", key = "id", timestamp = "closed_at" }}
+retain_for = "90d"
+exclude = [ {{ column = "legal_hold", equals = true }} ]
+batch_size = {batch}
+max_concurrent_commands = 16
+"#
+    )
+}
+
+fn config_toml(db: &str, port: u16, workers: usize, batch: usize) -> String {
+    format!(
+        r#"
+database_url = "{url}"
+listen = "127.0.0.1:{port}"
+[database]
+max_connections = 12
+[queue]
+workers = {workers}
+[[auth.issuer]]
+iss = "bench"
+audience = "sweeper"
+keys = [ {{ kid = "bench", secret = "{SECRET}" }} ]
+{policy}
+"#,
+        url = db_url(db),
+        policy = policy_toml(batch)
+    )
+}
+
+fn token() -> String {
+    let issuer = sweeper::auth::Issuer {
+        iss: "bench".into(),
+        audience: "sweeper".into(),
+        keys: vec![("bench".into(), secrecy::SecretString::from(SECRET))],
+    };
+    let scopes: Vec<String> = ["trigger:*", "consume", "ops:read", "ops:write"]
+        .map(String::from)
+        .to_vec();
+    sweeper::auth::mint(&issuer, "bench", &scopes, 7_200).unwrap()
+}
+
+fn window() -> chrono::DateTime<chrono::Utc> {
+    sweeper::window::Schedule::new("0 2 * * *", "UTC")
+        .unwrap()
+        .latest_tick_at_or_before(chrono::Utc::now())
+        .unwrap()
+}
+
+/// Seeds a database: the ledger migrated, `demo.tickets` with `rows` rows of ~200 bytes, ~70 %
+/// older than the cutoff, ~2 % on legal hold (deterministic: the generator is seeded).
+async fn seed(name: &str, rows: i64) {
+    drop_db(name).await;
+    let mut a = admin().await;
+    sqlx::query(&format!("create database {name}"))
+        .execute(&mut a)
+        .await
+        .unwrap();
+    let pool = PgPool::connect(&db_url(name)).await.unwrap();
+    sweeper::ledger::MIGRATOR.run(&pool).await.unwrap();
+    let mut c = pool.acquire().await.unwrap();
+    for stmt in [
+        "create schema demo",
+        "create table demo.tickets (id bigint primary key, customer_id bigint not null,
+             status text not null, legal_hold boolean not null, closed_at timestamptz,
+             subject text not null, body text not null)",
+        "select setseed(0.17)",
+    ] {
+        sqlx::query(stmt).execute(&mut *c).await.unwrap();
+    }
+    let w = window();
+    // Closed uniformly over the 300 days before the window: 210/300 = 70 % before the cutoff.
+    let mut start = 1i64;
+    while start <= rows {
+        let end = (start + 1_000_000 - 1).min(rows);
+        sqlx::query(
+            "insert into demo.tickets
+             select g, 1 + g % 50000, 'closed', random() < 0.02,
+                    $3::timestamptz - random() * interval '300 days',
+                    'Ticket ' || g || ': refund request for order', repeat('x', 120)
+               from generate_series($1::bigint, $2::bigint) g",
+        )
+        .bind(start)
+        .bind(end)
+        .bind(w)
+        .execute(&mut *c)
+        .await
+        .unwrap();
+        start = end + 1;
+    }
+    sqlx::query("create index tickets_closed_at on demo.tickets (closed_at)")
+        .execute(&mut *c)
+        .await
+        .unwrap();
+    sqlx::query("vacuum analyze demo.tickets")
+        .execute(&mut *c)
+        .await
+        .unwrap();
+    drop(c);
+    pool.close().await;
+}
+
+async fn eligible_count(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("select count(*) from demo.tickets where closed_at < $1 and not legal_hold")
+        .bind(window() - chrono::TimeDelta::days(90))
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// The physical limit: sweeper's own delete_rows statements per command (the consume pipeline,
+/// called in process: no HTTP, no queue, no service), `conns` commands at a time.
+async fn physical(db: &str, batch: usize, conns: usize) -> f64 {
+    let config = sweeper::config::Config::from_toml(&config_toml(db, 0, 0, batch)).unwrap();
+    let policy = config.policies[0].clone();
+    let app = sweeper::app::Application::build(config).await.unwrap();
+    let state = app.state();
+    let principal = sweeper::auth::Principal {
+        subject: "bench".into(),
+        scopes: ["ops:write".to_string()].into_iter().collect(),
+    };
+    let hints = sweeper::trigger::WindowHints {
+        schedule_time_header: None,
+        window_param: Some(sweeper::window::format(window())),
+    };
+    let run = match sweeper::trigger::trigger(&state, &policy, hints, false, &principal)
+        .await
+        .unwrap()
+    {
+        sweeper::trigger::TriggerOutcome::Created(r) => r,
+        other => panic!("{other:?}"),
+    };
+    while sweeper::plan::plan_next_job(&state).await.unwrap() != sweeper::plan::PlanStep::Idle {}
+    let ids: Vec<String> = sqlx::query_scalar(
+        "select command_id from sweeper.commands where run_id = $1 order by batch_no desc",
+    )
+    .bind(&run.run_id)
+    .fetch_all(&state.pool)
+    .await
+    .unwrap();
+    let queue = std::sync::Arc::new(Mutex::new(ids));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..conns {
+        let (q, s) = (queue.clone(), state.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let Some(id) = q.lock().await.pop() else {
+                    return;
+                };
+                sweeper::consume::execute(&s, &id, sweeper::consume::Executor::Delivery, "bench")
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let deleted: i64 = sqlx::query_scalar("select deleted from sweeper.runs where run_id = $1")
+        .bind(&run.run_id)
+        .fetch_one(&state.pool)
+        .await
+        .unwrap();
+    state.pool.close().await;
+    deleted as f64 / seconds
+}
+
+/// The naive job: one DELETE and one audit INSERT per row, autocommit, over `sample` rows.
+async fn naive(db: &str, sample: i64) -> f64 {
+    let mut c = PgConnection::connect(&db_url(db)).await.unwrap();
+    let ids: Vec<i64> = sqlx::query_scalar(
+        "select id from demo.tickets where closed_at < $1 and not legal_hold order by id limit $2",
+    )
+    .bind(window() - chrono::TimeDelta::days(90))
+    .bind(sample)
+    .fetch_all(&mut c)
+    .await
+    .unwrap();
+    let started = Instant::now();
+    for id in &ids {
+        sqlx::query("delete from demo.tickets where id = $1")
+            .bind(id)
+            .execute(&mut c)
+            .await
+            .unwrap();
+        sqlx::query(
+            "insert into sweeper.audit (policy, policy_version, run_id, window_at, cutoff,
+                                        command_id, item_key, outcome, actor, dry_run)
+             values ('naive', 'v', 'naive', now(), now(), 'naive', $1, 'deleted', 'naive', false)",
+        )
+        .bind(id.to_string())
+        .execute(&mut c)
+        .await
+        .unwrap();
+    }
+    ids.len() as f64 / started.elapsed().as_secs_f64()
+}
+
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    async fn start(db: &str, workers: usize, batch: usize) -> Server {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(format!("sweeper-bench-{port}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("sweeper.toml");
+        std::fs::write(&path, config_toml(db, port, workers, batch)).unwrap();
+        let child = Command::new(BIN)
+            .args(["serve", "--config", path.to_str().unwrap()])
+            .env_remove("DATABASE_URL")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let base = format!("http://127.0.0.1:{port}");
+        let started = Instant::now();
+        while reqwest::get(format!("{base}/readyz"))
+            .await
+            .map(|r| r.status() != 200)
+            .unwrap_or(true)
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "server did not start"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Server { child, base }
+    }
+
+    /// Peak resident set size so far, in MB (VmHWM).
+    fn peak_rss_mb(&self) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        status
+            .lines()
+            .find(|l| l.starts_with("VmHWM:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<f64>().ok())
+            .map(|kb| kb / 1024.0)
+            .unwrap_or(f64::NAN)
+    }
+}
+
+/// Sweeper end to end: a real server process, a real HTTP trigger, the built-in queue draining
+/// the run with `workers` workers; items/s from the trigger to the run's completion, and the
+/// server's peak RSS.
+async fn sweeper_builtin(db: &str, batch: usize, workers: usize) -> (f64, f64) {
+    let server = Server::start(db, workers, batch).await;
+    let started = Instant::now();
+    let r = reqwest::Client::new()
+        .post(format!(
+            "{}/trigger/ticket-retention?window={}",
+            server.base,
+            sweeper::window::format(window())
+        ))
+        .bearer_auth(token())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let run: Value = r.json().await.unwrap();
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    let pool = PgPool::connect(&db_url(db)).await.unwrap();
+    let deleted: i64 = loop {
+        let (status, deleted): (String, i64) =
+            sqlx::query_as("select status, deleted from sweeper.runs where run_id = $1")
+                .bind(&run_id)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        if status.starts_with("completed") {
+            break deleted;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    let rss = server.peak_rss_mb();
+    pool.close().await;
+    (deleted as f64 / seconds, rss)
+}
+
+/// Trigger latency with a backlog: `n` dry-run triggers (each a new run) against a table of
+/// `backlog` rows, sequentially; returns (p50, p99) in milliseconds.
+async fn trigger_latency(db: &str, batch: usize, n: usize) -> (f64, f64) {
+    let server = Server::start(db, 0, batch).await;
+    let client = reqwest::Client::new();
+    let url = format!(
+        "{}/trigger/ticket-retention?dry_run=true&window={}",
+        server.base,
+        sweeper::window::format(window())
+    );
+    let token = token();
+    let mut ms = Vec::new();
+    for _ in 0..n {
+        let started = Instant::now();
+        let r = client.post(&url).bearer_auth(&token).send().await.unwrap();
+        assert_eq!(r.status(), 202);
+        let _ = r.bytes().await;
+        ms.push(started.elapsed().as_secs_f64() * 1000.0);
+    }
+    ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let pct = |p: f64| ms[((ms.len() as f64 - 1.0) * p).round() as usize];
+    (pct(0.5), pct(0.99))
+}
+
+/// Requests/s of a wrk run.
+fn wrk(url: &str, lua: &str, seconds: u64) -> f64 {
+    let dir = std::env::temp_dir().join("sweeper-bench-wrk");
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = dir.join(format!("{}.lua", lua.len()));
+    std::fs::write(&script, lua).unwrap();
+    let out = Command::new("wrk")
+        .args([
+            "-t2",
+            "-c16",
+            &format!("-d{seconds}s"),
+            "-s",
+            script.to_str().unwrap(),
+            url,
+        ])
+        .output()
+        .expect("wrk runs (apt-get install wrk)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let non2xx = text.contains("Non-2xx");
+    assert!(!non2xx, "wrk saw errors:\n{text}");
+    text.lines()
+        .find(|l| l.starts_with("Requests/sec:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no Requests/sec in wrk output:\n{text}"))
+}
+
+/// The duplicate-delivery fast path next to an authenticated endpoint of the same server that
+/// does one indexed lookup (`GET /dead-letters/{id}` of an envelope dead letter), interleaved;
+/// returns (consume rps, lookup rps).
+async fn fast_path(db: &str, batch: usize, seconds: u64) -> Option<(f64, f64)> {
+    if Command::new("wrk").arg("--version").output().is_err() {
+        eprintln!("wrk is not installed (apt-get install wrk): skipping the fast-path ratio");
+        return None;
+    }
+    let server = Server::start(db, 0, batch).await;
+    let pool = PgPool::connect(&db_url(db)).await.unwrap();
+    let command: String = sqlx::query_scalar(
+        "select command_id from sweeper.commands where state = 'succeeded' limit 1",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let dl: i64 = sqlx::query_scalar(
+        "insert into sweeper.dead_letters (kind, reason, class, raw_sha256, first_failure_at, last_failure_at)
+         values ('envelope', 'bench', 'permanent', 'bench', now(), now()) returning dead_letter_id",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    pool.close().await;
+    let token = token();
+    let consume_lua = format!(
+        "wrk.method = \"POST\"\nwrk.body = '{{\"command_id\": \"{command}\"}}'\n\
+         wrk.headers[\"Content-Type\"] = \"application/json\"\n\
+         wrk.headers[\"Authorization\"] = \"Bearer {token}\"\n"
+    );
+    let lookup_lua = format!("wrk.headers[\"Authorization\"] = \"Bearer {token}\"\n");
+    let (mut c, mut l) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        l.push(wrk(
+            &format!("{}/dead-letters/{dl}", server.base),
+            &lookup_lua,
+            seconds,
+        ));
+        c.push(wrk(
+            &format!("{}/consume", server.base),
+            &consume_lua,
+            seconds,
+        ));
+    }
+    Some((median(&mut c), median(&mut l)))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+    let o = opts();
+    let t0 = Instant::now();
+    let seed_db = format!("sweeper_bench_seed_{}", o.rows);
+    let work = "sweeper_bench_work";
+    eprintln!("seeding {} rows ...", o.rows);
+    seed(&seed_db, o.rows).await;
+    let eligible = {
+        let p = PgPool::connect(&db_url(&seed_db)).await.unwrap();
+        let n = eligible_count(&p).await;
+        p.close().await;
+        n
+    };
+    eprintln!(
+        "{eligible} eligible rows; {} repetitions, batch {}",
+        o.reps, o.batch
+    );
+
+    let contenders = [
+        "physical_1conn",
+        "physical_2conn",
+        "naive",
+        "sweeper_builtin_1worker",
+        "sweeper_builtin_2workers",
+    ];
+    let mut results: Vec<Vec<f64>> = vec![Vec::new(); contenders.len()];
+    let mut rss: Vec<f64> = Vec::new();
+    for rep in 0..o.reps {
+        for (i, name) in contenders.iter().enumerate() {
+            copy_db(&seed_db, work).await;
+            let v = match *name {
+                "physical_1conn" => physical(work, o.batch, 1).await,
+                "physical_2conn" => physical(work, o.batch, 2).await,
+                "naive" => naive(work, o.naive_sample).await,
+                "sweeper_builtin_1worker" => {
+                    let (v, r) = sweeper_builtin(work, o.batch, 1).await;
+                    rss.push(r);
+                    v
+                }
+                _ => {
+                    let (v, r) = sweeper_builtin(work, o.batch, 2).await;
+                    rss.push(r);
+                    v
+                }
+            };
+            eprintln!("rep {rep} {name}: {v:.0} items/s");
+            results[i].push(v);
+        }
+    }
+    // The fast path needs a completed run: the last copy has one.
+    let fast = fast_path(work, o.batch, o.wrk_seconds).await;
+    drop_db(work).await;
+
+    let backlog_db = format!("sweeper_bench_backlog_{}", o.backlog);
+    eprintln!("seeding the {}-row backlog ...", o.backlog);
+    seed(&backlog_db, o.backlog).await;
+    let (p50, p99) = trigger_latency(&backlog_db, o.batch, o.triggers).await;
+    drop_db(&backlog_db).await;
+    drop_db(&seed_db).await;
+
+    let med: Vec<f64> = results.iter_mut().map(|v| median(v)).collect();
+    let [phys1, phys2, naive_ips, sw1, sw2] = [med[0], med[1], med[2], med[3], med[4]];
+    let peak_rss = rss.iter().cloned().fold(0.0, f64::max);
+    let table = json!({
+        "rows": o.rows,
+        "eligible": eligible,
+        "batch": o.batch,
+        "repetitions": o.reps,
+        "items_per_second": {
+            "physical_1conn": phys1, "physical_2conn": phys2, "naive": naive_ips,
+            "sweeper_builtin_1worker": sw1, "sweeper_builtin_2workers": sw2,
+        },
+        "samples": contenders.iter().zip(&results).map(|(n, v)| (n.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        "ratio_to_physical": { "sweeper_builtin_1worker": sw1 / phys1, "sweeper_builtin_2workers": sw2 / phys2 },
+        "ratio_to_naive": { "physical_1conn": phys1 / naive_ips, "sweeper_builtin_1worker": sw1 / naive_ips,
+                            "sweeper_builtin_2workers": sw2 / naive_ips },
+        "trigger_latency_ms": { "backlog_rows": o.backlog, "triggers": o.triggers, "p50": p50, "p99": p99 },
+        "fast_path": fast.map(|(c, l)| json!({"consume_duplicate_rps": c, "one_lookup_rps": l, "ratio": c / l})),
+        "server_peak_rss_mb": peak_rss,
+        "seconds": t0.elapsed().as_secs_f64(),
+    });
+
+    println!();
+    println!(
+        "sweeper benchmark: {} rows ({} eligible), batch {}, {} repetition(s), medians",
+        o.rows, eligible, o.batch, o.reps
+    );
+    println!(
+        "{:<28}{:>12}{:>14}{:>12}",
+        "contender", "items/s", "vs physical", "vs naive"
+    );
+    let row = |name: &str, v: f64, phys: Option<f64>| {
+        let vp = phys
+            .map(|p| format!("{:.2}x", v / p))
+            .unwrap_or_else(|| "-".into());
+        println!("{name:<28}{v:>12.0}{vp:>14}{:>11.1}x", v / naive_ips);
+    };
+    row("physical limit, 1 conn", phys1, None);
+    row("physical limit, 2 conns", phys2, None);
+    row("naive (row by row)", naive_ips, None);
+    row("sweeper built-in, 1 worker", sw1, Some(phys1));
+    row("sweeper built-in, 2 workers", sw2, Some(phys2));
+    println!(
+        "trigger latency with a {}-row backlog: p50 {p50:.1} ms, p99 {p99:.1} ms ({} dry-run triggers)",
+        o.backlog, o.triggers
+    );
+    match fast {
+        Some((c, l)) => println!(
+            "duplicate /consume fast path: {c:.0} req/s vs one-lookup endpoint {l:.0} req/s: {:.2}x",
+            c / l
+        ),
+        None => println!("duplicate /consume fast path: skipped (no wrk)"),
+    }
+    println!("server peak RSS: {peak_rss:.1} MB");
+    println!("total {:.0} s", t0.elapsed().as_secs_f64());
+    if let Some(dir) = std::path::Path::new(&o.json).parent() {
+        std::fs::create_dir_all(dir).unwrap();
+    }
+    std::fs::write(&o.json, serde_json::to_string_pretty(&table).unwrap()).unwrap();
+    println!("{}", serde_json::to_string(&table).unwrap());
+}
