@@ -528,7 +528,8 @@ async fn main() {
     let o = opts();
     let t0 = Instant::now();
     let seed_db = format!("sweeper_bench_seed_{}", o.rows);
-    let work = "sweeper_bench_work";
+    let work_name = format!("sweeper_bench_work_{}", o.rows);
+    let work = work_name.as_str();
     eprintln!("seeding {} rows ...", o.rows);
     seed(&seed_db, o.rows).await;
     let eligible = {
