@@ -26,6 +26,8 @@ pub struct AppState {
     pub config: Arc<Config>,
     /// Column types of target tables.
     pub catalog: Arc<Catalog>,
+    /// Policy specs by version.
+    pub specs: Arc<ledger::SpecCache>,
     /// Wakes idle built-in workers (new commands were planned).
     pub wake_workers: Arc<Notify>,
     /// Wakes the planner (a run was created).
@@ -95,6 +97,7 @@ impl Application {
                 pool,
                 config: Arc::new(config),
                 catalog: Arc::new(Catalog::default()),
+                specs: Arc::new(ledger::SpecCache::default()),
                 wake_workers: Arc::new(Notify::new()),
                 wake_planner: Arc::new(Notify::new()),
                 replica_id: uuid::Uuid::new_v4(),

@@ -2,7 +2,7 @@
 //!
 //! A token is accepted when its header's `kid` names a configured key, its HS256 signature
 //! verifies with that key, `iss` is that key's issuer, `aud` contains the issuer's audience, `exp`
-//! is in the future (30 s leeway) and `sub` is present. Scopes are the space-separated `scope`
+//! is in the future and `nbf`, when present, is not (30 s leeway each), and `sub` is present. Scopes are the space-separated `scope`
 //! claim (RFC 8693 §4.2). The algorithm is pinned to HS256 whatever the header says.
 
 use std::collections::HashSet;
@@ -173,6 +173,7 @@ pub fn verify(issuers: &[Issuer], token: &str) -> Result<Principal, AuthError> {
         .map_err(|_| AuthError::Invalid("key unusable".into()))?;
     let mut v = Validation::new(Algorithm::HS256);
     v.leeway = LEEWAY_SECONDS;
+    v.validate_nbf = true;
     v.set_audience(&[&issuer.audience]);
     v.set_issuer(&[&issuer.iss]);
     v.set_required_spec_claims(&["exp", "sub", "iss", "aud"]);
@@ -197,7 +198,9 @@ pub fn verify(issuers: &[Issuer], token: &str) -> Result<Principal, AuthError> {
         scopes: data
             .claims
             .scope
-            .split_whitespace()
+            // RFC 6749 §3.3: scopes are separated by the space character (%x20) only.
+            .split(' ')
+            .filter(|s| !s.is_empty())
             .map(str::to_string)
             .collect(),
     })
@@ -277,5 +280,46 @@ mod tests {
         // {"alg":"none","kid":"new"} . {"sub":"x","iss":"sweeper-test","aud":"sweeper","exp":9999999999}
         let t = "eyJhbGciOiJub25lIiwia2lkIjoibmV3In0.eyJzdWIiOiJ4IiwiaXNzIjoic3dlZXBlci10ZXN0IiwiYXVkIjoic3dlZXBlciIsImV4cCI6OTk5OTk5OTk5OX0.";
         assert!(verify(&[issuer()], t).is_err());
+    }
+}
+
+#[cfg(test)]
+mod claim_tests {
+    use super::*;
+
+    fn sign(claims: serde_json::Value) -> String {
+        let mut h = Header::new(Algorithm::HS256);
+        h.kid = Some("k".into());
+        jsonwebtoken::encode(&h, &claims, &EncodingKey::from_secret(&[b'k'; 32]).unwrap()).unwrap()
+    }
+
+    fn issuer() -> Issuer {
+        Issuer {
+            iss: "i".into(),
+            audience: "a".into(),
+            keys: vec![("k".into(), SecretString::from("k".repeat(32)))],
+        }
+    }
+
+    #[test]
+    fn a_token_not_yet_valid_is_refused() {
+        let now = chrono::Utc::now().timestamp();
+        let t = sign(
+            serde_json::json!({"sub": "s", "iss": "i", "aud": "a", "exp": now + 600,
+                                        "nbf": now + 300, "scope": "ops:read"}),
+        );
+        assert!(verify(&[issuer()], &t).is_err());
+    }
+
+    #[test]
+    fn scopes_split_on_spaces_only() {
+        let now = chrono::Utc::now().timestamp();
+        let t = sign(
+            serde_json::json!({"sub": "s", "iss": "i", "aud": "a", "exp": now + 600,
+                                        "scope": "ops:read\u{00a0}trigger:*"}),
+        );
+        let p = verify(&[issuer()], &t).unwrap();
+        assert!(!p.has("trigger:x"));
+        assert!(!p.has("ops:read"));
     }
 }

@@ -167,7 +167,6 @@ struct Loaded {
     dry_run: bool,
     keys: Vec<String>,
     rules: RuleSet,
-    max_concurrent: u32,
     redrive_of: Option<i64>,
 }
 
@@ -188,6 +187,8 @@ pub async fn execute(
     actor: &str,
 ) -> Result<ConsumeOutcome, Failure> {
     let started = Instant::now();
+    // The attempt count this call saw when it locked the command (deliveries only).
+    let mut seen: Option<i32> = None;
     // Fast path for duplicate deliveries: a terminal state is final (a redrive re-queues the
     // command itself), so one indexed read answers without a transaction or a row lock.
     if let Executor::Delivery = executor {
@@ -211,7 +212,9 @@ pub async fn execute(
     loop {
         let tried = tokio::time::timeout(
             deadline,
-            attempt(state, command_id, executor, actor, per_item, started),
+            attempt(
+                state, command_id, executor, actor, per_item, started, &mut seen,
+            ),
         )
         .await
         .unwrap_or_else(|_| {
@@ -227,7 +230,7 @@ pub async fn execute(
                 per_item = true;
             }
             Err(AttemptError::BulkFailed(f)) | Err(AttemptError::Failed(f)) => {
-                return record_failure(state, command_id, executor, f, started).await;
+                return record_failure(state, command_id, executor, f, started, seen).await;
             }
         }
     }
@@ -253,19 +256,10 @@ async fn attempt(
     actor: &str,
     per_item: bool,
     started: Instant,
+    seen: &mut Option<i32>,
 ) -> Result<ConsumeOutcome, AttemptError> {
     let mut tx = state.pool.begin().await?;
-    sqlx::query(
-        "select set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)",
-    )
-    .bind(format!("{}s", state.config.consume.lock_timeout.seconds()))
-    .bind(format!(
-        "{}s",
-        state.config.consume.statement_timeout.seconds()
-    ))
-    .execute(&mut *tx)
-    .await?;
-    let loaded = match load(state, &mut tx, command_id, executor).await? {
+    let loaded = match load(state, &mut tx, command_id, executor, seen).await? {
         Step::Done(outcome) => {
             tx.rollback().await?;
             return Ok(outcome);
@@ -273,38 +267,16 @@ async fn attempt(
         Step::Run(l) => l,
     };
     let rules = &loaded.rules;
-
-    // The policy's cap on concurrent commands, across replicas: one of N transaction-scoped
-    // advisory locks (released at commit, rollback or crash). None free: snooze.
-    let slot_free: bool = sqlx::query_scalar(
-        "select exists (select 1 from generate_series(0, $2 - 1) s
-                         where pg_try_advisory_xact_lock(hashtext('sweeper:' || $1), s))",
-    )
-    .bind(&loaded.policy)
-    .bind(loaded.max_concurrent as i32)
-    .fetch_one(&mut *tx)
-    .await?;
-    if !slot_free {
-        let retry_after = state.config.consume.retry_after.delta();
-        return Err(AttemptError::Failed(Failure::throttled(
-            Utc::now() + retry_after,
-            format!(
-                "policy {} already runs {} commands (max_concurrent_commands)",
-                loaded.policy, loaded.max_concurrent
-            ),
-        )));
+    if per_item {
+        // Each item's savepoint must see its own constraint violations, deferred ones included.
+        sqlx::query("set constraints all immediate")
+            .execute(&mut *tx)
+            .await?;
     }
 
     // Lock the candidates in key order (overlapping runs cannot deadlock) and classify each from
     // the same snapshot that deletes. A dry run locks nothing.
-    let mut q: QueryBuilder<Postgres> = QueryBuilder::new("select ");
-    q.push(rules.key_sql());
-    q.push("::text as item_key, ");
-    rules.push_old_enough(&mut q);
-    q.push(" as old_enough, ");
-    rules.push_excluded_reason(&mut q);
-    q.push(" as reason from ");
-    q.push(rules.table_sql());
+    let mut q = rules.classify_select();
     q.push(" where ");
     rules.push_key_in(&mut q, loaded.keys.clone());
     q.push(format!(" order by {}", rules.key_sql()));
@@ -462,7 +434,16 @@ async fn attempt(
     )
     .await?;
     crate::crash_point!("consume_before_commit");
-    tx.commit().await?;
+    if let Err(e) = tx.commit().await {
+        // A deferred constraint (a DEFERRABLE foreign key or constraint trigger) is checked
+        // here, not at the delete: redo the command item by item, with constraints immediate.
+        let f = Failure::from_db(&e);
+        return Err(if f.class == FailureClass::Permanent && !per_item {
+            AttemptError::BulkFailed(f)
+        } else {
+            AttemptError::Failed(f)
+        });
+    }
     crate::metrics::attempt_succeeded();
     crate::crash_point!("consume_after_commit");
     Ok(ConsumeOutcome::Executed {
@@ -478,19 +459,44 @@ async fn load(
     tx: &mut Transaction<'_, Postgres>,
     command_id: &str,
     executor: Executor,
+    seen: &mut Option<i32>,
 ) -> Result<Step, AttemptError> {
+    // One statement: lock the command row; read its run, its policy's suspension and current
+    // version; set this transaction's lock and statement timeouts; and take one of the policy's
+    // `max_concurrent_commands` slots (transaction-scoped advisory locks shared by all
+    // replicas, released at commit, rollback or crash).
+    let (names, caps): (Vec<&str>, Vec<i32>) = state
+        .config
+        .policies
+        .iter()
+        .map(|p| (p.name.as_str(), p.max_concurrent_commands as i32))
+        .unzip();
     let row = sqlx::query(
         "select c.state, c.item_keys, c.attempts, c.run_id,
                 greatest(0, extract(epoch from c.next_attempt_at - (select sweeper.now())))::float8
                     as due_in_seconds,
                 c.redrive_of, r.policy, r.policy_version, r.window_at, r.cutoff, r.dry_run,
-                coalesce(ps.suspended, false) as suspended
+                coalesce(ps.suspended, false) as suspended,
+                (select v.version from sweeper.policy_versions v where v.policy = r.policy
+                  order by v.seq desc limit 1) as current_version,
+                set_config('lock_timeout', $2, true) is not null as timeouts_set,
+                set_config('statement_timeout', $3, true) is not null as timeouts_set2,
+                exists (select 1
+                          from generate_series(0, coalesce((select cap from unnest($4::text[], $5::int4[])
+                                                                  as caps(policy, cap)
+                                                             where caps.policy = r.policy), 1) - 1) s
+                         where pg_try_advisory_xact_lock(hashtext('sweeper:' || r.policy), s))
+                    as slot_free
            from sweeper.commands c join sweeper.runs r using (run_id)
            left join sweeper.policy_state ps on ps.policy = r.policy
           where c.command_id = $1
           for update of c",
     )
     .bind(command_id)
+    .bind(format!("{}s", state.config.consume.lock_timeout.seconds()))
+    .bind(format!("{}s", state.config.consume.statement_timeout.seconds()))
+    .bind(&names)
+    .bind(&caps)
     .fetch_optional(&mut **tx)
     .await?;
     let Some(row) = row else {
@@ -525,20 +531,35 @@ async fn load(
             state: cmd_state,
         }));
     }
-    if let Executor::Claimed(n) = executor {
-        let attempts: i32 = row.get("attempts");
-        if attempts != n {
-            return Ok(Step::Done(ConsumeOutcome::Stale));
-        }
+    let attempts: i32 = row.get("attempts");
+    *seen = Some(attempts);
+    if let Executor::Claimed(n) = executor
+        && attempts != n
+    {
+        return Ok(Step::Done(ConsumeOutcome::Stale));
     }
     let due_in: f64 = row.get("due_in_seconds");
     if due_in > 0.0 {
         return Ok(Step::Done(ConsumeOutcome::NotNow {
-            reason: "the command is not due yet (its run's window has not arrived)".into(),
+            reason: format!(
+                "the command's next attempt is due in {}s (its window, or its backoff after a failure)",
+                due_in.ceil()
+            ),
             retry_after_seconds: due_in.ceil() as u64,
         }));
     }
     let policy: String = row.get("policy");
+    if let (Executor::Claimed(n), Some(p)) = (executor, state.config.policy(&policy))
+        && n > p.retry.max_attempts as i32
+    {
+        // Claims count attempts even when the worker dies before recording a result, so a
+        // command that keeps killing or hanging its workers still ends in quarantine.
+        return Err(AttemptError::Failed(Failure::transient(format!(
+            "attempt {n} is past max_attempts {}: earlier attempts ended without a result \
+             (their worker crashed, was killed or hung)",
+            p.retry.max_attempts
+        ))));
+    }
     let retry_after = state.config.consume.retry_after.seconds() as u64;
     if row.get::<bool, _>("suspended") {
         return Ok(Step::Done(ConsumeOutcome::NotNow {
@@ -549,8 +570,7 @@ async fn load(
     let policy_version: String = row.get("policy_version");
     let window: DateTime<Utc> = row.get("window_at");
     let cutoff: DateTime<Utc> = row.get("cutoff");
-    let (pinned, current_version, current) =
-        ledger::run_specs(tx, &policy, &policy_version).await?;
+    let current_version: String = row.get("current_version");
     // A replica must not act under rules older than the newest any replica registered.
     let max_concurrent = match state.config.policy(&policy) {
         Some(p) if p.version == current_version => p.max_concurrent_commands,
@@ -569,12 +589,26 @@ async fn load(
             }));
         }
     };
+    if !row.get::<bool, _>("slot_free") {
+        return Err(AttemptError::Failed(Failure::throttled(
+            Utc::now() + state.config.consume.retry_after.delta(),
+            format!(
+                "policy {policy} already runs {max_concurrent} commands (max_concurrent_commands)"
+            ),
+        )));
+    }
+    let pinned = state.specs.get(tx, &policy, &policy_version).await?;
+    let current = if current_version == policy_version {
+        None
+    } else {
+        Some(state.specs.get(tx, &policy, &current_version).await?)
+    };
     let table = state
         .catalog
         .get(&state.pool, &pinned.target.table)
         .await
         .map_err(AttemptError::Failed)?;
-    let rules = match RuleSet::effective(&pinned, current.as_ref(), cutoff, window, &table) {
+    let rules = match RuleSet::effective(&pinned, current.as_deref(), cutoff, window, &table) {
         Ok(r) => r,
         Err(held) => {
             return Ok(Step::Done(ConsumeOutcome::NotNow {
@@ -591,7 +625,6 @@ async fn load(
         dry_run: row.get("dry_run"),
         keys: row.get("item_keys"),
         rules,
-        max_concurrent,
         redrive_of: row.get("redrive_of"),
     })))
 }
@@ -755,8 +788,13 @@ async fn record_failure(
     executor: Executor,
     f: Failure,
     started: Instant,
+    seen: Option<i32>,
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
+    if matches!(executor, Executor::Delivery) && seen.is_none() {
+        // Nothing was executed (the command row was never locked): not an attempt.
+        return Err(f);
+    }
     if f.class == FailureClass::Permanent && f.message.contains("SQLSTATE 42") {
         // A schema error: read the catalog afresh next time.
         state.catalog.forget_all();
@@ -765,7 +803,9 @@ async fn record_failure(
     let row = sqlx::query(
         "select c.state, c.attempts, c.run_id, r.policy,
                 extract(epoch from sweeper.now() - c.due_since)::float8 - c.age_credit_seconds
-                    as age_seconds
+                    as age_seconds,
+                greatest(1, extract(epoch from c.next_attempt_at - sweeper.now()))::float8
+                    as due_in_seconds
            from sweeper.commands c join sweeper.runs r using (run_id)
           where c.command_id = $1 for update of c",
     )
@@ -794,6 +834,16 @@ async fn record_failure(
         && attempts != n
     {
         return Ok(ConsumeOutcome::Stale);
+    }
+    if matches!(executor, Executor::Delivery) && seen != Some(attempts) {
+        // A concurrent delivery of the same command already recorded this round's failure:
+        // one failure, one attempt; this one just comes back when the next attempt is due.
+        let due_in: f64 = row.get("due_in_seconds");
+        return Ok(ConsumeOutcome::NotNow {
+            reason: "a concurrent delivery of this command just failed; retry when it is due"
+                .into(),
+            retry_after_seconds: due_in.ceil() as u64,
+        });
     }
     let retry = state
         .config
@@ -918,8 +968,21 @@ async fn record_failure(
     crate::metrics::attempt_failed(f.class);
     warn!(command_id, class = f.class.as_str(), error = %f.message, attempt = attempts_after,
           retry_in_seconds = delay, "not done; next attempt scheduled");
+    // The answer names the class, never the error text (which may quote customer data); the
+    // ledger keeps the text for operators.
     Ok(ConsumeOutcome::NotNow {
-        reason: f.message,
+        reason: if snooze {
+            format!(
+                "snoozed (throttled); the next attempt is due in {}s",
+                delay.ceil()
+            )
+        } else {
+            format!(
+                "attempt {attempts_after} failed ({}); the next attempt is due in {}s",
+                f.class.as_str(),
+                delay.ceil()
+            )
+        },
         retry_after_seconds: delay.ceil() as u64,
     })
 }

@@ -217,16 +217,24 @@ pub async fn redrive(
             command_id
         }
         "item" => {
+            // The item runs in a one-item command of its own, `{run_id}:redrive-{id}` with batch
+            // number -id: planning numbers batches from 0 up, so the two never collide, and a
+            // second redrive of the same dead letter re-queues the same command.
             let item_key: String = row.get("item_key");
             let new_id: String = sqlx::query_scalar(
                 "insert into sweeper.commands
                      (command_id, run_id, batch_no, item_keys, transport, next_attempt_at,
                       due_since, redrive_of)
-                 select $1 || ':' || n, $1, n, array[$2], c.transport, sweeper.now(),
-                        sweeper.now(), $3
-                   from (select max(batch_no) + 1 as n from sweeper.commands where run_id = $1) b,
-                        (select transport from sweeper.commands where command_id = $4
-                         union all select 'builtin' limit 1) c
+                 select $1 || ':redrive-' || $3, $1, -$3::int, array[$2],
+                        coalesce((select transport from sweeper.commands where command_id = $4),
+                                 'builtin'),
+                        sweeper.now(), sweeper.now(), $3
+                 on conflict (command_id) do update
+                    set state = 'pending', attempts = 0, next_attempt_at = sweeper.now(),
+                        due_since = sweeper.now(), age_credit_seconds = 0,
+                        publish_generation = sweeper.commands.publish_generation + 1,
+                        finished_at = null, lease_until = null, lease_owner = null,
+                        last_error = null, last_error_class = null
                  returning command_id",
             )
             .bind(&run_id)

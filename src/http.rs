@@ -92,6 +92,7 @@ pub fn router(state: AppState) -> Router {
         )
     })
     .layer(DefaultBodyLimit::max(SMALL_BODY_LIMIT))
+    .layer(axum::middleware::map_response(problem_for_plain_errors))
     .with_state(state)
     .layer(PropagateRequestIdLayer::x_request_id())
     .layer(TraceLayer::new_for_http().make_span_with(|req: &axum::http::Request<_>| {
@@ -182,9 +183,52 @@ impl From<sqlx::Error> for Problem {
             sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) => {
                 Problem::unavailable(e, 5)
             }
+            // Class 22 (data exception): the input cannot be stored or compared as text, such
+            // as a NUL byte in a path or query parameter. The client's fault, said generically.
+            sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("22")) => {
+                Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "bad-input",
+                    "a parameter holds characters that cannot be used (e.g. a NUL byte)",
+                )
+            }
             other => Problem::internal(other),
         }
     }
+}
+
+/// Turns error responses that axum or tower-http produce on their own (a malformed path
+/// parameter, a body over the limit) into problem+json, so every error has one shape.
+pub async fn problem_for_plain_errors(resp: Response) -> Response {
+    let status = resp.status();
+    let is_problem = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_problem {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let text = axum::body::to_bytes(body, 4_096).await.unwrap_or_default();
+    let slug = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => "body-too-large",
+        StatusCode::NOT_FOUND => "not-found",
+        StatusCode::METHOD_NOT_ALLOWED => "method-not-allowed",
+        s if s.is_server_error() => "internal",
+        _ => "bad-request",
+    };
+    let detail = if status.is_server_error() {
+        "an internal error occurred; the request id identifies it in the logs".to_string()
+    } else {
+        String::from_utf8_lossy(&text).chars().take(500).collect()
+    };
+    let mut out = Problem::new(status, slug, detail).into_response();
+    for name in [header::RETRY_AFTER, header::WWW_AUTHENTICATE] {
+        if let Some(v) = parts.headers.get(&name) {
+            out.headers_mut().insert(name, v.clone());
+        }
+    }
+    out
 }
 
 /// The authenticated caller of a request.
@@ -303,6 +347,14 @@ async fn consume_handler(
         .and_then(|e| match e.schema_version.unwrap_or(1) {
             1 => Ok(e),
             v => Err(format!("schema_version {v} is not supported (1 is)")),
+        })
+        .and_then(|e| {
+            let id = &e.command_id;
+            if id.is_empty() || id.len() > 512 || id.chars().any(char::is_control) {
+                Err("command_id must be 1-512 characters without control characters".into())
+            } else {
+                Ok(e)
+            }
         });
     let envelope = match parsed {
         Ok(e) => e,

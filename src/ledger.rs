@@ -11,13 +11,20 @@ use crate::policy::{Policy, PolicySpec};
 /// The ledger's migrations, embedded in the binary (`migrations/`).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
-/// Registers each policy's current version (insert if new). The current version of a policy is
-/// the newest version any replica has registered (DESIGN §2.10).
+/// Registers each policy's version as this replica starts. The current version of a policy is
+/// the newest registration by any replica (DESIGN §2.10): a new version, or an old one
+/// registered again after a revert.
 pub async fn register_policy_versions(pool: &PgPool, policies: &[Policy]) -> sqlx::Result<()> {
     for p in policies {
+        // A version registered again while another is current (a configuration change was
+        // reverted) becomes current again: the newest registration wins.
         sqlx::query(
             "insert into sweeper.policy_versions (policy, version, spec) values ($1, $2, $3)
-             on conflict (policy, version) do nothing",
+             on conflict (policy, version) do update
+                set seq = nextval(pg_get_serial_sequence('sweeper.policy_versions', 'seq')),
+                    registered_at = clock_timestamp()
+              where sweeper.policy_versions.seq
+                    < (select max(seq) from sweeper.policy_versions where policy = $1)",
         )
         .bind(p.name.as_str())
         .bind(&p.version)
@@ -233,4 +240,39 @@ pub async fn purge_terminal_commands(
         .rows_affected();
     tx.commit().await?;
     Ok(n)
+}
+
+/// A per-process cache of policy specs by (policy, version). Versions are immutable rows, so a
+/// cached spec is never stale; only "which version is current" must be read from the ledger.
+#[derive(Debug, Default)]
+pub struct SpecCache {
+    specs: std::sync::Mutex<HashMap<(String, String), std::sync::Arc<PolicySpec>>>,
+}
+
+impl SpecCache {
+    /// The spec of `policy` at `version`.
+    pub async fn get(
+        &self,
+        conn: &mut PgConnection,
+        policy: &str,
+        version: &str,
+    ) -> sqlx::Result<std::sync::Arc<PolicySpec>> {
+        let key = (policy.to_string(), version.to_string());
+        if let Some(s) = self.specs.lock().expect("spec cache").get(&key) {
+            return Ok(s.clone());
+        }
+        let spec: sqlx::types::Json<PolicySpec> = sqlx::query_scalar(
+            "select spec from sweeper.policy_versions where policy = $1 and version = $2",
+        )
+        .bind(policy)
+        .bind(version)
+        .fetch_one(conn)
+        .await?;
+        let spec = std::sync::Arc::new(spec.0);
+        self.specs
+            .lock()
+            .expect("spec cache")
+            .insert(key, spec.clone());
+        Ok(spec)
+    }
 }

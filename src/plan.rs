@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use sqlx::{Postgres, QueryBuilder, Row};
+use sqlx::Row;
 use tracing::{info, warn};
 use uuid::Uuid;
 
@@ -67,7 +67,19 @@ pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
                 return Ok(step);
             }
             Err(f) => {
-                warn!(run_id, error = %f.message, "planning page failed; the job is retried after its lease");
+                // A transient failure (a lost connection, a lock timeout) gives the lease back so
+                // the next round retries soon; otherwise the lease's expiry paces the retries.
+                if f.class == crate::retry::FailureClass::Transient {
+                    let _ = sqlx::query(
+                        "update sweeper.planning_jobs set lease_until = null
+                          where run_id = $1 and lease_token = $2",
+                    )
+                    .bind(&run_id)
+                    .bind(token)
+                    .execute(&state.pool)
+                    .await;
+                }
+                warn!(run_id, error = %f.message, class = f.class.as_str(), "planning page failed; retrying");
                 return Err(f);
             }
         }
@@ -115,14 +127,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     let page_rows = state.config.planning.page_rows;
 
     // One bounded scan in key order after the cursor.
-    let mut q: QueryBuilder<Postgres> = QueryBuilder::new("select ");
-    q.push(rules.key_sql());
-    q.push("::text as item_key, ");
-    rules.push_old_enough(&mut q);
-    q.push(" as old_enough, ");
-    rules.push_excluded_reason(&mut q);
-    q.push(" as reason from ");
-    q.push(rules.table_sql());
+    let mut q = rules.classify_select();
     if let Some(c) = &cursor {
         q.push(format!(" where {} > cast(", rules.key_sql()));
         q.push_bind(c.clone());

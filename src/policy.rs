@@ -432,7 +432,16 @@ impl Policy {
         }
         let table = TableName::parse(&c.target.table)
             .map_err(|e| errors.push(format!("target.table: {e}")))
-            .ok();
+            .ok()
+            .filter(|t| {
+                let ledger = t.schema.as_str().eq_ignore_ascii_case("sweeper");
+                if ledger {
+                    errors.push(format!(
+                        "target.table: {t} is in schema sweeper, the ledger's own; a policy cannot clean it"
+                    ));
+                }
+                !ledger
+            });
         let key = Ident::parse(&c.target.key)
             .map_err(|e| errors.push(format!("target.key: {e}")))
             .ok();
@@ -769,6 +778,21 @@ impl RuleSet {
         q.push(" end)");
     }
 
+    /// Starts the classifying scan used by planning and by execution:
+    /// `select key::text as item_key, <old enough> as old_enough, <first exclusion> as reason
+    /// from <table>`; the caller adds its `where`.
+    pub fn classify_select(&self) -> QueryBuilder<'static, Postgres> {
+        let mut q = QueryBuilder::new("select ");
+        q.push(self.key_sql());
+        q.push("::text as item_key, ");
+        self.push_old_enough(&mut q);
+        q.push(" as old_enough, ");
+        self.push_excluded_reason(&mut q);
+        q.push(" as reason from ");
+        q.push(self.table_sql());
+        q
+    }
+
     /// Pushes the full eligibility predicate: old enough and held by no exclusion.
     pub fn push_eligible(&self, q: &mut QueryBuilder<'_, Postgres>) {
         q.push("(");
@@ -831,6 +855,9 @@ mod tests {
         assert!(all.contains("exclude[0]: give exactly one"), "{all}");
         assert!(all.contains("batch_size"), "{all}");
         assert!(all.contains("early_tolerance"), "{all}");
+        let mut c = cfg("");
+        c.target.table = "sweeper.runs".into();
+        assert!(Policy::from_config(c).unwrap_err()[0].contains("ledger"));
         let mut c = cfg("");
         c.target.table = "demo.tick\"ets".into();
         assert!(Policy::from_config(c).unwrap_err()[0].starts_with("target.table"));

@@ -64,32 +64,37 @@ pub async fn run_one_command(state: &AppState) -> Result<WorkerStep, Failure> {
     .await?;
     if let ConsumeOutcome::NotNow {
         retry_after_seconds,
-        ..
+        reason,
     } = &outcome
     {
-        release(state, &command_id, attempt, *retry_after_seconds).await?;
+        release(state, &command_id, attempt, *retry_after_seconds, reason).await?;
     }
     Ok(WorkerStep::Ran(outcome))
 }
 
-/// Gives a claimed command back without spending its attempt (held, or this replica's
-/// configuration is behind): it is due again after `retry_after_seconds`.
+/// Gives a claimed command back without spending its attempt (suspended, held, or this
+/// replica's configuration is behind): it is due again after `retry_after_seconds`, and its
+/// `last_error` says why.
 async fn release(
     state: &AppState,
     command_id: &str,
     attempt: i32,
     retry_after_seconds: u64,
+    reason: &str,
 ) -> Result<(), Failure> {
+    // Not a failure, but visible: `last_error` says why the command waits (class stays null).
     sqlx::query(
         "update sweeper.commands
-            set state = 'pending', lease_until = null, attempts = attempts - 1,
+            set state = 'pending', lease_until = null, lease_owner = null, attempts = attempts - 1,
                 next_attempt_at = greatest(next_attempt_at,
-                                           sweeper.now() + make_interval(secs => $3))
+                                           sweeper.now() + make_interval(secs => $3)),
+                last_error = $4
           where command_id = $1 and state = 'leased' and attempts = $2",
     )
     .bind(command_id)
     .bind(attempt)
     .bind(retry_after_seconds as f64)
+    .bind(reason)
     .execute(&state.pool)
     .await
     .map_err(|e| Failure::from_db(&e))?;

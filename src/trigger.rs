@@ -220,10 +220,17 @@ async fn create_dry_run(
     cutoff: DateTime<Utc>,
     principal: &Principal,
 ) -> Result<TriggerOutcome, TriggerError> {
-    // Dry runs repeat freely: `{policy}:{window}:dry-{n}`. Concurrent dry runs for one window race
-    // for n; the loser takes the next number.
-    for _ in 0..20 {
+    // Dry runs repeat freely: `{policy}:{window}:dry-{n}`. Concurrent dry runs for one window
+    // take turns choosing n (a transaction-scoped advisory lock per policy and window).
+    for _ in 0..3 {
         let mut tx = state.pool.begin().await?;
+        sqlx::query(
+            "select pg_advisory_xact_lock(hashtext('sweeper:dry-run:' || $1 || ':' || $2))",
+        )
+        .bind(policy.name.as_str())
+        .bind(window::format(window))
+        .execute(&mut *tx)
+        .await?;
         let n: i32 = sqlx::query_scalar(
             "select coalesce(max(dry_run_no), 0) + 1 from sweeper.runs
               where policy = $1 and window_at = $2 and dry_run",

@@ -304,7 +304,14 @@ async fn a_stricter_configuration_mid_run_wins_and_older_replicas_wait() {
     let command = app.command_ids(&run_id).await.remove(0);
     let (db, pool) = app.stop().await;
 
-    // A new configuration: keep `solved` tickets too, and retain for 100 days.
+    // A replica that started on the old configuration and is still running...
+    let old = sweeper::app::Application::build(
+        sweeper::config::Config::from_toml(&config_toml(&db.url, 0, "", &ticket_policy(100)))
+            .unwrap(),
+    )
+    .await
+    .unwrap();
+    // ...when a new configuration rolls out: keep `solved` tickets too, retain for 100 days.
     let stricter = ticket_policy(100)
         .replace(
             r#"in = ["open", "pending_export"]"#,
@@ -313,13 +320,7 @@ async fn a_stricter_configuration_mid_run_wins_and_older_replicas_wait() {
         .replace(r#"retain_for = "90d""#, r#"retain_for = "100d""#);
     let new = TestApp::start(db, pool, 0, "", &stricter).await;
 
-    // A replica still on the old configuration must not act.
-    let old = sweeper::app::Application::build(
-        sweeper::config::Config::from_toml(&config_toml(&new.db.url, 0, "", &ticket_policy(100)))
-            .unwrap(),
-    )
-    .await
-    .unwrap();
+    // The old replica must not act.
     let outcome = sweeper::consume::execute(
         &old.state(),
         &command,
@@ -346,4 +347,59 @@ async fn a_stricter_configuration_mid_run_wins_and_older_replicas_wait() {
     assert_eq!(audit["2"], ("excluded".into(), Some("status".into())));
     assert_eq!(audit["3"].0, "not_eligible");
     assert_eq!(new.ticket_ids().await, vec![2, 3]);
+}
+
+const DEFERRED_CHILD: &str = "
+create schema demo;
+create table demo.tickets (id bigint primary key, status text, legal_hold boolean, closed_at timestamptz);
+create index on demo.tickets (closed_at);
+create table demo.attachments (id bigint primary key,
+    ticket_id bigint references demo.tickets (id) deferrable initially deferred)
+";
+
+#[tokio::test]
+async fn a_row_blocked_by_a_deferred_foreign_key_fails_alone_too() {
+    let app = planned_app(10, DEFERRED_CHILD).await;
+    let eligible = seed_mixed(&app.pool, 20, at(WINDOW)).await;
+    let blocked = eligible[3];
+    sqlx::query("insert into demo.attachments values (1, $1)")
+        .bind(blocked)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let run_id = trigger_and_plan(&app, "").await;
+    app.drain().await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["failed"], 1, "{run}");
+    assert_eq!(
+        run["deleted"].as_i64().unwrap() as usize,
+        eligible.len() - 1
+    );
+    let failed: Vec<String> = app
+        .audit(&run_id)
+        .await
+        .into_iter()
+        .filter(|(_, o, _)| o == "failed")
+        .map(|(k, _, _)| k)
+        .collect();
+    assert_eq!(failed, vec![blocked.to_string()]);
+}
+
+#[tokio::test]
+async fn reverting_a_configuration_makes_the_reverted_version_current_again() {
+    let app = planned_app(10, TICKETS).await;
+    let v1 = app.get_json("/policies").await["policies"][0]["version"].clone();
+    let (db, pool) = app.stop().await;
+    let v2_policy = ticket_policy(10).replace(r#"retain_for = "90d""#, r#"retain_for = "91d""#);
+    let b = TestApp::start(db, pool, 0, "", &v2_policy).await;
+    let v2 = b.get_json("/policies").await["policies"][0]["current_version"].clone();
+    assert_ne!(v1, v2);
+    let (db, pool) = b.stop().await;
+    let a = TestApp::start(db, pool, 0, "", &ticket_policy(10)).await;
+    let p = &a.get_json("/policies").await["policies"][0];
+    assert_eq!(p["current_version"], v1, "{p}");
+    seed_mixed(&a.pool, 10, at(WINDOW)).await;
+    let run_id = trigger_and_plan(&a, "").await;
+    a.drain().await;
+    assert_eq!(a.wait_terminal(&run_id).await["status"], "completed");
 }

@@ -195,7 +195,7 @@ async fn a_command_snoozed_past_max_age_is_quarantined_as_throttled_without_spen
     for _ in 0..4 {
         match run_one_command(&app.state).await.unwrap() {
             WorkerStep::Ran(ConsumeOutcome::NotNow { reason, .. }) => {
-                assert!(reason.contains("max_concurrent_commands"), "{reason}")
+                assert!(reason.starts_with("snoozed (throttled)"), "{reason}")
             }
             other => panic!("{other:?}"),
         }
@@ -208,6 +208,13 @@ async fn a_command_snoozed_past_max_age_is_quarantined_as_throttled_without_spen
             .await
             .unwrap();
     assert_eq!(attempts, 0, "snoozes spend no attempt");
+    let why: String =
+        sqlx::query_scalar("select last_error from sweeper.commands where run_id = $1")
+            .bind(&run_id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert!(why.contains("max_concurrent_commands"), "{why}");
     advance(&app, 300).await;
     match run_one_command(&app.state).await.unwrap() {
         WorkerStep::Ran(ConsumeOutcome::Quarantined { error, .. }) => {
@@ -708,4 +715,88 @@ async fn killing_the_servers_connections_mid_run_does_not_stop_the_run() {
     .await
     .unwrap();
     assert_eq!(dup, 0);
+}
+
+#[tokio::test]
+async fn a_command_that_keeps_killing_its_workers_is_quarantined_after_max_attempts() {
+    let app = app_with(r#"retry = { max_attempts = 3 }"#, "lease = \"2m\"", TICKETS).await;
+    seed_mixed(&app.pool, 5, at(WINDOW)).await;
+    let run_id = planned_run(&app).await;
+    let command = app.command_ids(&run_id).await.remove(0);
+    // Three claims whose workers died: attempts 3, leased, lease expired.
+    sqlx::query(
+        "update sweeper.commands set state = 'leased', attempts = 3,
+                lease_until = sweeper.now() - interval '1 second' where command_id = $1",
+    )
+    .bind(&command)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    match run_one_command(&app.state).await.unwrap() {
+        WorkerStep::Ran(ConsumeOutcome::Quarantined { error, .. }) => {
+            assert!(error.contains("past max_attempts"), "{error}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        app.ticket_ids().await.len(),
+        5,
+        "not executed a fourth time"
+    );
+    assert_eq!(dead_letters(&app).await.len(), 1);
+}
+
+#[tokio::test]
+async fn hostile_inputs_get_problem_json_never_a_5xx() {
+    let app = app_with("", "", TICKETS).await;
+    let token = app.ops_token();
+    // A NUL in a command id is a poison envelope: quarantined and acknowledged.
+    let r = app
+        .client
+        .post(format!("{}/consume", app.base))
+        .bearer_auth(app.token(&["consume"]))
+        .body("{\"command_id\": \"a\\u0000b\"}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.json::<Value>().await.unwrap()["result"],
+        "quarantined_envelope"
+    );
+    for (method, path, status) in [
+        ("GET", "/runs/a%00b", 400),
+        ("GET", "/runs?policy=%00", 400),
+        ("GET", "/dead-letters?run_id=%00", 400),
+        ("GET", "/dead-letters/abc", 400),
+        ("GET", "/dead-letters/99999999999999999999", 400),
+        ("GET", "/runs/%FF", 400),
+        ("POST", "/runs/a%00b/cancel", 400),
+    ] {
+        let mut req = app
+            .client
+            .request(method.parse().unwrap(), format!("{}{path}", app.base))
+            .bearer_auth(&token);
+        if method == "POST" {
+            req = req.body("{\"reason\": \"x\"}");
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status().as_u16(), status, "{method} {path}");
+        assert_eq!(
+            r.headers()["content-type"],
+            "application/problem+json",
+            "{method} {path}"
+        );
+    }
+    let big = "x".repeat(70 * 1024);
+    let r = app
+        .client
+        .post(format!("{}/consume", app.base))
+        .bearer_auth(app.token(&["consume"]))
+        .body(big)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
 }
