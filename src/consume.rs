@@ -366,27 +366,6 @@ async fn attempt(
         a_outcomes.push(o.as_str());
         a_reasons.push(reason);
     }
-    sqlx::query(
-        "insert into sweeper.audit
-             (policy, policy_version, run_id, window_at, cutoff, command_id, item_key, outcome,
-              reason, actor, dry_run)
-         select $1, $2, $3, $4, $5, $6, u.item_key, u.outcome, u.reason, $7, $8
-           from unnest($9::text[], $10::text[], $11::text[]) as u(item_key, outcome, reason)",
-    )
-    .bind(&loaded.policy)
-    .bind(&loaded.policy_version)
-    .bind(&loaded.run_id)
-    .bind(loaded.window)
-    .bind(rules.cutoff)
-    .bind(command_id)
-    .bind(actor)
-    .bind(loaded.dry_run)
-    .bind(&a_keys)
-    .bind(&a_outcomes)
-    .bind(&a_reasons)
-    .execute(&mut *tx)
-    .await?;
-
     // A failed item is an item-level dead letter; its neighbours complete.
     let failed: Vec<(String, String)> = a_keys
         .iter()
@@ -399,10 +378,17 @@ async fn attempt(
         record_item_dead_letters(&mut tx, &loaded, command_id, &failed).await?;
     }
 
-    // Mark the command done, record the attempt, resolve a redriven dead letter: one statement.
+    // One statement: the audit rows, the command done, its attempt recorded, a redriven dead
+    // letter resolved.
     let attempts_inc = matches!(executor, Executor::Delivery) as i32;
     sqlx::query(
-        "with c as (
+        "with au as (
+             insert into sweeper.audit
+                 (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
+                  outcome, reason, actor, dry_run)
+             select $4, $5, $6, $7, $8, $1, u.item_key, u.outcome, u.reason, $9, $10
+               from unnest($11::text[], $12::text[], $13::text[]) as u(item_key, outcome, reason)),
+         c as (
              update sweeper.commands
                 set state = 'succeeded', attempts = attempts + $2, finished_at = sweeper.now(),
                     lease_until = null, lease_owner = null, last_error = null, last_error_class = null
@@ -421,6 +407,16 @@ async fn attempt(
     .bind(command_id)
     .bind(attempts_inc)
     .bind(started.elapsed().as_secs_f64())
+    .bind(&loaded.policy)
+    .bind(&loaded.policy_version)
+    .bind(&loaded.run_id)
+    .bind(loaded.window)
+    .bind(rules.cutoff)
+    .bind(actor)
+    .bind(loaded.dry_run)
+    .bind(&a_keys)
+    .bind(&a_outcomes)
+    .bind(&a_reasons)
     .execute(&mut *tx)
     .await?;
     let run_status = finish_in_run(
