@@ -187,6 +187,10 @@ pub struct QueueConfig {
     /// On SIGTERM, how long in-flight commands may take to finish; what is still leased then is
     /// released for another replica.
     pub drain: DurationSpec,
+    /// Commands a worker claims per claim transaction (1-100). More amortize the claim's commit;
+    /// fewer spread a backlog more evenly across replicas. Each is leased for `lease`, so keep
+    /// `claim_batch × consume.command_deadline` under `lease`.
+    pub claim_batch: u32,
 }
 
 impl Default for QueueConfig {
@@ -196,6 +200,7 @@ impl Default for QueueConfig {
             lease: DurationSpec::from_seconds(300),
             poll_interval: DurationSpec::from_seconds(1),
             drain: DurationSpec::from_seconds(30),
+            claim_batch: 4,
         }
     }
 }
@@ -421,6 +426,16 @@ impl Config {
                 "queue.lease ({}) must be longer than consume.statement_timeout ({}): a lease that \
                  expires mid-command lets a second worker run it",
                 raw.queue.lease, raw.consume.statement_timeout
+            ));
+        }
+        if !(1..=100).contains(&raw.queue.claim_batch)
+            || raw.consume.command_deadline.seconds() * raw.queue.claim_batch as i64
+                >= raw.queue.lease.seconds()
+        {
+            errors.push(format!(
+                "queue.claim_batch ({}) must be 1-100, and claim_batch × consume.command_deadline ({}) \
+                 shorter than queue.lease ({}): a claimed command must not outlive its lease",
+                raw.queue.claim_batch, raw.consume.command_deadline, raw.queue.lease
             ));
         }
         if raw.consume.command_deadline < raw.consume.statement_timeout

@@ -26,14 +26,15 @@ pub enum WorkerStep {
     Ran(ConsumeOutcome),
 }
 
-/// Claims one due built-in command (pending and due, or leased with an expired lease) and executes
-/// it. Tests drive the queue deterministically through this.
-pub async fn run_one_command(state: &AppState) -> Result<WorkerStep, Failure> {
-    let claimed: Option<(String, i32)> = sqlx::query_as(
+/// Claims up to `limit` due built-in commands (pending and due, or leased with an expired
+/// lease) in one short transaction: each gets a lease owned by this replica and its attempt
+/// number, which fences everything its execution writes.
+pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<(String, i32)>, Failure> {
+    sqlx::query_as(
         "update sweeper.commands c
             set state = 'leased', attempts = c.attempts + 1, lease_owner = $2,
                 lease_until = (select sweeper.now()) + make_interval(secs => $1)
-          where c.command_id = (
+          where c.command_id in (
                 select q.command_id from sweeper.commands q
                  where q.transport = 'builtin'
                    and ((q.state = 'pending' and q.next_attempt_at <= (select sweeper.now()))
@@ -42,34 +43,46 @@ pub async fn run_one_command(state: &AppState) -> Result<WorkerStep, Failure> {
                         select 1 from sweeper.runs r join sweeper.policy_state ps using (policy)
                          where r.run_id = q.run_id and ps.suspended)
                  order by q.next_attempt_at
-                 limit 1
+                 limit $3
                  for update of q skip locked)
           returning c.command_id, c.attempts",
     )
     .bind(state.config.queue.lease.seconds() as f64)
     .bind(state.replica_id)
-    .fetch_optional(&state.pool)
+    .bind(limit)
+    .fetch_all(&state.pool)
     .await
-    .map_err(|e| Failure::from_db(&e))?;
-    let Some((command_id, attempt)) = claimed else {
-        return Ok(WorkerStep::Idle);
-    };
+    .map_err(|e| Failure::from_db(&e))
+}
+
+/// Executes one claimed command; a "not now" gives it back without spending its attempt.
+async fn run_claimed(
+    state: &AppState,
+    command_id: &str,
+    attempt: i32,
+) -> Result<ConsumeOutcome, Failure> {
     crate::crash_point!("worker_after_claim");
-    let outcome = consume::execute(
-        state,
-        &command_id,
-        Executor::Claimed(attempt),
-        BUILTIN_ACTOR,
-    )
-    .await?;
+    let outcome =
+        consume::execute(state, command_id, Executor::Claimed(attempt), BUILTIN_ACTOR).await?;
     if let ConsumeOutcome::NotNow {
         retry_after_seconds,
         reason,
     } = &outcome
     {
-        release(state, &command_id, attempt, *retry_after_seconds, reason).await?;
+        release(state, command_id, attempt, *retry_after_seconds, reason).await?;
     }
-    Ok(WorkerStep::Ran(outcome))
+    Ok(outcome)
+}
+
+/// Claims one due built-in command and executes it. Tests drive the queue deterministically
+/// through this.
+pub async fn run_one_command(state: &AppState) -> Result<WorkerStep, Failure> {
+    match claim(state, 1).await?.pop() {
+        None => Ok(WorkerStep::Idle),
+        Some((command_id, attempt)) => Ok(WorkerStep::Ran(
+            run_claimed(state, &command_id, attempt).await?,
+        )),
+    }
 }
 
 /// Gives a claimed command back without spending its attempt (suspended, held, or this
@@ -121,18 +134,30 @@ pub async fn release_own_leases(state: &AppState) -> Result<u64, Failure> {
 /// command (each try is bounded by `consume.command_deadline`; the application also bounds the
 /// whole drain by `queue.drain`).
 pub async fn worker_loop(state: AppState, worker_no: usize, shutdown: CancellationToken) {
+    let batch = state.config.queue.claim_batch as i64;
     loop {
         if shutdown.is_cancelled() {
             return;
         }
         let notified = state.wake_workers.notified();
-        match run_one_command(&state).await {
-            Ok(WorkerStep::Ran(outcome)) => {
-                debug!(worker_no, ?outcome, "command done");
+        match claim(&state, batch).await {
+            Ok(claimed) if !claimed.is_empty() => {
+                for (command_id, attempt) in claimed {
+                    // On shutdown the rest stay leased to this replica and are released.
+                    if shutdown.is_cancelled() {
+                        return;
+                    }
+                    match run_claimed(&state, &command_id, attempt).await {
+                        Ok(outcome) => debug!(worker_no, ?outcome, "command done"),
+                        Err(f) => {
+                            warn!(worker_no, command_id, error = %f.message, "command step failed")
+                        }
+                    }
+                }
                 continue;
             }
-            Ok(WorkerStep::Idle) => {}
-            Err(f) => warn!(worker_no, error = %f.message, "worker step failed"),
+            Ok(_) => {}
+            Err(f) => warn!(worker_no, error = %f.message, "claim failed"),
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,

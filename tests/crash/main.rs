@@ -331,11 +331,11 @@ async fn a_crash_while_holding_a_lease_is_reclaimed_after_it_expires() {
             .fetch_all(&pool)
             .await
             .unwrap();
-    assert_eq!(
-        leased.len(),
-        1,
-        "one command was claimed when the worker died"
+    assert!(
+        !leased.is_empty(),
+        "the worker died holding its claimed commands"
     );
+    assert!(leased.iter().all(|(_, a)| *a == 1));
     let _server = start(&db.url, 2, None).await;
     // Before the lease expires nobody takes it over; after, it is reclaimed.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -349,11 +349,13 @@ async fn a_crash_while_holding_a_lease_is_reclaimed_after_it_expires() {
     advance(&pool, 301).await;
     wait_terminal(&pool, &run_id).await;
     assert_end_state(&pool, &run_id, &eligible).await;
-    let attempts: i32 =
-        sqlx::query_scalar("select attempts from sweeper.commands where command_id = $1")
-            .bind(&leased[0].0)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!(attempts, 2, "the dead worker's attempt counts");
+    for (id, _) in &leased {
+        let attempts: i32 =
+            sqlx::query_scalar("select attempts from sweeper.commands where command_id = $1")
+                .bind(id)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(attempts, 2, "the dead worker's attempt counts");
+    }
 }

@@ -488,7 +488,7 @@ async fn a_cancelled_run_stops_and_deletes_nothing_more() {
 
 #[tokio::test]
 async fn a_stale_worker_cannot_overwrite_a_newer_attempt_and_leases_are_reclaimed() {
-    let app = app_with("", "lease = \"2m\"", TICKETS).await;
+    let app = app_with("", "lease = \"2m\"\nclaim_batch = 1", TICKETS).await;
     let eligible = seed_mixed(&app.pool, 5, at(WINDOW)).await;
     let run_id = planned_run(&app).await;
     let command = app.command_ids(&run_id).await.remove(0);
@@ -719,7 +719,12 @@ async fn killing_the_servers_connections_mid_run_does_not_stop_the_run() {
 
 #[tokio::test]
 async fn a_command_that_keeps_killing_its_workers_is_quarantined_after_max_attempts() {
-    let app = app_with(r#"retry = { max_attempts = 3 }"#, "lease = \"2m\"", TICKETS).await;
+    let app = app_with(
+        r#"retry = { max_attempts = 3 }"#,
+        "lease = \"2m\"\nclaim_batch = 1",
+        TICKETS,
+    )
+    .await;
     seed_mixed(&app.pool, 5, at(WINDOW)).await;
     let run_id = planned_run(&app).await;
     let command = app.command_ids(&run_id).await.remove(0);
