@@ -19,6 +19,11 @@ use crate::ledger;
 use crate::policy::RuleSet;
 use crate::retry::Failure;
 
+/// Most bytes of item keys one planning page handles.
+pub const PAGE_KEY_BYTES: usize = 16 * 1024 * 1024;
+/// Most bytes of item keys in one command (besides `batch_size` keys).
+pub const COMMAND_KEY_BYTES: usize = 1024 * 1024;
+
 /// What one planning step did.
 #[derive(Debug, PartialEq, Eq)]
 pub enum PlanStep {
@@ -126,8 +131,16 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         .unwrap_or(250);
     let page_rows = state.config.planning.page_rows;
 
-    // One bounded scan in key order after the cursor.
-    let mut q = rules.classify_select();
+    // One bounded scan in key order after the cursor: at most `page_rows` rows, and of those
+    // only as many as fit PAGE_KEY_BYTES of keys (always at least one), so a page stays bounded
+    // in bytes too (DESIGN §2.11).
+    let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new(
+        "select item_key, old_enough, reason, scanned from (
+             select p.*, sum(octet_length(p.item_key)) over (order by p.sort_key) as key_bytes,
+                    count(*) over () as scanned
+               from (",
+    );
+    rules.push_classify_select(&mut q);
     if let Some(c) = &cursor {
         q.push(format!(" where {} > cast(", rules.key_sql()));
         q.push_bind(c.clone());
@@ -135,9 +148,13 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     }
     q.push(format!(" order by {} limit ", rules.key_sql()));
     q.push_bind(page_rows);
+    q.push(") p) w where w.key_bytes - octet_length(w.item_key) < ");
+    q.push_bind(PAGE_KEY_BYTES as i64);
+    q.push(" order by w.sort_key");
     let rows = q.build().fetch_all(&mut *tx).await.map_err(db)?;
-    let scanned = rows.len() as i64;
-    let end_of_table = scanned < page_rows;
+    let scanned: i64 = rows.first().map(|r| r.get("scanned")).unwrap_or(0);
+    let cut_by_bytes = (rows.len() as i64) < scanned;
+    let end_of_table = scanned < page_rows && !cut_by_bytes;
 
     let mut eligible: Vec<(usize, String)> = Vec::new();
     for (i, r) in rows.iter().enumerate() {
@@ -150,7 +167,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     // Cut the page after the last full batch, so commands are full-sized; take everything at the
     // end of the table, or when the page holds less than one batch (progress is guaranteed).
     let full = eligible.len() / batch_size * batch_size;
-    let (take, last_row) = if end_of_table || full == 0 {
+    let (take, last_row) = if end_of_table || cut_by_bytes || full == 0 {
         (eligible.len(), rows.len().checked_sub(1))
     } else {
         (full, Some(eligible[full - 1].0))
@@ -168,10 +185,19 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
             }
         }
     }
-    let batches: Vec<Vec<String>> = eligible[..take]
-        .chunks(batch_size)
-        .map(|c| c.iter().map(|(_, k)| k.clone()).collect())
-        .collect();
+    // Commands of at most `batch_size` keys and COMMAND_KEY_BYTES of keys (at least one key).
+    let mut batches: Vec<Vec<String>> = Vec::new();
+    let mut bytes = 0;
+    for (_, key) in &eligible[..take] {
+        let full_count = batches.last().is_none_or(|b| b.len() >= batch_size);
+        let full_bytes = bytes + key.len() > COMMAND_KEY_BYTES;
+        if full_count || (full_bytes && !batches.last().is_none_or(|b| b.is_empty())) {
+            batches.push(Vec::new());
+            bytes = 0;
+        }
+        bytes += key.len();
+        batches.last_mut().expect("pushed above").push(key.clone());
+    }
     let n_commands = batches.len() as i32;
     let n_items = take as i64;
     let done = end_of_table && take == eligible.len();

@@ -779,18 +779,26 @@ impl RuleSet {
     }
 
     /// Starts the classifying scan used by planning and by execution:
-    /// `select key::text as item_key, <old enough> as old_enough, <first exclusion> as reason
-    /// from <table>`; the caller adds its `where`.
+    /// `select key as sort_key, key::text as item_key, <old enough> as old_enough,
+    /// <first exclusion> as reason from <table>`; the caller adds its `where`.
     pub fn classify_select(&self) -> QueryBuilder<'static, Postgres> {
-        let mut q = QueryBuilder::new("select ");
+        let mut q = QueryBuilder::new("");
+        self.push_classify_select(&mut q);
+        q
+    }
+
+    /// Pushes [`RuleSet::classify_select`]'s text onto `q` (to nest it in a larger query).
+    pub fn push_classify_select(&self, q: &mut QueryBuilder<'_, Postgres>) {
+        q.push("select ");
+        q.push(self.key_sql());
+        q.push(" as sort_key, ");
         q.push(self.key_sql());
         q.push("::text as item_key, ");
-        self.push_old_enough(&mut q);
+        self.push_old_enough(q);
         q.push(" as old_enough, ");
-        self.push_excluded_reason(&mut q);
+        self.push_excluded_reason(q);
         q.push(" as reason from ");
         q.push(self.table_sql());
-        q
     }
 
     /// Pushes the full eligibility predicate: old enough and held by no exclusion.

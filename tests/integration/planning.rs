@@ -219,3 +219,70 @@ async fn the_audit_trail_refuses_updates_and_deletes() {
     assert!(!counts.contains_key("excluded"));
     let _: Value = app.get_json("/healthz").await;
 }
+
+const DOCS: &str = "
+create schema demo;
+create table demo.tickets (id bigint primary key, status text, legal_hold boolean, closed_at timestamptz);
+create table demo.docs (name text primary key, closed_at timestamptz);
+create index on demo.docs (closed_at)
+";
+
+#[tokio::test]
+async fn huge_keys_are_planned_in_byte_bounded_pages_and_commands() {
+    let docs = r#"
+[[policy]]
+name = "doc-retention"
+schedule = { cron = "0 2 * * *", timezone = "UTC" }
+target = { table = "demo.docs", key = "name", timestamp = "closed_at" }
+retain_for = "90d"
+batch_size = 250
+"#;
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: docs.into(),
+        setup_sql: DOCS,
+        workers: 2,
+        ..Default::default()
+    })
+    .await;
+    // 100 keys of ~200 KB (compressible, so the primary key can index them): 20 MB of keys.
+    sqlx::query(
+        "insert into demo.docs
+         select lpad(g::text, 6, '0') || repeat('k', 200000), '2026-01-01T00:00:00Z'
+           from generate_series(1, 100) g",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let (status, run) = app.trigger("doc-retention", "").await;
+    assert_eq!(status, 202, "{run}");
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["deleted"], 100, "{run}");
+    assert_eq!(run["remaining_eligible"], 0);
+    let (pages, max_keys, max_bytes): (i32, i32, i64) = sqlx::query_as(
+        "select (select pages_done from sweeper.planning_jobs where run_id = $1),
+                max(cardinality(item_keys)),
+                max((select sum(octet_length(k)) from unnest(item_keys) k))::bigint
+           from sweeper.commands where run_id = $1",
+    )
+    .bind(&run_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!(pages >= 2, "a 20 MB page is split: {pages} pages");
+    assert!(
+        max_keys <= 5,
+        "commands stay within 1 MiB of keys: {max_keys} keys"
+    );
+    assert!(max_bytes <= 1024 * 1024, "{max_bytes}");
+    let per_key: i64 = sqlx::query_scalar(
+        "select count(*) from (select k from sweeper.commands, unnest(item_keys) k
+                                where run_id = $1 group by k having count(*) > 1) d",
+    )
+    .bind(&run_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(per_key, 0);
+}
