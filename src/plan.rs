@@ -131,15 +131,20 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         .unwrap_or(250);
     let page_rows = state.config.planning.page_rows;
 
-    // One bounded scan in key order after the cursor: at most `page_rows` rows, and of those
-    // only as many as fit PAGE_KEY_BYTES of keys (always at least one), so a page stays bounded
-    // in bytes too (DESIGN §2.11).
-    let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new(
-        "select item_key, old_enough, reason, scanned from (
-             select p.*, sum(octet_length(p.item_key)) over (order by p.sort_key) as key_bytes,
-                    count(*) over () as scanned
-               from (",
-    );
+    // One bounded scan in key order after the cursor: at most `page_rows` rows, and, for keys
+    // of variable width (text), of those only as many as fit PAGE_KEY_BYTES of keys (always at
+    // least one), so a page stays bounded in bytes too (DESIGN §2.11). Fixed-width keys (bigint,
+    // integer, uuid: at most 16 bytes) cannot reach the budget and skip the byte count.
+    let fixed_width = matches!(rules.key_type(), "bigint" | "integer" | "uuid");
+    let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new("");
+    if !fixed_width {
+        q.push(
+            "select item_key, old_enough, reason, scanned from (
+                 select p.*, sum(octet_length(p.item_key)) over (order by p.sort_key) as key_bytes,
+                        count(*) over () as scanned
+                   from (",
+        );
+    }
     rules.push_classify_select(&mut q);
     if let Some(c) = &cursor {
         q.push(format!(" where {} > cast(", rules.key_sql()));
@@ -148,11 +153,17 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     }
     q.push(format!(" order by {} limit ", rules.key_sql()));
     q.push_bind(page_rows);
-    q.push(") p) w where w.key_bytes - octet_length(w.item_key) < ");
-    q.push_bind(PAGE_KEY_BYTES as i64);
-    q.push(" order by w.sort_key");
+    if !fixed_width {
+        q.push(") p) w where w.key_bytes - octet_length(w.item_key) < ");
+        q.push_bind(PAGE_KEY_BYTES as i64);
+        q.push(" order by w.sort_key");
+    }
     let rows = q.build().fetch_all(&mut *tx).await.map_err(db)?;
-    let scanned: i64 = rows.first().map(|r| r.get("scanned")).unwrap_or(0);
+    let scanned: i64 = if fixed_width {
+        rows.len() as i64
+    } else {
+        rows.first().map(|r| r.get("scanned")).unwrap_or(0)
+    };
     let cut_by_bytes = (rows.len() as i64) < scanned;
     let end_of_table = scanned < page_rows && !cut_by_bytes;
 
