@@ -4,7 +4,8 @@
 //! and ledger-wide values read from the database at scrape time, so every replica reports the
 //! same numbers and nothing resets on restart: dead letters open and the age of the oldest,
 //! quarantined total (dead letters are never purged, so their count only grows), commands by
-//! state, the age of the oldest due command, runs by status, last successful run per policy.
+//! state, the age of the oldest due command, runs by status, planning jobs whose last page
+//! failed, last successful run per policy.
 
 use std::sync::OnceLock;
 
@@ -77,6 +78,11 @@ pub async fn render(pool: &PgPool) -> sqlx::Result<String> {
         sqlx::query_as("select status, count(*) from sweeper.runs group by status")
             .fetch_all(pool)
             .await?;
+    let planning_failing: i64 = sqlx::query_scalar(
+        "select count(*) from sweeper.planning_jobs where not done and failures > 0",
+    )
+    .fetch_one(pool)
+    .await?;
     let last: Vec<(String, f64)> = sqlx::query_as(
         "select policy, extract(epoch from max(completed_at))::float8 from sweeper.runs
           where status = 'completed' and not dry_run group by policy",
@@ -99,6 +105,7 @@ pub async fn render(pool: &PgPool) -> sqlx::Result<String> {
             gauge!("sweeper_commands", "state" => s).set(n as f64);
         }
         gauge!("sweeper_oldest_due_command_age_seconds").set(oldest_due.unwrap_or(0.0));
+        gauge!("sweeper_planning_jobs_failing").set(planning_failing as f64);
         for s in [
             "planning",
             "running",

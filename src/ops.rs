@@ -60,6 +60,15 @@ pub async fn list_runs(
     Ok(Json(json!({ "runs": runs })).into_response())
 }
 
+/// (pages_done, done, consecutive failures, last_error, last_error_at) of a planning job.
+type PlanningState = (
+    i32,
+    bool,
+    i32,
+    Option<String>,
+    Option<chrono::DateTime<chrono::Utc>>,
+);
+
 /// (command_id, state, attempts, last_error, last_error_class) of a stopped command.
 type StoppedCommand = (String, String, i32, Option<String>, Option<String>);
 
@@ -84,6 +93,13 @@ pub async fn get_run(
     .bind(&run_id)
     .fetch_all(&state.pool)
     .await?;
+    let planning: Option<PlanningState> = sqlx::query_as(
+        "select pages_done, done, failures, last_error, last_error_at
+               from sweeper.planning_jobs where run_id = $1",
+    )
+    .bind(&run_id)
+    .fetch_optional(&state.pool)
+    .await?;
     let verdict = replay_verdict(&state, &run_id).await?;
     let open = crate::dead_letter::list(
         &state.pool,
@@ -98,6 +114,13 @@ pub async fn get_run(
     .await?;
     let mut body = serde_json::to_value(&run).map_err(Problem::internal)?;
     body["commands"] = json!(commands);
+    body["planning"] = match planning {
+        Some((pages_done, done, failures, last_error, last_error_at)) => json!({
+            "pages_done": pages_done, "done": done, "consecutive_failures": failures,
+            "last_error": last_error, "last_error_at": last_error_at,
+        }),
+        None => serde_json::Value::Null,
+    };
     body["stopped_commands"] = json!(
         stopped
             .into_iter()

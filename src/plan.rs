@@ -72,18 +72,22 @@ pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
                 return Ok(step);
             }
             Err(f) => {
-                // A transient failure (a lost connection, a lock timeout) gives the lease back so
-                // the next round retries soon; otherwise the lease's expiry paces the retries.
-                if f.class == crate::retry::FailureClass::Transient {
-                    let _ = sqlx::query(
-                        "update sweeper.planning_jobs set lease_until = null
-                          where run_id = $1 and lease_token = $2",
-                    )
-                    .bind(&run_id)
-                    .bind(token)
-                    .execute(&state.pool)
-                    .await;
-                }
+                // Recorded on the job (shown on the run and in /metrics). A transient failure (a
+                // lost connection, a lock timeout) also gives the lease back so the next round
+                // retries soon; otherwise the lease's expiry paces the retries.
+                let transient = f.class == crate::retry::FailureClass::Transient;
+                let _ = sqlx::query(
+                    "update sweeper.planning_jobs
+                        set failures = failures + 1, last_error = $3, last_error_at = sweeper.now(),
+                            lease_until = case when $4 then null else lease_until end
+                      where run_id = $1 and lease_token = $2",
+                )
+                .bind(&run_id)
+                .bind(token)
+                .bind(&f.message)
+                .bind(transient)
+                .execute(&state.pool)
+                .await;
                 warn!(run_id, error = %f.message, class = f.class.as_str(), "planning page failed; retrying");
                 return Err(f);
             }
@@ -234,6 +238,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     sqlx::query(
         "update sweeper.planning_jobs
             set cursor_key = $2, next_batch_no = next_batch_no + $3, pages_done = pages_done + 1,
+                failures = 0,
                 done = $4, lease_until = (select sweeper.now()) + make_interval(secs => $5)
           where run_id = $1",
     )

@@ -805,3 +805,50 @@ async fn hostile_inputs_get_problem_json_never_a_5xx() {
     assert_eq!(r.status(), 413);
     assert_eq!(r.headers()["content-type"], "application/problem+json");
 }
+
+#[tokio::test]
+async fn a_failing_planning_page_is_visible_on_the_run_and_in_metrics_and_resumes() {
+    let app = app_with("", "", TICKETS).await;
+    let eligible = seed_mixed(&app.pool, 30, at(WINDOW)).await;
+    sqlx::query("alter table demo.tickets rename to tickets_moved")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let (status, run) = app.trigger("ticket-retention", "").await;
+    assert_eq!(status, 202);
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    let run = app
+        .wait_until(&run_id, "a recorded planning failure", |r| {
+            r["planning"]["consecutive_failures"].as_i64().unwrap_or(0) >= 1
+        })
+        .await;
+    assert_eq!(run["status"], "planning");
+    assert!(
+        run["planning"]["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("does not exist"),
+        "{run}"
+    );
+    let text = app
+        .client
+        .get(format!("{}/metrics", app.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.contains("sweeper_planning_jobs_failing 1"), "{text}");
+
+    sqlx::query("alter table demo.tickets_moved rename to tickets")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    advance(&app, 61).await; // the planning lease paces retries of a permanent failure
+    app.wait_planned(&run_id).await;
+    app.drain().await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["planning"]["consecutive_failures"], 0);
+    assert_eq!(run["deleted"].as_i64().unwrap() as usize, eligible.len());
+}
