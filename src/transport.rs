@@ -114,6 +114,28 @@ async fn release(
     Ok(())
 }
 
+/// After a try that could not record its result (the ledger was unreachable), puts the command
+/// back for a retry in a second, keeping its spent attempt. Best effort, a few times: if the
+/// ledger stays away, the lease's expiry gives the command back instead.
+async fn give_back(state: &AppState, command_id: &str, attempt: i32) {
+    for pause_ms in [100, 500, 2_000] {
+        tokio::time::sleep(std::time::Duration::from_millis(pause_ms)).await;
+        let done = sqlx::query(
+            "update sweeper.commands
+                set state = 'pending', lease_until = null, lease_owner = null,
+                    next_attempt_at = sweeper.now() + interval '1 second'
+              where command_id = $1 and state = 'leased' and attempts = $2",
+        )
+        .bind(command_id)
+        .bind(attempt)
+        .execute(&state.pool)
+        .await;
+        if done.is_ok() {
+            return;
+        }
+    }
+}
+
 /// Gives back every command this replica still holds a lease on (after its workers stopped),
 /// without spending their attempts, so another replica picks them up at once. Returns how many.
 pub async fn release_own_leases(state: &AppState) -> Result<u64, Failure> {
@@ -150,7 +172,8 @@ pub async fn worker_loop(state: AppState, worker_no: usize, shutdown: Cancellati
                     match run_claimed(&state, &command_id, attempt).await {
                         Ok(outcome) => debug!(worker_no, ?outcome, "command done"),
                         Err(f) => {
-                            warn!(worker_no, command_id, error = %f.message, "command step failed")
+                            warn!(worker_no, command_id, error = %f.message, "command step failed");
+                            give_back(&state, &command_id, attempt).await;
                         }
                     }
                 }

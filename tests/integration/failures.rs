@@ -686,7 +686,11 @@ async fn killing_the_servers_connections_mid_run_does_not_stop_the_run() {
             "{}retry = {{ max_attempts = 20, base = \"1s\", cap = \"1s\" }}\n",
             ticket_policy(5)
         ),
-        extra_toml: "[planning]\nlease = \"5s\"".into(),
+        // Short leases: a claim whose commit reply was lost with its connection stays leased
+        // until its lease expires.
+        extra_toml: "lease = \"15s\"\nclaim_batch = 1\n[planning]\nlease = \"5s\"\n\
+                     [consume]\nstatement_timeout = \"5s\"\ncommand_deadline = \"10s\""
+            .into(),
         workers: 2,
         ..Default::default()
     })
