@@ -192,46 +192,24 @@ async fn windows_must_be_ticks_not_in_the_future_and_old_ones_need_ops_write() {
 async fn authentication_and_lookup_failures_are_problem_json() {
     let app = TestApp::spawn(Spawn::default()).await;
     let good = app.token(&["trigger:*"]);
-    let expired = {
-        // A token that expired an hour ago, signed with the right key.
-        let claims = serde_json::json!({"sub": "x", "iss": "sweeper-test", "aud": "sweeper",
-                                        "exp": chrono::Utc::now().timestamp() - 3600, "scope": "trigger:*"});
+    // Hand-signed HS256 tokens with kid k2: (audience, exp offset in seconds, secret).
+    let sign = |aud: &str, exp_in: i64, secret: &[u8]| {
+        let claims = serde_json::json!({"sub": "x", "iss": "sweeper-test", "aud": aud,
+                                        "exp": chrono::Utc::now().timestamp() + exp_in,
+                                        "scope": "trigger:*"});
         let mut h = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256);
         h.kid = Some("k2".into());
-        jsonwebtoken::encode(
-            &h,
-            &claims,
-            &jsonwebtoken::EncodingKey::from_secret(SECRET.as_bytes()).unwrap(),
-        )
-        .unwrap()
+        let key = jsonwebtoken::EncodingKey::from_secret(secret).unwrap();
+        jsonwebtoken::encode(&h, &claims, &key).unwrap()
     };
-    let wrong_signature = {
-        let claims = serde_json::json!({"sub": "x", "iss": "sweeper-test", "aud": "sweeper",
-                                        "exp": chrono::Utc::now().timestamp() + 3600, "scope": "trigger:*"});
-        let mut h = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256);
-        h.kid = Some("k2".into());
-        jsonwebtoken::encode(
-            &h,
-            &claims,
-            &jsonwebtoken::EncodingKey::from_secret(
-                b"not-the-secret-not-the-secret-not-the-secret",
-            )
-            .unwrap(),
-        )
-        .unwrap()
-    };
-    let wrong_audience = {
-        let claims = serde_json::json!({"sub": "x", "iss": "sweeper-test", "aud": "someone-else",
-                                        "exp": chrono::Utc::now().timestamp() + 3600, "scope": "trigger:*"});
-        let mut h = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256);
-        h.kid = Some("k2".into());
-        jsonwebtoken::encode(
-            &h,
-            &claims,
-            &jsonwebtoken::EncodingKey::from_secret(SECRET.as_bytes()).unwrap(),
-        )
-        .unwrap()
-    };
+    // Expired an hour ago, signed with the right key.
+    let expired = sign("sweeper", -3600, SECRET.as_bytes());
+    let wrong_signature = sign(
+        "sweeper",
+        3600,
+        b"not-the-secret-not-the-secret-not-the-secret",
+    );
+    let wrong_audience = sign("someone-else", 3600, SECRET.as_bytes());
     let cases: Vec<(&str, Option<String>, u16, &str)> = vec![
         (
             "/trigger/no-such-policy",
