@@ -34,6 +34,8 @@ pub struct AppState {
     pub wake_planner: Arc<Notify>,
     /// This process's identity as a lease owner.
     pub replica_id: uuid::Uuid,
+    /// Downstream dependencies: clients, per-replica limits, the shared pause view.
+    pub dependencies: Arc<crate::dependency::Dependencies>,
 }
 
 /// Opens a pool on `config.database_url` with the configured size and acquire timeout.
@@ -88,6 +90,8 @@ impl Application {
             );
         }
         ledger::register_policy_versions(&pool, &config.policies).await?;
+        let dependencies = crate::dependency::Dependencies::build(&config.dependencies)
+            .context("building the dependencies' clients")?;
         let listener = TcpListener::bind(config.listen)
             .await
             .with_context(|| format!("cannot listen on {}", config.listen))?;
@@ -101,6 +105,7 @@ impl Application {
                 wake_workers: Arc::new(Notify::new()),
                 wake_planner: Arc::new(Notify::new()),
                 replica_id: uuid::Uuid::new_v4(),
+                dependencies: Arc::new(dependencies),
             },
         })
     }

@@ -143,6 +143,8 @@ struct RawConfig {
     #[serde(default)]
     auth: AuthConfig,
     #[serde(default)]
+    dependency: Vec<crate::dependency::DependencyConfig>,
+    #[serde(default)]
     policy: Vec<PolicyConfig>,
 }
 
@@ -347,6 +349,8 @@ pub struct Config {
     pub ledger: LedgerConfig,
     /// Issuers with their resolved secrets.
     pub issuers: Vec<crate::auth::Issuer>,
+    /// The downstream dependencies, validated (DESIGN §9).
+    pub dependencies: Vec<crate::dependency::Dependency>,
     /// The policies, validated.
     pub policies: Vec<Policy>,
 }
@@ -485,9 +489,28 @@ impl Config {
 
         let issuers = crate::auth::Issuer::from_config(&raw.auth, &mut errors);
 
+        let mut dependencies: Vec<crate::dependency::Dependency> = Vec::new();
+        for (i, d) in raw.dependency.into_iter().enumerate() {
+            let label = if d.name.is_empty() {
+                format!("dependency[{i}]")
+            } else {
+                format!("dependency[{}]", d.name)
+            };
+            if dependencies.iter().any(|x| x.name == d.name) {
+                errors.push(format!(
+                    "{label}: a dependency of this name is defined twice"
+                ));
+                continue;
+            }
+            match crate::dependency::Dependency::from_config(d) {
+                Ok(dep) => dependencies.push(dep),
+                Err(es) => errors.extend(es.into_iter().map(|e| format!("{label}.{e}"))),
+            }
+        }
+
         let mut names = HashSet::new();
         let mut policies = Vec::new();
-        for (i, p) in raw.policy.into_iter().enumerate() {
+        for (i, mut p) in raw.policy.into_iter().enumerate() {
             let label = if p.name.is_empty() {
                 format!("policy[{i}]")
             } else {
@@ -497,8 +520,43 @@ impl Config {
                 errors.push(format!("{label}: a policy of this name is defined twice"));
                 continue;
             }
+            // The dependency's retry settings fill what the policy leaves unset.
+            let dep = p
+                .action
+                .as_ref()
+                .and_then(|a| a.dependency.as_deref())
+                .and_then(|d| dependencies.iter().find(|x| x.name == d));
+            if let Some(dr) = dep.and_then(|d| d.retry.clone()) {
+                let pr = p.retry.take();
+                let pick = |a: Option<DurationSpec>, b: Option<DurationSpec>| a.or(b);
+                p.retry = Some(crate::policy::RetryConfig {
+                    max_attempts: pr.as_ref().and_then(|r| r.max_attempts).or(dr.max_attempts),
+                    base: pick(pr.as_ref().and_then(|r| r.base), dr.base),
+                    cap: pick(pr.as_ref().and_then(|r| r.cap), dr.cap),
+                    max_age: pick(pr.as_ref().and_then(|r| r.max_age), dr.max_age),
+                });
+            }
             match Policy::from_config(p) {
-                Ok(policy) => policies.push(policy),
+                Ok(policy) => {
+                    if let Some(d) = policy.spec.action.dependency() {
+                        let object = matches!(
+                            policy.spec.action,
+                            crate::policy::ActionSpec::ObjectStore(_)
+                        );
+                        match dependencies.iter().find(|x| x.name == d) {
+                            None => errors.push(format!(
+                                "{label}.action.dependency: no [[dependency]] is named `{d}`"
+                            )),
+                            Some(x) if x.kind.is_object_store() != object => errors.push(format!(
+                                "{label}.action.dependency: `{d}` is {} dependency, the action needs {}",
+                                if x.kind.is_object_store() { "an object-store" } else { "an http" },
+                                if object { "an object store" } else { "an http one" }
+                            )),
+                            Some(_) => {}
+                        }
+                    }
+                    policies.push(policy)
+                }
                 Err(es) => errors.extend(es.into_iter().map(|e| format!("{label}.{e}"))),
             }
         }
@@ -516,6 +574,7 @@ impl Config {
             consume: raw.consume,
             ledger: raw.ledger,
             issuers,
+            dependencies,
             policies,
         })
     }

@@ -57,6 +57,8 @@ pub enum Outcome {
     Failed,
     /// A dry run would have deleted the row.
     WouldDelete,
+    /// An external call succeeded and the row was stamped or left (not deleted).
+    Reconciled,
 }
 
 impl Outcome {
@@ -69,6 +71,7 @@ impl Outcome {
             Outcome::NotEligible => "not_eligible",
             Outcome::Failed => "failed",
             Outcome::WouldDelete => "would_delete",
+            Outcome::Reconciled => "reconciled",
         }
     }
 }
@@ -88,10 +91,12 @@ pub struct Counts {
     pub failed: i64,
     /// Items a dry run would delete.
     pub would_delete: i64,
+    /// Items reconciled by an external call.
+    pub reconciled: i64,
 }
 
 impl Counts {
-    fn add(&mut self, o: Outcome) {
+    pub(crate) fn add(&mut self, o: Outcome) {
         match o {
             Outcome::Deleted => self.deleted += 1,
             Outcome::AlreadyAbsent => self.already_absent += 1,
@@ -99,6 +104,7 @@ impl Counts {
             Outcome::NotEligible => self.not_eligible += 1,
             Outcome::Failed => self.failed += 1,
             Outcome::WouldDelete => self.would_delete += 1,
+            Outcome::Reconciled => self.reconciled += 1,
         }
     }
 }
@@ -159,15 +165,27 @@ pub enum Executor {
     Claimed(i32),
 }
 
-struct Loaded {
-    run_id: String,
-    policy: String,
-    policy_version: String,
-    window: DateTime<Utc>,
-    dry_run: bool,
-    keys: Vec<String>,
-    rules: RuleSet,
-    redrive_of: Option<i64>,
+/// A command loaded for execution, under its run's pinned (and stricter current) rules.
+pub(crate) struct Loaded {
+    pub(crate) run_id: String,
+    pub(crate) policy: String,
+    pub(crate) policy_version: String,
+    pub(crate) window: DateTime<Utc>,
+    pub(crate) dry_run: bool,
+    pub(crate) keys: Vec<String>,
+    pub(crate) rules: RuleSet,
+    pub(crate) redrive_of: Option<i64>,
+    /// Another execution holds the command's lease, for this many more seconds (0: none).
+    lease_left: f64,
+}
+
+/// What one try led to.
+enum Attempted {
+    /// A decision, committed.
+    Done(ConsumeOutcome),
+    /// An action with external calls: its command is leased as attempt `n`; the calls run
+    /// outside any transaction (see [`crate::effect`]).
+    External(Box<Loaded>, i32),
 }
 
 enum Step {
@@ -224,7 +242,10 @@ pub async fn execute(
             ))))
         });
         match tried {
-            Ok(outcome) => return Ok(outcome),
+            Ok(Attempted::Done(outcome)) => return Ok(outcome),
+            Ok(Attempted::External(loaded, n)) => {
+                return crate::effect::run(state, command_id, *loaded, n, actor, started).await;
+            }
             Err(AttemptError::BulkFailed(f)) if !per_item => {
                 info!(command_id, error = %f.message, "bulk delete failed permanently; retrying item by item");
                 per_item = true;
@@ -257,15 +278,51 @@ async fn attempt(
     per_item: bool,
     started: Instant,
     seen: &mut Option<i32>,
-) -> Result<ConsumeOutcome, AttemptError> {
+) -> Result<Attempted, AttemptError> {
     let mut tx = state.pool.begin().await?;
     let loaded = match load(state, &mut tx, command_id, executor, seen).await? {
         Step::Done(outcome) => {
             tx.rollback().await?;
-            return Ok(outcome);
+            return Ok(Attempted::Done(outcome));
         }
         Step::Run(l) => l,
     };
+    if loaded.rules.action.dependency().is_some() && !loaded.dry_run {
+        // No transaction may span the calls: the command is leased instead (DESIGN §5,
+        // concurrent deliveries), and a delivery that finds a live lease is a "not now".
+        let n = match executor {
+            Executor::Claimed(n) => n,
+            Executor::Delivery => {
+                if loaded.lease_left > 0.0 {
+                    tx.rollback().await?;
+                    return Ok(Attempted::Done(ConsumeOutcome::NotNow {
+                        reason: "another execution of this command holds its lease (its \
+                                 external calls may be in flight)"
+                            .into(),
+                        retry_after_seconds: loaded.lease_left.ceil() as u64,
+                    }));
+                }
+                // The delivery counts as an attempt before anything is called, so a delivery
+                // that crashes the process every time still spends the budget.
+                let n: i32 = sqlx::query_scalar(
+                    "update sweeper.commands
+                        set state = 'leased', attempts = attempts + 1, lease_owner = $2,
+                            lease_until = sweeper.now() + make_interval(secs => $3)
+                      where command_id = $1
+                  returning attempts",
+                )
+                .bind(command_id)
+                .bind(state.replica_id)
+                .bind(state.config.queue.lease.seconds() as f64)
+                .fetch_one(&mut *tx)
+                .await?;
+                *seen = Some(n);
+                n
+            }
+        };
+        tx.commit().await?;
+        return Ok(Attempted::External(loaded, n));
+    }
     let rules = &loaded.rules;
     if per_item {
         // Each item's savepoint must see its own constraint violations, deferred ones included.
@@ -422,6 +479,7 @@ async fn attempt(
     let run_status = finish_in_run(
         &mut tx,
         &loaded.run_id,
+        true,
         &counts,
         false,
         loaded.redrive_of.is_some(),
@@ -442,11 +500,11 @@ async fn attempt(
     }
     crate::metrics::attempt_succeeded();
     crate::crash_point!("consume_after_commit");
-    Ok(ConsumeOutcome::Executed {
+    Ok(Attempted::Done(ConsumeOutcome::Executed {
         command_id: command_id.to_string(),
         counts,
         run_status,
-    })
+    }))
 }
 
 /// Locks the command row and decides whether to run it.
@@ -472,6 +530,9 @@ async fn load(
                 greatest(0, extract(epoch from c.next_attempt_at - (select sweeper.now())))::float8
                     as due_in_seconds,
                 c.redrive_of, r.policy, r.policy_version, r.window_at, r.cutoff, r.dry_run,
+                case when c.state = 'leased' and c.lease_until > sweeper.now()
+                     then extract(epoch from c.lease_until - sweeper.now())::float8
+                     else 0 end as lease_left,
                 coalesce(ps.suspended, false) as suspended,
                 (select v.version from sweeper.policy_versions v where v.policy = r.policy
                   order by v.seq desc limit 1) as current_version,
@@ -604,8 +665,9 @@ async fn load(
         .get(&state.pool, &pinned.target.table)
         .await
         .map_err(AttemptError::Failed)?;
+    let run_id: String = row.get("run_id");
     let rules = match RuleSet::effective(&pinned, current.as_deref(), cutoff, window, &table) {
-        Ok(r) => r,
+        Ok(r) => r.with_effects(&policy, &run_id),
         Err(held) => {
             return Ok(Step::Done(ConsumeOutcome::NotNow {
                 reason: format!("held: {held}"),
@@ -614,7 +676,7 @@ async fn load(
         }
     };
     Ok(Step::Run(Box::new(Loaded {
-        run_id: row.get("run_id"),
+        run_id,
         policy,
         policy_version,
         window,
@@ -622,6 +684,7 @@ async fn load(
         keys: row.get("item_keys"),
         rules,
         redrive_of: row.get("redrive_of"),
+        lease_left: row.get("lease_left"),
     })))
 }
 
@@ -643,15 +706,18 @@ async fn delete(
 }
 
 /// Records a command's terminal state in its run, under the run-row lock: counts, the pending
-/// counter, and completion when this was the last command of a fully planned run. A run with a
+/// counter, and completion when this was the last command of a fully planned run. With
+/// `terminal` false only the counts are added (a command that finished some of its items). A run with a
 /// dead letter that is not resolved completes as `completed_with_dead_letters`.
 ///
 /// `item_redrive`: the command re-executed one item whose earlier outcome was `failed`, so that
 /// outcome is superseded. `rules`: run the closure check on completion (None for dry runs and
 /// for quarantined commands, whose rules may not be buildable).
-async fn finish_in_run(
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn finish_in_run(
     tx: &mut Transaction<'_, Postgres>,
     run_id: &str,
+    terminal: bool,
     counts: &Counts,
     quarantined: bool,
     item_redrive: bool,
@@ -662,19 +728,20 @@ async fn finish_in_run(
     // once, under the run-row lock, when the pending counter reaches zero.
     let status: String = sqlx::query_scalar(
         "update sweeper.runs
-            set pending_commands = pending_commands - 1,
+            set pending_commands = pending_commands - case when $11 then 1 else 0 end,
                 quarantined_commands = quarantined_commands + $2,
                 deleted = deleted + $3, already_absent = already_absent + $4,
                 excluded = excluded + $5, not_eligible = not_eligible + $6,
                 failed = greatest(0, failed + $7 - $9), would_delete = would_delete + $8,
+                reconciled = reconciled + $10,
                 status = case
-                    when status in ('planning', 'running') and planning_done and pending_commands = 1
+                    when $11 and status in ('planning', 'running') and planning_done and pending_commands = 1
                     then case when exists (select 1 from sweeper.dead_letters d
                                             where d.run_id = $1 and d.status <> 'resolved')
                               then 'completed_with_dead_letters' else 'completed' end
                     else status end,
                 completed_at = case
-                    when status in ('planning', 'running') and planning_done and pending_commands = 1
+                    when $11 and status in ('planning', 'running') and planning_done and pending_commands = 1
                     then sweeper.now() else completed_at end
           where run_id = $1
           returning status",
@@ -688,6 +755,8 @@ async fn finish_in_run(
     .bind(counts.failed)
     .bind(counts.would_delete)
     .bind(item_redrive as i64)
+    .bind(counts.reconciled)
+    .bind(terminal)
     .fetch_one(&mut **tx)
     .await?;
     let completed = matches!(status.as_str(), "completed" | "completed_with_dead_letters");
@@ -727,7 +796,7 @@ pub async fn record_closure_check(
 
 /// Item-level dead letters for the items that failed in this command (in its transaction). An
 /// item re-executed by a redrive reopens its own dead letter instead of adding one.
-async fn record_item_dead_letters(
+pub(crate) async fn record_item_dead_letters(
     tx: &mut Transaction<'_, Postgres>,
     loaded: &Loaded,
     command_id: &str,
@@ -778,7 +847,7 @@ async fn record_item_dead_letters(
 ///
 /// A quarantined command gets a dead letter (one per command: a later failure of a redriven
 /// command reopens it) holding its attempt history.
-async fn record_failure(
+pub(crate) async fn record_failure(
     state: &AppState,
     command_id: &str,
     executor: Executor,
@@ -913,6 +982,7 @@ async fn record_failure(
         finish_in_run(
             &mut tx,
             &run_id,
+            true,
             &Counts::default(),
             true,
             false,

@@ -95,6 +95,8 @@ pub struct Run {
     pub failed: i64,
     /// Items a dry run would delete.
     pub would_delete: i64,
+    /// Items whose external call succeeded and whose row was stamped, not deleted.
+    pub reconciled: i64,
     /// Closure check: rows still eligible when the run completed (expected 0), counted up to
     /// `remaining_eligible_cap`. Null until the run completes.
     pub remaining_eligible: Option<i64>,
@@ -132,7 +134,7 @@ pub fn is_terminal_run_status(status: &str) -> bool {
 const RUN_COLUMNS: &str = "run_id, policy, policy_version, window_at, cutoff, dry_run, status,
     planning_done, pending_commands, commands_total, quarantined_commands, eligible_planned,
     held_at_planning, deleted, already_absent, excluded, not_eligible, failed, would_delete,
-    remaining_eligible, remaining_eligible_cap, triggered_by, created_at, planned_at, completed_at";
+    reconciled,     remaining_eligible, remaining_eligible_cap, triggered_by, created_at, planned_at, completed_at";
 
 /// Loads one run.
 pub async fn get_run(conn: &mut PgConnection, run_id: &str) -> sqlx::Result<Option<Run>> {

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod action;
 pub mod app;
 pub mod audit;
 pub mod auth;
@@ -11,6 +12,8 @@ pub mod config;
 pub mod consume;
 pub mod control;
 pub mod dead_letter;
+pub mod dependency;
+pub mod effect;
 pub mod failpoints;
 pub mod http;
 pub mod ledger;

@@ -50,6 +50,19 @@ pub fn attempt_succeeded() {
     counter!("sweeper_attempts_total", "outcome" => "succeeded", "class" => "none").increment(1);
 }
 
+/// Counts a pause stored for a dependency (`sweeper_dependency_pauses_total{dependency}`).
+pub fn dependency_paused(dependency: &str) {
+    counter!("sweeper_dependency_pauses_total", "dependency" => dependency.to_string())
+        .increment(1);
+}
+
+/// Counts an outbound call by its result (`sweeper_dependency_calls_total{dependency, result}`;
+/// result is `done`, `already_absent`, `transient`, `throttled` or `permanent`).
+pub fn dependency_call(dependency: &str, result: &'static str) {
+    counter!("sweeper_dependency_calls_total", "dependency" => dependency.to_string(), "result" => result)
+        .increment(1);
+}
+
 /// Reads the ledger-wide values and renders everything in Prometheus text format.
 ///
 /// The ledger-wide values go through a recorder local to this scrape, so concurrent scrapes

@@ -127,7 +127,8 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         .map_err(db)?;
     let table = state.catalog.get(&state.pool, &pinned.target.table).await?;
     let rules = RuleSet::effective(&pinned, current.as_ref(), cutoff, window, &table)
-        .map_err(|h| Failure::permanent(h.0))?;
+        .map_err(|h| Failure::permanent(h.0))?
+        .with_effects(&policy, run_id);
     let batch_size = state
         .config
         .policy(&policy)

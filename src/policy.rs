@@ -164,6 +164,32 @@ pub enum ExclusionTest {
 pub enum ActionSpec {
     /// Delete the row from the target table, in the command's transaction.
     DeleteRows,
+    /// Call a dependency's HTTP API per item, then change the row (see [`crate::action`]).
+    Http(Box<crate::action::HttpAction>),
+    /// Delete an object per item from an object store, then change the row.
+    ObjectStore(crate::action::ObjectStoreAction),
+}
+
+impl ActionSpec {
+    /// The dependency an external action calls; `None` for `delete_rows`.
+    pub fn dependency(&self) -> Option<&str> {
+        match self {
+            ActionSpec::DeleteRows => None,
+            ActionSpec::Http(h) => Some(&h.dependency),
+            ActionSpec::ObjectStore(o) => Some(&o.dependency),
+        }
+    }
+
+    /// The item columns the action reads (templates, the object column, a stamped column).
+    pub fn columns(&self) -> Vec<&Ident> {
+        match self {
+            ActionSpec::DeleteRows => vec![],
+            ActionSpec::Http(h) => h.columns.iter().chain(h.then.column()).collect(),
+            ActionSpec::ObjectStore(o) => {
+                std::iter::once(&o.column).chain(o.then.column()).collect()
+            }
+        }
+    }
 }
 
 /// The versioned part of a policy: everything that decides eligibility and the action.
@@ -397,13 +423,7 @@ pub struct ExclusionConfig {
     pub is_not_null: Option<bool>,
 }
 
-/// `action = { kind = "delete_rows" }`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ActionConfig {
-    /// Only `delete_rows` so far.
-    pub kind: String,
-}
+pub use crate::action::ActionConfig;
 
 impl Policy {
     /// Validates a configured policy; errors are `field: message` without the policy prefix.
@@ -455,12 +475,12 @@ impl Policy {
                 "target.timestamp_zone: `{z}` is not an IANA time zone name"
             ));
         }
-        match c.action.as_ref().map(|a| a.kind.as_str()) {
-            None | Some("delete_rows") => {}
-            Some(other) => errors.push(format!(
-                "action.kind: `{other}` is not supported (supported: delete_rows)"
-            )),
-        }
+        let action = match &c.action {
+            None => Some(ActionSpec::DeleteRows),
+            Some(a) => crate::action::from_config(a)
+                .map_err(|es| errors.extend(es.into_iter().map(|e| format!("action.{e}"))))
+                .ok(),
+        };
         match c.transport.as_deref() {
             None | Some("builtin") => {}
             Some(other) => errors.push(format!(
@@ -503,6 +523,21 @@ impl Policy {
                 Err(msg) => errors.push(format!("exclude[{i}]: {msg}")),
             }
         }
+        // `then = { set = "reconciled_at" }`: a stamped row is never selected again.
+        if let Some(column) = action.as_ref().and_then(|a| match a {
+            ActionSpec::Http(h) => h.then.column(),
+            ActionSpec::ObjectStore(o) => o.then.column(),
+            ActionSpec::DeleteRows => None,
+        }) {
+            let stamped = Exclusion {
+                name: column.as_str().to_string(),
+                column: column.clone(),
+                test: ExclusionTest::IsNotNull,
+            };
+            if !exclude.contains(&stamped) {
+                exclude.push(stamped);
+            }
+        }
         if !errors.is_empty() {
             return Err(errors);
         }
@@ -515,7 +550,7 @@ impl Policy {
             },
             retain_for_seconds: c.retain_for.seconds(),
             exclude,
-            action: ActionSpec::DeleteRows,
+            action: action.unwrap(),
         };
         let version = spec.version();
         Ok(Policy {
@@ -642,6 +677,10 @@ pub struct RuleSet {
     pub cutoff: chrono::DateTime<chrono::Utc>,
     /// All exclusions that apply.
     pub exclude: Vec<Exclusion>,
+    /// The pinned action.
+    pub action: ActionSpec,
+    /// `(policy, run_id)`: hold items whose effect is open in another run of the policy.
+    effects: Option<(String, String)>,
     key_type: String,
     column_types: HashMap<String, String>,
 }
@@ -687,13 +726,27 @@ impl RuleSet {
             let t = table.type_of(&e.column).map_err(Held)?;
             column_types.insert(e.column.as_str().to_string(), t.to_string());
         }
+        for c in pinned.action.columns() {
+            table.type_of(c).map_err(Held)?;
+        }
         Ok(RuleSet {
             target: pinned.target.clone(),
             cutoff,
             exclude,
+            action: pinned.action.clone(),
+            effects: None,
             key_type,
             column_types,
         })
+    }
+
+    /// For an action with external calls: also hold every item whose effect is open in another
+    /// run of `policy` (reason `effect_open`, DESIGN §2.4). Planning and execution both apply it.
+    pub fn with_effects(mut self, policy: &str, run_id: &str) -> Self {
+        if self.action.dependency().is_some() {
+            self.effects = Some((policy.to_string(), run_id.to_string()));
+        }
+        self
     }
 
     /// `"schema"."table"`.
@@ -740,11 +793,23 @@ impl RuleSet {
     /// Pushes a `CASE` giving the first matching exclusion's reason, or NULL when none holds the
     /// row. A NULL in a value-tested column protects the row as `unknown:{column}` (DESIGN §2.3).
     pub fn push_excluded_reason(&self, q: &mut QueryBuilder<'_, Postgres>) {
-        if self.exclude.is_empty() {
+        if self.exclude.is_empty() && self.effects.is_none() {
             q.push("null::text");
             return;
         }
         q.push("(case");
+        if let Some((policy, run_id)) = &self.effects {
+            // Qualified by the table's full name: an effects column could share the key's name.
+            q.push(" when exists (select 1 from sweeper.effects e where e.policy = ");
+            q.push_bind(policy.clone());
+            q.push(format!(
+                " and e.item_key = ({}.{})::text and e.state <> 'closed' and e.run_id <> ",
+                self.table_sql(),
+                self.key_sql()
+            ));
+            q.push_bind(run_id.clone());
+            q.push(") then 'effect_open'");
+        }
         for e in &self.exclude {
             let col = e.column.quoted();
             let ty = &self.column_types[e.column.as_str()];

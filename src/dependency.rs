@@ -1,0 +1,783 @@
+//! Downstream dependencies (DESIGN §9): the services an action calls, each with allowed hosts, a
+//! timeout, a concurrency cap and a rate limit (both per replica), and a pause shared by all
+//! replicas through the ledger.
+//!
+//! Every call is admitted in this order: a concurrency permit, a rate-limit slot, then the pause
+//! check against a view of `sweeper.dependency_pauses` at most one second old. A paused dependency
+//! is never called: the command snoozes (DESIGN §5) until the pause ends.
+//!
+//! The outbound HTTP client (rustls) refuses loopback, private, link-local, shared (100.64/10),
+//! unspecified, multicast and IPv4-mapped/-translated addresses — as IP literals in the URL and as
+//! resolved addresses — unless the dependency sets `allow_private_addresses`. It never follows a
+//! redirect to another host and ignores proxy environment variables (a proxy would resolve names
+//! past the guard).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use secrecy::{ExposeSecret, SecretString};
+use serde::Deserialize;
+use sqlx::PgPool;
+use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
+use url::{Host, Url};
+
+use crate::config::DurationSpec;
+use crate::policy::RetryConfig;
+use crate::retry::Failure;
+
+/// `[[dependency]]` as written in the TOML file.
+///
+/// ```toml
+/// [[dependency]]
+/// name = "payments"
+/// base_url = "https://api.payments.example"
+/// timeout = "10s"
+/// max_concurrent_calls = 8          # per replica
+/// rate_limit = { per_second = 20, burst = 5 }   # per replica
+/// credentials = { env = "PAYMENTS_TOKEN", header = "Authorization", prefix = "Bearer " }
+/// ```
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DependencyConfig {
+    /// The name actions refer to.
+    pub name: String,
+    /// `http` (default), `s3`, `gcs`, `azure` or `local`.
+    #[serde(default)]
+    pub kind: Option<String>,
+    /// `http`: the base URL every path is appended to. `s3`: an optional endpoint (for
+    /// S3-compatible stores).
+    #[serde(default)]
+    pub base_url: Option<String>,
+    /// Object stores: the bucket (S3, GCS) or container (Azure).
+    #[serde(default)]
+    pub bucket: Option<String>,
+    /// `s3`: the region (default `us-east-1`).
+    #[serde(default)]
+    pub region: Option<String>,
+    /// `local`: the directory objects live in.
+    #[serde(default)]
+    pub root: Option<String>,
+    /// Hosts a request may go to; defaults to the base URL's host.
+    #[serde(default)]
+    pub allowed_hosts: Option<Vec<String>>,
+    /// Allow loopback, private, link-local and mapped addresses (default false). For stand-ins
+    /// on loopback and for services on a private network.
+    #[serde(default)]
+    pub allow_private_addresses: bool,
+    /// Per-call timeout, default `10s`.
+    #[serde(default)]
+    pub timeout: Option<DurationSpec>,
+    /// Calls in flight at once, per replica (default 8).
+    #[serde(default)]
+    pub max_concurrent_calls: Option<u32>,
+    /// Calls per second, per replica (default: unlimited).
+    #[serde(default)]
+    pub rate_limit: Option<RateLimitConfig>,
+    /// Credentials, by reference to environment variables (never inline).
+    #[serde(default)]
+    pub credentials: Option<CredentialsConfig>,
+    /// Longest pause a `Retry-After` may impose (default `1h`).
+    #[serde(default)]
+    pub retry_after_cap: Option<DurationSpec>,
+    /// A pause shorter than this is waited out in the request instead of snoozing the command
+    /// (default `1s`; `0s` turns it off). Never inside a transaction.
+    #[serde(default)]
+    pub pause_wait: Option<DurationSpec>,
+    /// A documented rate-limit reset header read like `Retry-After` when a 429 lacks one
+    /// (delta-seconds or an HTTP-date), e.g. `X-RateLimit-Reset-After`.
+    #[serde(default)]
+    pub reset_header: Option<String>,
+    /// Retry settings for the commands of policies that call this dependency, where the policy
+    /// sets none itself.
+    #[serde(default)]
+    pub retry: Option<RetryConfig>,
+}
+
+/// `rate_limit = { per_second = 20, burst = 5 }` (per replica).
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimitConfig {
+    /// Sustained calls per second.
+    pub per_second: u32,
+    /// Calls allowed at once after a quiet spell (default 1).
+    #[serde(default)]
+    pub burst: Option<u32>,
+}
+
+/// `credentials = { ... }`: names of environment variables, read at start-up.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CredentialsConfig {
+    /// `http`: the variable holding the secret sent in `header`.
+    #[serde(default)]
+    pub env: Option<String>,
+    /// `http`: the header (default `Authorization`).
+    #[serde(default)]
+    pub header: Option<String>,
+    /// `http`: text before the secret, e.g. `Bearer `.
+    #[serde(default)]
+    pub prefix: Option<String>,
+    /// `s3`: the variable holding the access key id.
+    #[serde(default)]
+    pub access_key_id_env: Option<String>,
+    /// `s3`: the variable holding the secret access key.
+    #[serde(default)]
+    pub secret_access_key_env: Option<String>,
+}
+
+/// What a dependency is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DependencyKind {
+    /// An HTTP API under `base_url`.
+    Http {
+        /// The base URL.
+        base_url: Url,
+    },
+    /// Amazon S3 or an S3-compatible store.
+    S3 {
+        /// The bucket.
+        bucket: String,
+        /// The region.
+        region: String,
+        /// A custom endpoint.
+        endpoint: Option<Url>,
+    },
+    /// Google Cloud Storage (credentials from `GOOGLE_SERVICE_ACCOUNT` and friends).
+    Gcs {
+        /// The bucket.
+        bucket: String,
+    },
+    /// Azure Blob Storage (credentials from `AZURE_STORAGE_*`).
+    Azure {
+        /// The container.
+        container: String,
+    },
+    /// A local directory.
+    Local {
+        /// The directory.
+        root: std::path::PathBuf,
+    },
+}
+
+impl DependencyKind {
+    /// Whether actions of kind `object_store` can use it.
+    pub fn is_object_store(&self) -> bool {
+        !matches!(self, DependencyKind::Http { .. })
+    }
+}
+
+/// A validated dependency.
+#[derive(Debug, Clone)]
+pub struct Dependency {
+    /// Its name.
+    pub name: String,
+    /// What it is.
+    pub kind: DependencyKind,
+    /// Hosts requests may go to (lowercase).
+    pub allowed_hosts: Vec<String>,
+    /// Whether non-public addresses are allowed.
+    pub allow_private_addresses: bool,
+    /// Per-call timeout.
+    pub timeout: Duration,
+    /// Calls in flight per replica.
+    pub max_concurrent_calls: u32,
+    /// Calls per second per replica, and burst.
+    pub rate_limit: Option<(NonZeroU32, NonZeroU32)>,
+    /// `(header, value)` sent on every HTTP call.
+    pub credential: Option<(reqwest::header::HeaderName, SecretString)>,
+    /// S3 `(access key id, secret access key)`.
+    pub s3_keys: Option<(SecretString, SecretString)>,
+    /// Longest pause a `Retry-After` may impose.
+    pub retry_after_cap: Duration,
+    /// Pauses shorter than this are waited out in the request.
+    pub pause_wait: Duration,
+    /// A reset header read like `Retry-After`.
+    pub reset_header: Option<reqwest::header::HeaderName>,
+    /// Retry overrides for the policies that call it.
+    pub retry: Option<RetryConfig>,
+}
+
+fn env_secret(var: &str, field: &str, errors: &mut Vec<String>) -> Option<SecretString> {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(SecretString::from(v)),
+        _ => {
+            errors.push(format!(
+                "{field}: environment variable {var} is not set (credentials are read from the environment, never the file)"
+            ));
+            None
+        }
+    }
+}
+
+impl Dependency {
+    /// Validates a configured dependency; errors are `field: message` without a prefix.
+    pub fn from_config(c: DependencyConfig) -> Result<Dependency, Vec<String>> {
+        let mut errors = Vec::new();
+        if c.name.is_empty()
+            || c.name.len() > 63
+            || !c
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+        {
+            errors.push(format!(
+                "name: `{}` must be 1-63 characters of a-z, 0-9, - and _",
+                c.name
+            ));
+        }
+        let parse_url = |s: &str, errors: &mut Vec<String>| -> Option<Url> {
+            match Url::parse(s) {
+                Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => Some(u),
+                Ok(_) => {
+                    errors.push(format!(
+                        "base_url: `{s}` must be an http(s) URL with a host"
+                    ));
+                    None
+                }
+                Err(e) => {
+                    errors.push(format!("base_url: `{s}`: {e}"));
+                    None
+                }
+            }
+        };
+        let need = |v: &Option<String>, field: &str, errors: &mut Vec<String>| -> String {
+            match v {
+                Some(s) if !s.is_empty() => s.clone(),
+                _ => {
+                    errors.push(format!("{field}: required for this kind"));
+                    String::new()
+                }
+            }
+        };
+        let kind = match c.kind.as_deref().unwrap_or("http") {
+            "http" => {
+                let s = need(&c.base_url, "base_url", &mut errors);
+                parse_url(&s, &mut errors).map(|base_url| DependencyKind::Http { base_url })
+            }
+            "s3" => Some(DependencyKind::S3 {
+                bucket: need(&c.bucket, "bucket", &mut errors),
+                region: c.region.clone().unwrap_or_else(|| "us-east-1".into()),
+                endpoint: c
+                    .base_url
+                    .as_deref()
+                    .and_then(|s| parse_url(s, &mut errors)),
+            }),
+            "gcs" => Some(DependencyKind::Gcs {
+                bucket: need(&c.bucket, "bucket", &mut errors),
+            }),
+            "azure" => Some(DependencyKind::Azure {
+                container: need(&c.bucket, "bucket", &mut errors),
+            }),
+            "local" => Some(DependencyKind::Local {
+                root: need(&c.root, "root", &mut errors).into(),
+            }),
+            other => {
+                errors.push(format!(
+                    "kind: `{other}` is not supported (supported: http, s3, gcs, azure, local)"
+                ));
+                None
+            }
+        };
+        let base_host = match &kind {
+            Some(DependencyKind::Http { base_url }) => base_url.host_str().map(str::to_lowercase),
+            Some(DependencyKind::S3 {
+                endpoint: Some(e), ..
+            }) => e.host_str().map(str::to_lowercase),
+            _ => None,
+        };
+        let allowed_hosts: Vec<String> = match &c.allowed_hosts {
+            Some(h) => h.iter().map(|s| s.to_lowercase()).collect(),
+            None => base_host.iter().cloned().collect(),
+        };
+        if let Some(h) = &base_host
+            && !allowed_hosts.contains(h)
+        {
+            errors.push(format!(
+                "allowed_hosts: the base URL's own host `{h}` is not in the list"
+            ));
+        }
+        let timeout = c.timeout.unwrap_or(DurationSpec::from_seconds(10));
+        if !(1..=600).contains(&timeout.seconds()) {
+            errors.push("timeout: must be between 1s and 10m".into());
+        }
+        let max_concurrent_calls = c.max_concurrent_calls.unwrap_or(8);
+        if !(1..=1_000).contains(&max_concurrent_calls) {
+            errors.push("max_concurrent_calls: must be between 1 and 1000".into());
+        }
+        let rate_limit = match c.rate_limit {
+            None => None,
+            Some(r) => match (
+                NonZeroU32::new(r.per_second),
+                NonZeroU32::new(r.burst.unwrap_or(1)),
+            ) {
+                (Some(p), Some(b)) => Some((p, b)),
+                _ => {
+                    errors.push("rate_limit: per_second and burst must be at least 1".into());
+                    None
+                }
+            },
+        };
+        let mut credential = None;
+        let mut s3_keys = None;
+        if let Some(cr) = &c.credentials {
+            if let Some(var) = &cr.env {
+                let header = cr.header.as_deref().unwrap_or("Authorization");
+                match reqwest::header::HeaderName::from_bytes(header.as_bytes()) {
+                    Ok(h) => {
+                        if let Some(secret) = env_secret(var, "credentials.env", &mut errors) {
+                            let v = format!(
+                                "{}{}",
+                                cr.prefix.as_deref().unwrap_or(""),
+                                secret.expose_secret()
+                            );
+                            credential = Some((h, SecretString::from(v)));
+                        }
+                    }
+                    Err(_) => errors.push(format!(
+                        "credentials.header: `{header}` is not a header name"
+                    )),
+                }
+            }
+            if let (Some(k), Some(s)) = (&cr.access_key_id_env, &cr.secret_access_key_env) {
+                let k = env_secret(k, "credentials.access_key_id_env", &mut errors);
+                let s = env_secret(s, "credentials.secret_access_key_env", &mut errors);
+                if let (Some(k), Some(s)) = (k, s) {
+                    s3_keys = Some((k, s));
+                }
+            } else if cr.access_key_id_env.is_some() || cr.secret_access_key_env.is_some() {
+                errors.push(
+                    "credentials: give both access_key_id_env and secret_access_key_env".into(),
+                );
+            }
+        }
+        let retry_after_cap = c
+            .retry_after_cap
+            .unwrap_or(DurationSpec::from_seconds(3_600));
+        if retry_after_cap.seconds() < 1 {
+            errors.push("retry_after_cap: must be at least 1s".into());
+        }
+        let pause_wait = c.pause_wait.unwrap_or(DurationSpec::from_seconds(1));
+        if pause_wait.seconds() > 30 {
+            errors.push("pause_wait: at most 30s (longer waits snooze the command)".into());
+        }
+        let reset_header = match &c.reset_header {
+            None => None,
+            Some(h) => match reqwest::header::HeaderName::from_bytes(h.as_bytes()) {
+                Ok(h) => Some(h),
+                Err(_) => {
+                    errors.push(format!("reset_header: `{h}` is not a header name"));
+                    None
+                }
+            },
+        };
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        Ok(Dependency {
+            name: c.name,
+            kind: kind.expect("checked above"),
+            allowed_hosts,
+            allow_private_addresses: c.allow_private_addresses,
+            timeout: timeout.std(),
+            max_concurrent_calls,
+            rate_limit,
+            credential,
+            s3_keys,
+            retry_after_cap: retry_after_cap.std(),
+            pause_wait: pause_wait.std(),
+            reset_header,
+            retry: c.retry,
+        })
+    }
+
+    /// Refuses a URL whose host is not allowed, or is an IP literal outside the public internet
+    /// (unless `allow_private_addresses`). Resolved names are checked by the client's resolver.
+    pub fn check_url(&self, url: &Url) -> Result<(), Failure> {
+        let host = url
+            .host_str()
+            .ok_or_else(|| Failure::permanent(format!("refused {url}: no host")))?
+            .to_lowercase();
+        if !self.allowed_hosts.contains(&host) {
+            return Err(Failure::permanent(format!(
+                "refused a call to host `{host}`: not in dependency {}'s allowed_hosts",
+                self.name
+            )));
+        }
+        let ip = match url.host() {
+            Some(Host::Ipv4(a)) => Some(IpAddr::V4(a)),
+            Some(Host::Ipv6(a)) => Some(IpAddr::V6(a)),
+            _ => None,
+        };
+        if let Some(ip) = ip
+            && !self.allow_private_addresses
+            && is_non_public(ip)
+        {
+            return Err(Failure::permanent(format!(
+                "refused a call to {ip}: a loopback, private, link-local or mapped address \
+                 (dependency {} does not set allow_private_addresses)",
+                self.name
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// True for addresses a dependency must not reach unless it allows private addresses: loopback,
+/// RFC 1918 private, shared (100.64/10), link-local (incl. 169.254.169.254 metadata), unspecified,
+/// `0/8`, broadcast, multicast, documentation and benchmarking ranges, IPv6 unique-local and
+/// link-local, and IPv4-mapped, -compatible or NAT64-translated IPv6 addresses.
+pub fn is_non_public(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(a) => {
+            let o = a.octets();
+            a.is_loopback()
+                || a.is_private()
+                || a.is_link_local()
+                || a.is_unspecified()
+                || a.is_broadcast()
+                || a.is_multicast()
+                || a.is_documentation()
+                || o[0] == 0
+                || (o[0] == 100 && (o[1] & 0xc0) == 64)
+                || (o[0] == 198 && (o[1] & 0xfe) == 18)
+                || o[0] >= 240
+        }
+        IpAddr::V6(a) => {
+            let s = a.segments();
+            a.is_loopback()
+                || a.is_unspecified()
+                || a.is_multicast()
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80
+                || a.to_ipv4_mapped().is_some()
+                || (s[0..6] == [0, 0, 0, 0, 0, 0])
+                || (s[0] == 0x64 && s[1] == 0xff9b)
+                || (s[0] == 0x2001 && s[1] == 0x0db8)
+        }
+    }
+}
+
+/// The error a refused address or redirect surfaces as, found again in reqwest's error chain so
+/// the call is classified permanent (a retry cannot make an address public).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Refused(pub String);
+
+/// A resolver that drops non-public addresses, so the client connects only to addresses that
+/// passed the check (no gap between check and connect for DNS rebinding to use).
+struct PublicOnly;
+
+impl reqwest::dns::Resolve for PublicOnly {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let host = name.as_str().to_string();
+        Box::pin(async move {
+            let all: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            let public: Vec<SocketAddr> =
+                all.into_iter().filter(|a| !is_non_public(a.ip())).collect();
+            if public.is_empty() {
+                return Err(Box::new(Refused(format!(
+                    "refused `{host}`: it resolves only to loopback, private, link-local or \
+                     mapped addresses"
+                )))
+                    as Box<dyn std::error::Error + Send + Sync>);
+            }
+            Ok(Box::new(public.into_iter()) as reqwest::dns::Addrs)
+        })
+    }
+}
+
+/// Builds the dependency's outbound client: rustls, no proxy, the timeout, the address guard,
+/// and redirects followed only to the same scheme, host and port (at most 3).
+fn http_client(dep: &Dependency) -> reqwest::Result<reqwest::Client> {
+    let policy = reqwest::redirect::Policy::custom(|attempt| {
+        let first = attempt.previous().first().cloned();
+        let same_origin = first.as_ref().is_some_and(|f| {
+            f.scheme() == attempt.url().scheme()
+                && f.host_str() == attempt.url().host_str()
+                && f.port_or_known_default() == attempt.url().port_or_known_default()
+        });
+        if !same_origin {
+            let to = attempt.url().host_str().unwrap_or("?").to_string();
+            attempt.error(Refused(format!(
+                "refused a redirect to another host ({to}); sweeper follows redirects only within the dependency's own origin"
+            )))
+        } else if attempt.previous().len() > 3 {
+            attempt.error(Refused("more than 3 redirects".into()))
+        } else {
+            attempt.follow()
+        }
+    });
+    let mut b = reqwest::Client::builder()
+        .redirect(policy)
+        .no_proxy()
+        .timeout(dep.timeout)
+        .connect_timeout(dep.timeout.min(Duration::from_secs(5)))
+        .user_agent(concat!("sweeper/", env!("CARGO_PKG_VERSION")));
+    if !dep.allow_private_addresses {
+        b = b.dns_resolver(Arc::new(PublicOnly));
+    }
+    b.build()
+}
+
+/// A dependency's per-replica runtime: its client or object store, its limits.
+pub struct Runtime {
+    /// The validated configuration.
+    pub spec: Dependency,
+    /// The HTTP client (kind `http`).
+    pub http: Option<reqwest::Client>,
+    /// The object store, built on first use (a local root must exist by then).
+    pub store: tokio::sync::OnceCell<Arc<dyn object_store::ObjectStore>>,
+    /// When a probe last confirmed the bucket exists.
+    pub bucket_confirmed: std::sync::Mutex<Option<Instant>>,
+    calls: Arc<Semaphore>,
+    limiter: Option<DefaultDirectRateLimiter>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("name", &self.spec.name)
+            .finish()
+    }
+}
+
+/// The configured dependencies with their runtimes, and the shared pause view.
+#[derive(Debug, Default)]
+pub struct Dependencies {
+    by_name: HashMap<String, Arc<Runtime>>,
+    pauses: Mutex<PauseView>,
+}
+
+#[derive(Debug, Default)]
+struct PauseView {
+    fetched: Option<Instant>,
+    /// Dependency → when its pause ends, on this process's monotonic clock.
+    until: HashMap<String, Instant>,
+}
+
+/// How long a pause view may be reused (DESIGN §9: at most one second old).
+const PAUSE_VIEW_MAX_AGE: Duration = Duration::from_millis(900);
+
+/// A call slot: hold it for the duration of the call.
+#[derive(Debug)]
+pub struct Admitted {
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Dependencies {
+    /// Builds every dependency's runtime.
+    pub fn build(deps: &[Dependency]) -> anyhow::Result<Dependencies> {
+        let mut by_name = HashMap::new();
+        for d in deps {
+            let http = match d.kind {
+                DependencyKind::Http { .. } => Some(http_client(d)?),
+                _ => None,
+            };
+            let limiter = d
+                .rate_limit
+                .map(|(p, b)| RateLimiter::direct(Quota::per_second(p).allow_burst(b)));
+            by_name.insert(
+                d.name.clone(),
+                Arc::new(Runtime {
+                    spec: d.clone(),
+                    http,
+                    store: tokio::sync::OnceCell::new(),
+                    bucket_confirmed: std::sync::Mutex::new(None),
+                    calls: Arc::new(Semaphore::new(d.max_concurrent_calls as usize)),
+                    limiter,
+                }),
+            );
+        }
+        Ok(Dependencies {
+            by_name,
+            pauses: Mutex::new(PauseView::default()),
+        })
+    }
+
+    /// The runtime of dependency `name`.
+    pub fn get(&self, name: &str) -> Option<Arc<Runtime>> {
+        self.by_name.get(name).cloned()
+    }
+
+    /// How long dependency `name` stays paused, from a view at most a second old (one query per
+    /// second per replica at most). `Err` when the ledger cannot be read.
+    pub async fn paused_for(&self, pool: &PgPool, name: &str) -> Result<Option<Duration>, Failure> {
+        let mut view = self.pauses.lock().await;
+        if view
+            .fetched
+            .is_none_or(|f| f.elapsed() >= PAUSE_VIEW_MAX_AGE)
+        {
+            let fetched = Instant::now();
+            let rows: Vec<(String, f64)> = sqlx::query_as(
+                "select dependency,
+                        extract(epoch from paused_until - sweeper.now())::float8
+                   from sweeper.dependency_pauses where paused_until > sweeper.now()",
+            )
+            .fetch_all(pool)
+            .await
+            .map_err(|e| Failure::from_db(&e))?;
+            view.until = rows
+                .into_iter()
+                .map(|(d, s)| (d, fetched + Duration::from_secs_f64(s.max(0.0))))
+                .collect();
+            view.fetched = Some(fetched);
+        }
+        Ok(view
+            .until
+            .get(name)
+            .and_then(|u| u.checked_duration_since(Instant::now()))
+            .filter(|d| !d.is_zero()))
+    }
+
+    /// Stores a pause of `for_` for dependency `name` in the ledger (the later of this and any
+    /// stored pause wins) and in this replica's view at once.
+    pub async fn pause(
+        &self,
+        pool: &PgPool,
+        name: &str,
+        for_: Duration,
+        reason: &str,
+    ) -> Result<(), Failure> {
+        sqlx::query(
+            "insert into sweeper.dependency_pauses (dependency, paused_until, reason, paused_at)
+             values ($1, sweeper.now() + make_interval(secs => $2), $3, sweeper.now())
+             on conflict (dependency) do update
+                set paused_until = greatest(sweeper.dependency_pauses.paused_until,
+                                            excluded.paused_until),
+                    reason = excluded.reason, paused_at = excluded.paused_at,
+                    pauses = sweeper.dependency_pauses.pauses + 1",
+        )
+        .bind(name)
+        .bind(for_.as_secs_f64())
+        .bind(reason)
+        .execute(pool)
+        .await
+        .map_err(|e| Failure::from_db(&e))?;
+        let until = Instant::now() + for_;
+        let mut view = self.pauses.lock().await;
+        let e = view.until.entry(name.to_string()).or_insert(until);
+        *e = (*e).max(until);
+        crate::metrics::dependency_paused(name);
+        Ok(())
+    }
+
+    /// Admits one call to `rt`: a concurrency permit, a rate-limit slot, then the pause check,
+    /// in that order, so the pause is checked last before the call starts. A pause shorter than
+    /// `pause_wait` is waited out (outside any transaction); a longer one is a throttled failure
+    /// (the command snoozes until it ends).
+    pub async fn admit(&self, pool: &PgPool, rt: &Runtime) -> Result<Admitted, Failure> {
+        let permit = rt
+            .calls
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| Failure::transient("the dependency's call slots are closed"))?;
+        if let Some(l) = &rt.limiter {
+            l.until_ready().await;
+        }
+        let mut waited = false;
+        loop {
+            match self.paused_for(pool, &rt.spec.name).await? {
+                None => return Ok(Admitted { _permit: permit }),
+                Some(left) if !waited && left <= rt.spec.pause_wait => {
+                    waited = true;
+                    tokio::time::sleep(left).await;
+                }
+                Some(left) => {
+                    return Err(Failure::throttled(
+                        chrono::Utc::now()
+                            + chrono::TimeDelta::milliseconds(left.as_millis() as i64),
+                        format!(
+                            "dependency {} is paused for {:.1}s more",
+                            rt.spec.name,
+                            left.as_secs_f64()
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_public_addresses_are_recognised() {
+        for a in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "100.64.0.1",
+            "0.0.0.0",
+            "0.1.2.3",
+            "255.255.255.255",
+            "::1",
+            "::",
+            "fc00::1",
+            "fd12::1",
+            "fe80::1",
+            "::ffff:127.0.0.1",
+            "::ffff:8.8.8.8",
+            "64:ff9b::a00:1",
+        ] {
+            assert!(is_non_public(a.parse().unwrap()), "{a}");
+        }
+        for a in ["8.8.8.8", "1.1.1.1", "2606:4700::1111", "100.128.0.1"] {
+            assert!(!is_non_public(a.parse().unwrap()), "{a}");
+        }
+    }
+
+    fn dep(extra: &str) -> Result<Dependency, Vec<String>> {
+        let text = format!("name = 'api'\n{extra}");
+        let c: DependencyConfig = config::Config::builder()
+            .add_source(config::File::from_str(&text, config::FileFormat::Toml))
+            .build()
+            .unwrap()
+            .try_deserialize()
+            .unwrap();
+        Dependency::from_config(c)
+    }
+
+    #[test]
+    fn urls_are_checked_against_hosts_and_literal_addresses() {
+        let d = dep("base_url = 'https://api.example.com/v1'").unwrap();
+        assert!(
+            d.check_url(&"https://api.example.com/v1/x".parse().unwrap())
+                .is_ok()
+        );
+        assert!(
+            d.check_url(&"https://evil.example.com/x".parse().unwrap())
+                .is_err()
+        );
+        let d = dep("base_url = 'http://2130706433/'").unwrap();
+        let e = d
+            .check_url(&"http://2130706433/x".parse().unwrap())
+            .unwrap_err();
+        assert!(e.message.contains("127.0.0.1"), "{}", e.message);
+        let d = dep("base_url = 'http://[::ffff:169.254.169.254]/'").unwrap();
+        assert!(d.check_url(&d_url(&d)).is_err());
+        let d = dep("base_url = 'http://127.0.0.1:9/'\nallow_private_addresses = true").unwrap();
+        assert!(d.check_url(&d_url(&d)).is_ok());
+        assert!(dep("kind = 'ftp'").unwrap_err()[0].starts_with("kind"));
+        assert!(dep("base_url = 'x'").is_err());
+        assert!(
+            dep("base_url = 'https://a.example'\nallowed_hosts = ['b.example']").unwrap_err()[0]
+                .starts_with("allowed_hosts")
+        );
+    }
+
+    fn d_url(d: &Dependency) -> Url {
+        match &d.kind {
+            DependencyKind::Http { base_url } => base_url.clone(),
+            _ => unreachable!(),
+        }
+    }
+}

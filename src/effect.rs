@@ -1,0 +1,571 @@
+//! Executing a command whose action calls a dependency (DESIGN §2.3, §2.4, §2.6).
+//!
+//! No transaction spans a call. For each item, in key order:
+//!
+//! 1. one statement re-checks eligibility and every exclusion (including "an effect of this
+//!    item is open in another run") and opens the item's effect row as `calling`, remembering a
+//!    digest of the row;
+//! 2. the call, admitted by the dependency (concurrency, rate limit, shared pause);
+//! 3. one statement marks the effect `called` with what it achieved.
+//!
+//! Then one short transaction closes the called effects: it locks the rows in key order, keeps
+//! every row whose digest changed during the call (the item becomes a dead letter, the effect is
+//! recorded as done), deletes or stamps the others, writes the audit rows and the command's state.
+//! Whoever executes an item later resumes from its effect: `calling` → call again with the same
+//! idempotency key; `called` → only the row change.
+//!
+//! A command finishes its items over one or more attempts: items an earlier attempt audited are
+//! skipped, so no item gains a second outcome.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use sqlx::{Postgres, QueryBuilder, Row};
+use tracing::warn;
+
+use crate::action::{CallResult, Then};
+use crate::app::AppState;
+use crate::consume::{
+    ConsumeOutcome, Counts, Executor, Loaded, Outcome, finish_in_run, record_failure,
+    record_item_dead_letters,
+};
+use crate::policy::ActionSpec;
+use crate::retry::{Failure, FailureClass};
+
+/// What the first statement decided for an item.
+enum Decision {
+    /// Call, as effect number `n`, with the row's columns.
+    Call { n: i32, fields: serde_json::Value },
+    /// The call already happened (effect `called` by this run): only the row change is left.
+    Called(Outcome),
+    /// Final without a call.
+    Final(Outcome, Option<String>),
+    /// The item's effect is open in this run but the row no longer qualifies: a call may have
+    /// been made, so an operator decides (item dead letter; the effect stays open).
+    FailedOpen(String),
+}
+
+fn db(e: sqlx::Error) -> Failure {
+    Failure::from_db(&e)
+}
+
+fn parse_outcome(s: Option<&str>) -> Outcome {
+    match s {
+        Some("deleted") => Outcome::Deleted,
+        Some("reconciled") => Outcome::Reconciled,
+        _ => Outcome::AlreadyAbsent,
+    }
+}
+
+/// Re-checks one item and opens its effect (one statement, autocommit).
+async fn begin(
+    state: &AppState,
+    l: &Loaded,
+    command_id: &str,
+    key: &str,
+) -> Result<Decision, Failure> {
+    let r = &l.rules;
+    let table = r.table_sql();
+    let mut q: QueryBuilder<Postgres> = QueryBuilder::new("with item as (select ");
+    r.push_old_enough(&mut q);
+    q.push(" as old_enough, ");
+    r.push_excluded_reason(&mut q);
+    q.push(format!(
+        " as reason, to_jsonb({table}.*) as fields, md5({table}.*::text) as row_digest from {table} where {} = cast(",
+        r.key_sql()
+    ));
+    q.push_bind(key.to_string());
+    q.push(format!(" as {})), ", r.key_type()));
+    q.push("prior as (select state, n, run_id, outcome from sweeper.effects where policy = ");
+    q.push_bind(l.policy.clone());
+    q.push(" and item_key = ");
+    q.push_bind(key.to_string());
+    q.push(
+        "), opened as (
+            insert into sweeper.effects (policy, item_key, n, state, run_id, command_id, row_digest)
+            select ",
+    );
+    q.push_bind(l.policy.clone());
+    q.push(", ");
+    q.push_bind(key.to_string());
+    q.push(", 1, 'calling', ");
+    q.push_bind(l.run_id.clone());
+    q.push(", ");
+    q.push_bind(command_id.to_string());
+    q.push(
+        ", item.row_digest from item
+              where item.reason is null and item.old_enough
+                and not exists (select 1 from prior where prior.state = 'called' and prior.run_id = ",
+    );
+    q.push_bind(l.run_id.clone());
+    q.push(
+        ")
+            on conflict (policy, item_key) do update
+               set n = case when sweeper.effects.state = 'closed' then sweeper.effects.n + 1
+                            else sweeper.effects.n end,
+                   state = 'calling', run_id = excluded.run_id, command_id = excluded.command_id,
+                   row_digest = excluded.row_digest, outcome = null,
+                   started_at = sweeper.now(), called_at = null, closed_at = null
+             where sweeper.effects.state = 'closed'
+                or (sweeper.effects.state = 'calling' and sweeper.effects.run_id = excluded.run_id)
+            returning n)
+         select exists (select 1 from item) as found, item.old_enough, item.reason, item.fields,
+                prior.state as prior_state, prior.run_id as prior_run,
+                prior.outcome as prior_outcome, (select n from opened) as opened_n
+           from (select 1) one left join item on true left join prior on true",
+    );
+    let row = q.build().fetch_one(&state.pool).await.map_err(db)?;
+    let found: bool = row.get("found");
+    let prior_state: Option<String> = row.get("prior_state");
+    let prior_run: Option<String> = row.get("prior_run");
+    let own_open = |s: &str| {
+        prior_state.as_deref() == Some(s) && prior_run.as_deref() == Some(l.run_id.as_str())
+    };
+    if own_open("called") {
+        return Ok(Decision::Called(parse_outcome(
+            row.get::<Option<String>, _>("prior_outcome").as_deref(),
+        )));
+    }
+    if !found {
+        // Gone: the desired end state. An effect of ours left `calling` is closed with it.
+        return Ok(if own_open("calling") {
+            Decision::Called(Outcome::AlreadyAbsent)
+        } else {
+            Decision::Final(Outcome::AlreadyAbsent, None)
+        });
+    }
+    let reason: Option<String> = row.get("reason");
+    let old_enough: bool = row.get::<Option<bool>, _>("old_enough").unwrap_or(false);
+    if reason.is_some() || !old_enough {
+        if own_open("calling") {
+            return Ok(Decision::FailedOpen(format!(
+                "the row became {} while its effect was open (a call may have been made); an \
+                 operator decides",
+                reason
+                    .as_deref()
+                    .map(|r| format!("excluded ({r})"))
+                    .unwrap_or_else(|| "not eligible".into())
+            )));
+        }
+        return Ok(match reason {
+            Some(r) => Decision::Final(Outcome::Excluded, Some(r)),
+            None => Decision::Final(Outcome::NotEligible, None),
+        });
+    }
+    match row.get::<Option<i32>, _>("opened_n") {
+        Some(n) => Ok(Decision::Call {
+            n,
+            fields: row.get("fields"),
+        }),
+        // Another run opened it between our snapshot and our insert.
+        None => Ok(Decision::Final(
+            Outcome::Excluded,
+            Some("effect_open".into()),
+        )),
+    }
+}
+
+/// Executes `l` (leased as attempt `n`) to a committed decision.
+pub(crate) async fn run(
+    state: &AppState,
+    command_id: &str,
+    l: Loaded,
+    n: i32,
+    actor: &str,
+    started: Instant,
+) -> Result<ConsumeOutcome, Failure> {
+    let executor = Executor::Claimed(n);
+    let dep = l.rules.action.dependency().unwrap_or_default().to_string();
+    let Some(rt) = state.dependencies.get(&dep) else {
+        let f = Failure::permanent(format!(
+            "dependency {dep} is not configured on this replica"
+        ));
+        return record_failure(state, command_id, executor, f, started, Some(n)).await;
+    };
+    // Items an earlier attempt of this command already finished.
+    let finished: Vec<String> =
+        sqlx::query_scalar("select distinct item_key from sweeper.audit where command_id = $1")
+            .bind(command_id)
+            .fetch_all(&state.pool)
+            .await
+            .map_err(db)?;
+    let retry = state
+        .config
+        .policy(&l.policy)
+        .map(|p| p.retry)
+        .unwrap_or_default();
+
+    let mut finals: Vec<(String, Outcome, Option<String>)> = Vec::new();
+    let mut called: Vec<(String, Outcome)> = Vec::new();
+    let mut transient: Option<Failure> = None;
+    let mut stop: Option<Failure> = None;
+    let work = async {
+        for key in l.keys.iter().filter(|k| !finished.contains(k)) {
+            let decision = match begin(state, &l, command_id, key).await {
+                Ok(d) => d,
+                Err(f) => {
+                    stop = Some(f);
+                    break;
+                }
+            };
+            let (effect_n, fields) = match decision {
+                Decision::Called(o) => {
+                    called.push((key.clone(), o));
+                    continue;
+                }
+                Decision::Final(o, reason) => {
+                    finals.push((key.clone(), o, reason));
+                    continue;
+                }
+                Decision::FailedOpen(reason) => {
+                    finals.push((key.clone(), Outcome::Failed, Some(reason)));
+                    continue;
+                }
+                Decision::Call { n, fields } => (n, fields),
+            };
+            let admitted = match state.dependencies.admit(&state.pool, &rt).await {
+                Ok(a) => a,
+                Err(f) => {
+                    stop = Some(f);
+                    break;
+                }
+            };
+            let idempotency_key = format!("{}:{}:{}", l.policy, key, effect_n);
+            let result = match &l.rules.action {
+                ActionSpec::Http(h) => {
+                    crate::action::call_http(&rt, h, &fields, &idempotency_key).await
+                }
+                ActionSpec::ObjectStore(o) => crate::action::delete_object(&rt, o, &fields).await,
+                ActionSpec::DeleteRows => unreachable!("delete_rows has no external call"),
+            };
+            drop(admitted);
+            match result {
+                CallResult::Done(outcome) => {
+                    crate::metrics::dependency_call(
+                        &dep,
+                        if outcome == Outcome::AlreadyAbsent {
+                            "already_absent"
+                        } else {
+                            "done"
+                        },
+                    );
+                    crate::crash_point!("effect_before_called");
+                    let marked = sqlx::query(
+                        "update sweeper.effects
+                            set state = 'called', called_at = sweeper.now(), outcome = $4
+                          where policy = $1 and item_key = $2 and run_id = $3 and state = 'calling'",
+                    )
+                    .bind(&l.policy)
+                    .bind(key)
+                    .bind(&l.run_id)
+                    .bind(outcome.as_str())
+                    .execute(&state.pool)
+                    .await;
+                    if let Err(e) = marked {
+                        // Left `calling`: the next attempt calls again with the same key.
+                        stop = Some(db(e));
+                        break;
+                    }
+                    crate::crash_point!("effect_after_called");
+                    called.push((key.clone(), outcome));
+                }
+                CallResult::ItemFailed(reason) => {
+                    crate::metrics::dependency_call(&dep, "permanent");
+                    finals.push((key.clone(), Outcome::Failed, Some(reason)));
+                }
+                CallResult::Throttled { pause, reason } => {
+                    crate::metrics::dependency_call(&dep, "throttled");
+                    let pause = pause.filter(|p| !p.is_zero()).unwrap_or_else(|| {
+                        std::time::Duration::from_secs_f64(
+                            retry
+                                .backoff()
+                                .delay_seconds(n.max(1) as u32, &mut rand::rng())
+                                .max(1.0),
+                        )
+                    });
+                    let pause = pause.max(std::time::Duration::from_secs(1));
+                    if let Err(f) = state
+                        .dependencies
+                        .pause(&state.pool, &dep, pause, &reason)
+                        .await
+                    {
+                        stop = Some(f);
+                        break;
+                    }
+                    stop = Some(Failure::throttled(
+                        chrono::Utc::now()
+                            + chrono::TimeDelta::milliseconds(pause.as_millis() as i64),
+                        format!("{reason}; paused for {:.1}s", pause.as_secs_f64()),
+                    ));
+                    break;
+                }
+                CallResult::Failed(f) if f.class == FailureClass::Permanent => {
+                    crate::metrics::dependency_call(&dep, "permanent");
+                    stop = Some(f);
+                    break;
+                }
+                CallResult::Failed(f) => {
+                    // This item is retried later; its neighbours go on.
+                    crate::metrics::dependency_call(&dep, "transient");
+                    transient = Some(f);
+                }
+            }
+        }
+    };
+    let deadline = state.config.consume.command_deadline;
+    let timed_out = tokio::time::timeout(deadline.std(), work).await.is_err();
+    let unfinished = stop.or(transient).or_else(|| {
+        timed_out.then(|| {
+            Failure::transient(format!(
+                "the command exceeded its deadline of {deadline}; finished items are kept"
+            ))
+        })
+    });
+
+    let closed = close(
+        state,
+        &l,
+        command_id,
+        n,
+        &called,
+        &finals,
+        unfinished.is_none(),
+        actor,
+        started,
+    )
+    .await;
+    match (closed, unfinished) {
+        (Ok(Closed::Stale), _) => Ok(ConsumeOutcome::Stale),
+        (Ok(Closed::Done { counts, run_status }), None) => {
+            crate::metrics::attempt_succeeded();
+            Ok(ConsumeOutcome::Executed {
+                command_id: command_id.to_string(),
+                counts,
+                run_status,
+            })
+        }
+        (Ok(Closed::Done { .. }), Some(f)) | (Err(f), _) => {
+            record_failure(state, command_id, executor, f, started, Some(n)).await
+        }
+    }
+}
+
+enum Closed {
+    /// Committed.
+    Done { counts: Counts, run_status: String },
+    /// Another execution took the command over (its lease expired): nothing was written.
+    Stale,
+}
+
+/// The closing transaction: row changes for called effects, effects closed, audit rows, item
+/// dead letters, and the command's state (terminal when `complete`).
+#[allow(clippy::too_many_arguments)]
+async fn close(
+    state: &AppState,
+    l: &Loaded,
+    command_id: &str,
+    n: i32,
+    called: &[(String, Outcome)],
+    finals: &[(String, Outcome, Option<String>)],
+    complete: bool,
+    actor: &str,
+    started: Instant,
+) -> Result<Closed, Failure> {
+    let r = &l.rules;
+    let mut tx = state.pool.begin().await.map_err(db)?;
+    let fence: Option<(i32, String)> = sqlx::query_as(
+        "select attempts, state from sweeper.commands
+          where command_id = $1
+            and set_config('lock_timeout', $2, true) is not null
+            and set_config('statement_timeout', $3, true) is not null
+          for update",
+    )
+    .bind(command_id)
+    .bind(format!("{}s", state.config.consume.lock_timeout.seconds()))
+    .bind(format!(
+        "{}s",
+        state.config.consume.statement_timeout.seconds()
+    ))
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(db)?;
+    if fence.as_ref().is_none_or(|(a, s)| *a != n || s != "leased") {
+        return Ok(Closed::Stale);
+    }
+
+    let mut outcomes: Vec<(String, Outcome, Option<String>)> = finals.to_vec();
+    if !called.is_empty() {
+        crate::crash_point!("effect_before_close");
+        let keys: Vec<String> = called.iter().map(|(k, _)| k.clone()).collect();
+        // The rows, locked in key order (overlapping runs cannot deadlock), as they are now.
+        let mut q: QueryBuilder<Postgres> = QueryBuilder::new(format!(
+            "select {}::text as item_key, md5({}.*::text) as row_digest from {} where ",
+            r.key_sql(),
+            r.table_sql(),
+            r.table_sql()
+        ));
+        r.push_key_in(&mut q, keys.clone());
+        q.push(format!(" order by {} for update", r.key_sql()));
+        let now: HashMap<String, String> = q
+            .build()
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?
+            .into_iter()
+            .map(|row| (row.get("item_key"), row.get("row_digest")))
+            .collect();
+        let before: HashMap<String, Option<String>> = sqlx::query_as(
+            "select item_key, row_digest from sweeper.effects
+              where policy = $1 and item_key = any($2) and run_id = $3 and state <> 'closed'",
+        )
+        .bind(&l.policy)
+        .bind(&keys)
+        .bind(&l.run_id)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db)?
+        .into_iter()
+        .collect();
+        let mut change = Vec::new();
+        for (key, outcome) in called {
+            match (now.get(key), before.get(key)) {
+                // The row is gone: nothing to change.
+                (None, _) => outcomes.push((key.clone(), *outcome, None)),
+                (Some(d), Some(Some(b))) if d == b => {
+                    change.push(key.clone());
+                    outcomes.push((key.clone(), *outcome, None));
+                }
+                _ => outcomes.push((
+                    key.clone(),
+                    Outcome::Failed,
+                    Some(format!(
+                        "row_changed_during_call: the {} effect was done, the row was kept",
+                        outcome.as_str()
+                    )),
+                )),
+            }
+        }
+        let then = match &r.action {
+            ActionSpec::Http(h) => &h.then,
+            ActionSpec::ObjectStore(o) => &o.then,
+            ActionSpec::DeleteRows => &Then::Nothing,
+        };
+        if !change.is_empty() {
+            let mut q: QueryBuilder<Postgres> = match then {
+                Then::DeleteRow => {
+                    QueryBuilder::new(format!("delete from {} where ", r.table_sql()))
+                }
+                Then::Set { column } => QueryBuilder::new(format!(
+                    "update {} set {} = now() where ",
+                    r.table_sql(),
+                    column.quoted()
+                )),
+                Then::Nothing => QueryBuilder::new("select where false and "),
+            };
+            if *then != Then::Nothing {
+                r.push_key_in(&mut q, change);
+                q.build().execute(&mut *tx).await.map_err(db)?;
+            }
+        }
+        let outcome_names: Vec<&str> = called.iter().map(|(_, o)| o.as_str()).collect();
+        sqlx::query(
+            "update sweeper.effects e
+                set state = 'closed', closed_at = sweeper.now(), outcome = coalesce(e.outcome, u.outcome)
+               from unnest($2::text[], $3::text[]) as u(item_key, outcome)
+              where e.policy = $1 and e.item_key = u.item_key and e.run_id = $4",
+        )
+        .bind(&l.policy)
+        .bind(&keys)
+        .bind(&outcome_names)
+        .bind(&l.run_id)
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+    }
+
+    let mut counts = Counts::default();
+    let mut a_keys = Vec::with_capacity(outcomes.len());
+    let mut a_outcomes = Vec::with_capacity(outcomes.len());
+    let mut a_reasons = Vec::with_capacity(outcomes.len());
+    let mut failed = Vec::new();
+    for (k, o, reason) in &outcomes {
+        counts.add(*o);
+        a_keys.push(k.clone());
+        a_outcomes.push(o.as_str());
+        a_reasons.push(reason.clone());
+        if *o == Outcome::Failed {
+            failed.push((k.clone(), reason.clone().unwrap_or_default()));
+        }
+    }
+    if !failed.is_empty() {
+        record_item_dead_letters(&mut tx, l, command_id, &failed)
+            .await
+            .map_err(db)?;
+    }
+    sqlx::query(
+        "insert into sweeper.audit
+             (policy, policy_version, run_id, window_at, cutoff, command_id, item_key, outcome,
+              reason, actor, dry_run)
+         select $1, $2, $3, $4, $5, $6, u.item_key, u.outcome, u.reason, $7, false
+           from unnest($8::text[], $9::text[], $10::text[]) as u(item_key, outcome, reason)",
+    )
+    .bind(&l.policy)
+    .bind(&l.policy_version)
+    .bind(&l.run_id)
+    .bind(l.window)
+    .bind(r.cutoff)
+    .bind(command_id)
+    .bind(actor)
+    .bind(&a_keys)
+    .bind(&a_outcomes)
+    .bind(&a_reasons)
+    .execute(&mut *tx)
+    .await
+    .map_err(db)?;
+    if complete {
+        sqlx::query(
+            "with c as (
+                 update sweeper.commands
+                    set state = 'succeeded', finished_at = sweeper.now(), lease_until = null,
+                        lease_owner = null, last_error = null, last_error_class = null
+                  where command_id = $1
+              returning attempts, redrive_of),
+             a as (
+                 insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
+                 select $1, c.attempts, sweeper.now() - make_interval(secs => $2), sweeper.now(), 'succeeded'
+                   from c)
+             update sweeper.dead_letters d
+                set status = 'resolved', resolved_at = sweeper.now()
+              where d.status = 'redriven'
+                and ((d.kind = 'command' and d.command_id = $1)
+                     or d.dead_letter_id = (select redrive_of from c))",
+        )
+        .bind(command_id)
+        .bind(started.elapsed().as_secs_f64())
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+    }
+    let run_status = finish_in_run(
+        &mut tx,
+        &l.run_id,
+        complete,
+        &counts,
+        false,
+        complete && l.redrive_of.is_some(),
+        complete.then_some(r),
+        state.config.planning.closure_check_cap,
+    )
+    .await
+    .map_err(db)?;
+    crate::crash_point!("effect_before_commit");
+    tx.commit().await.map_err(db)?;
+    if !failed.is_empty() {
+        warn!(
+            command_id,
+            items = failed.len(),
+            "items failed and became dead letters"
+        );
+    }
+    Ok(Closed::Done { counts, run_status })
+}
