@@ -223,7 +223,8 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
             "insert into sweeper.commands
                  (command_id, run_id, batch_no, item_keys, transport, next_attempt_at, due_since)
              select $1 || ':' || (b.ord - 1 + $3), $1, b.ord - 1 + $3,
-                    array(select jsonb_array_elements_text(b.keys)), $4, r.window_at, r.window_at
+                    array(select jsonb_array_elements_text(b.keys)), $4, r.window_at,
+                    greatest(r.window_at, sweeper.now())
                from jsonb_array_elements($2) with ordinality as b(keys, ord),
                     sweeper.runs r
               where r.run_id = $1",

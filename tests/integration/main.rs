@@ -4,6 +4,8 @@ mod cli;
 mod common;
 mod consume;
 mod contract;
+mod external;
 mod failures;
 mod planning;
+mod standin;
 mod trigger;

@@ -1,0 +1,671 @@
+//! Actions with external calls (issue 4): `http` against stand-in servers on loopback and
+//! `object_store` against real local directories; effect rows, statuses, pauses, limits and the
+//! address guard. Two-process pauses, S3 (moto) and crash points are in tests/crash.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use crate::common::*;
+use crate::standin::{Call, Reply, StandIn, ok};
+use serde_json::Value;
+
+/// Payments and uploads; 2026-09-02 02:01 on the ledger clock.
+pub const EXT: &str = "
+create schema ext;
+create table ext.payments (
+    id bigint primary key,
+    status text not null default 'closed',
+    closed_at timestamptz,
+    reconciled_at timestamptz
+);
+create table ext.uploads (
+    id bigint primary key,
+    object_key text,
+    legal_hold boolean not null default false,
+    expired_at timestamptz
+)";
+
+const NOW: &str = "2026-09-02T02:01:00Z";
+
+pub fn dependency(name: &str, url: &str, extra: &str) -> String {
+    format!(
+        "[[dependency]]\nname = \"{name}\"\nbase_url = \"{url}\"\nallow_private_addresses = true\n{extra}\n"
+    )
+}
+
+/// A daily payment-reconciliation policy calling `dep`.
+pub fn payments_policy(
+    name: &str,
+    dep: &str,
+    batch: usize,
+    action_extra: &str,
+    extra: &str,
+) -> String {
+    format!(
+        r#"
+[[policy]]
+name = "{name}"
+schedule = {{ cron = "0 2 * * *", timezone = "UTC" }}
+target = {{ table = "ext.payments", key = "id", timestamp = "closed_at" }}
+retain_for = "1d"
+exclude = [ {{ column = "status", in = ["disputed"] }} ]
+batch_size = {batch}
+retry = {{ max_attempts = 5, base = "1s", cap = "1s", max_age = "1h" }}
+action = {{ kind = "http", dependency = "{dep}", method = "POST", path = "/pay/{{id}}", body = '{{"payment_id": "{{id}}"}}', not_found = {{ body_contains = "payment_not_found" }}, then = {{ set = "reconciled_at" }}{action_extra} }}
+{extra}
+"#
+    )
+}
+
+pub async fn seed_payments(app: &TestApp, n: i64) {
+    sqlx::query(
+        "insert into ext.payments (id, closed_at)
+         select g, timestamptz '2026-08-01' from generate_series(1, $1) g",
+    )
+    .bind(n)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+}
+
+async fn spawn(workers: usize, config: String) -> TestApp {
+    TestApp::spawn(Spawn {
+        setup_sql: EXT,
+        policies: config,
+        workers,
+        now: Some(at(NOW)),
+        extra_toml: String::new(),
+    })
+    .await
+}
+
+async fn run(app: &TestApp, policy: &str, window: &str) -> String {
+    let (status, run) = app.trigger(policy, &format!("?window={window}")).await;
+    assert!(status == 202 || status == 200, "{run}");
+    run["run_id"].as_str().unwrap().to_string()
+}
+
+fn item_of(c: &Call) -> i64 {
+    c.path.rsplit('/').next().unwrap().parse().unwrap()
+}
+
+/// Final outcome per item across runs: item → [outcomes].
+async fn outcomes(app: &TestApp, policy: &str) -> BTreeMap<String, Vec<String>> {
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "select item_key, outcome from sweeper.audit where policy = $1 order by audit_id",
+    )
+    .bind(policy)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    let mut m: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (k, o) in rows {
+        m.entry(k).or_default().push(o);
+    }
+    m
+}
+
+async fn unreconciled(app: &TestApp) -> Vec<i64> {
+    sqlx::query_scalar("select id from ext.payments where reconciled_at is null order by id")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn two_overlapping_runs_call_the_provider_once_per_item() {
+    let provider = StandIn::start(Duration::from_millis(5), |_, _| ok()).await;
+    // Credentials are named by an environment variable (cargo sets this one for tests).
+    let config = dependency(
+        "payments",
+        &provider.url(),
+        "max_concurrent_calls = 4\ncredentials = { env = \"CARGO_PKG_NAME\", prefix = \"Bearer \" }",
+    ) + &payments_policy("reconcile", "payments", 10, "", "");
+    let app = spawn(0, config).await;
+    seed_payments(&app, 100).await;
+    // Two runs planned before either executes: both hold every item.
+    let r1 = run(&app, "reconcile", "2026-09-01").await;
+    app.wait_planned(&r1).await;
+    let r2 = run(&app, "reconcile", "2026-09-02").await;
+    app.wait_planned(&r2).await;
+    assert_ne!(r1, r2);
+    // Four workers interleave the two runs' commands.
+    let mut handles = Vec::new();
+    for _ in 0..4 {
+        let state = app.state.clone();
+        handles.push(tokio::spawn(async move {
+            while let sweeper::transport::WorkerStep::Ran(_) =
+                sweeper::transport::run_one_command(&state).await.unwrap()
+            {}
+        }));
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
+    let a = app.wait_terminal(&r1).await;
+    let b = app.wait_terminal(&r2).await;
+    assert_eq!(a["status"], "completed", "{a}");
+    assert_eq!(b["status"], "completed", "{b}");
+
+    let calls = provider.calls();
+    let mut per_item: HashMap<i64, Vec<String>> = HashMap::new();
+    let expected_auth = format!("Bearer {}", std::env::var("CARGO_PKG_NAME").unwrap());
+    for c in &calls {
+        assert_eq!(c.method, "POST");
+        assert_eq!(c.authorization.as_deref(), Some(expected_auth.as_str()));
+        let body: Value = serde_json::from_str(&c.body).unwrap();
+        assert_eq!(body["payment_id"], item_of(c).to_string());
+        per_item
+            .entry(item_of(c))
+            .or_default()
+            .push(c.idempotency_key.clone().unwrap());
+    }
+    assert_eq!(per_item.len(), 100, "every item called");
+    for (item, keys) in &per_item {
+        assert_eq!(
+            keys,
+            &[format!("reconcile:{item}:1")],
+            "item {item} called once"
+        );
+    }
+    assert!(unreconciled(&app).await.is_empty());
+    // Exactly one `reconciled` per item across both runs; the other run excluded it.
+    let o = outcomes(&app, "reconcile").await;
+    assert_eq!(o.len(), 100);
+    for (item, list) in &o {
+        assert_eq!(
+            list.iter().filter(|x| *x == "reconciled").count(),
+            1,
+            "{item}: {list:?}"
+        );
+        assert!(
+            list.iter().all(|x| x == "reconciled" || x == "excluded"),
+            "{item}: {list:?}"
+        );
+    }
+    assert_eq!(
+        a["reconciled"].as_i64().unwrap() + b["reconciled"].as_i64().unwrap(),
+        100
+    );
+    // Every effect closed, numbered 1.
+    let open: i64 = sqlx::query_scalar(
+        "select count(*) from sweeper.effects where state <> 'closed' or n <> 1",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(open, 0);
+}
+
+#[tokio::test]
+async fn statuses_decide_each_item_and_neighbours_are_done_once() {
+    // 7: 404 with the signature; 13: 410 with it; 21: 400; 42: 500 twice, then 200.
+    let provider = StandIn::start(Duration::ZERO, |c: &Call, earlier: &[Call]| -> Reply {
+        let item = item_of(c);
+        let seen = earlier.iter().filter(|e| e.path == c.path).count();
+        match item {
+            7 => (404, vec![], "{\"error\":\"payment_not_found\"}".into()),
+            13 => (410, vec![], "{\"error\":\"payment_not_found\"}".into()),
+            21 => (400, vec![], "{\"error\":\"bad amount\"}".into()),
+            42 if seen < 2 => (500, vec![], "oops".into()),
+            _ => ok(),
+        }
+    })
+    .await;
+    let config = dependency("payments", &provider.url(), "")
+        + &payments_policy("reconcile", "payments", 100, "", "").replace(
+            "then = { set = \"reconciled_at\" }",
+            "then = \"delete_row\"",
+        );
+    let app = spawn(2, config).await;
+    seed_payments(&app, 100).await;
+    let r = run(&app, "reconcile", "2026-09-01").await;
+    let done = app.wait_terminal(&r).await;
+    assert_eq!(done["status"], "completed_with_dead_letters", "{done}");
+
+    let calls = provider.calls();
+    let mut count: HashMap<i64, Vec<String>> = HashMap::new();
+    for c in &calls {
+        count
+            .entry(item_of(c))
+            .or_default()
+            .push(c.idempotency_key.clone().unwrap());
+    }
+    for i in 1..=100 {
+        let n = count.get(&i).map(Vec::len).unwrap_or(0);
+        if i == 42 {
+            assert_eq!(n, 3, "item 42 retried until it succeeded");
+            assert!(
+                count[&i].iter().all(|k| k == "reconcile:42:1"),
+                "same key each time"
+            );
+        } else {
+            assert_eq!(n, 1, "item {i} called once");
+        }
+    }
+    let o = outcomes(&app, "reconcile").await;
+    assert_eq!(o["7"], ["already_absent"]);
+    assert_eq!(o["13"], ["already_absent"]);
+    assert_eq!(o["21"], ["failed"]);
+    assert_eq!(o["42"], ["deleted"]);
+    assert!(
+        o.values().all(|l| l.len() == 1),
+        "one outcome per item: {o:?}"
+    );
+    assert_eq!(done["deleted"], 97);
+    assert_eq!(done["already_absent"], 2);
+    assert_eq!(done["failed"], 1);
+    // Only the failed item's row is left; it is an item dead letter, its effect left open.
+    let left: Vec<i64> = sqlx::query_scalar("select id from ext.payments")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, [21]);
+    let dl: (String, String, String) =
+        sqlx::query_as("select kind, item_key, reason from sweeper.dead_letters where run_id = $1")
+            .bind(&r)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!((dl.0.as_str(), dl.1.as_str()), ("item", "21"));
+    assert!(dl.2.contains("400"), "{}", dl.2);
+    let state: String = sqlx::query_scalar(
+        "select state from sweeper.effects where policy = 'reconcile' and item_key = '21'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(state, "calling", "left open for the operator");
+    // Item 42's failures were recorded as transient attempts.
+    let transient: i64 = sqlx::query_scalar(
+        "select count(*) from sweeper.attempts where outcome = 'failed' and class = 'transient'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(transient, 2);
+}
+
+#[tokio::test]
+async fn a_bare_404_is_permanent_and_changes_no_row() {
+    let provider = StandIn::start(Duration::ZERO, |_, _| (404, vec![], "Not Found".into())).await;
+    let config = dependency("payments", &provider.url(), "")
+        + &payments_policy("reconcile", "payments", 50, "", "").replace(
+            "then = { set = \"reconciled_at\" }",
+            "then = \"delete_row\"",
+        );
+    let app = spawn(1, config).await;
+    seed_payments(&app, 50).await;
+    let r = run(&app, "reconcile", "2026-09-01").await;
+    let done = app.wait_terminal(&r).await;
+    assert_eq!(done["status"], "completed_with_dead_letters");
+    assert_eq!(done["quarantined_commands"], 1);
+    assert_eq!(
+        provider.calls().len(),
+        1,
+        "the command stops at the first bare 404"
+    );
+    let rows: i64 = sqlx::query_scalar("select count(*) from ext.payments")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 50, "no row deleted");
+    let (class, reason): (String, String) =
+        sqlx::query_as("select class, reason from sweeper.dead_letters where kind = 'command'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(class, "permanent");
+    assert!(reason.contains("not-found signature"), "{reason}");
+    let audited: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(audited, 0, "no outcome for anything");
+}
+
+#[tokio::test]
+async fn ten_429s_snooze_without_spending_attempts_and_max_age_quarantines_as_throttled() {
+    let provider = StandIn::start(Duration::ZERO, |_, earlier: &[Call]| {
+        if earlier.len() < 10 {
+            (
+                429,
+                vec![("retry-after".into(), "1".into())],
+                "slow down".into(),
+            )
+        } else {
+            ok()
+        }
+    })
+    .await;
+    let config = dependency("payments", &provider.url(), "pause_wait = \"0s\"")
+        + &payments_policy("reconcile", "payments", 5, "", "")
+            .replace("max_attempts = 5", "max_attempts = 2");
+    let app = spawn(1, config).await;
+    seed_payments(&app, 5).await;
+    let r = run(&app, "reconcile", "2026-09-01").await;
+    let done = app.wait_terminal(&r).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["reconciled"], 5);
+    let (attempts, snoozes): (i32, i64) = sqlx::query_as(
+        "select c.attempts, (select count(*) from sweeper.attempts a
+                              where a.command_id = c.command_id and a.outcome = 'snoozed')
+           from sweeper.commands c where c.run_id = $1",
+    )
+    .bind(&r)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(snoozes, 10);
+    assert_eq!(attempts, 1, "snoozes spend no attempt");
+    let pauses: i64 = sqlx::query_scalar(
+        "select pauses from sweeper.dependency_pauses where dependency = 'payments'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(pauses, 10);
+    // Calls never started while paused: each gap after a 429 is at least ~1 s.
+    let calls = provider.calls();
+    for w in calls.windows(2).take(10) {
+        assert!(
+            w[1].at - w[0].at >= Duration::from_millis(950),
+            "{:?}",
+            w[1].at - w[0].at
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_command_snoozed_past_max_age_is_quarantined_as_throttled() {
+    let provider = StandIn::start(Duration::ZERO, |_, _| {
+        (
+            429,
+            vec![("retry-after".into(), "30".into())],
+            "slow down".into(),
+        )
+    })
+    .await;
+    let config = dependency("payments", &provider.url(), "")
+        + &payments_policy("reconcile", "payments", 5, "", "")
+            .replace("max_age = \"1h\"", "max_age = \"1m\"");
+    let app = spawn(0, config).await;
+    seed_payments(&app, 5).await;
+    let r = run(&app, "reconcile", "2026-09-01").await;
+    app.wait_planned(&r).await;
+    assert_eq!(app.drain().await, 1);
+    assert_eq!(provider.calls().len(), 1);
+    // The ledger clock passes the snooze and the age budget; the pause ended too.
+    set_clock(&app.pool, at(NOW) + chrono::TimeDelta::minutes(3)).await;
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert_eq!(app.drain().await, 1);
+    let done = app.wait_terminal(&r).await;
+    assert_eq!(done["quarantined_commands"], 1, "{done}");
+    let (class, reason): (String, String) =
+        sqlx::query_as("select class, reason from sweeper.dead_letters where kind = 'command'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(class, "throttled");
+    assert!(reason.contains("max_age"), "{reason}");
+    assert_eq!(unreconciled(&app).await.len(), 5);
+}
+
+#[tokio::test]
+async fn the_concurrency_cap_and_the_rate_limit_hold_at_the_stand_in() {
+    let slow = StandIn::start(Duration::from_millis(150), |_, _| ok()).await;
+    let limited = StandIn::start(Duration::ZERO, |_, _| ok()).await;
+    let config = dependency("slow", &slow.url(), "max_concurrent_calls = 2")
+        + &dependency(
+            "limited",
+            &limited.url(),
+            "rate_limit = { per_second = 10, burst = 2 }",
+        )
+        + &payments_policy("reconcile", "slow", 5, "", "")
+        + &payments_policy("reconcile-b", "limited", 5, "", "");
+    let app = spawn(6, config).await;
+    sqlx::query(
+        "insert into ext.payments (id, closed_at)
+         select g, timestamptz '2026-08-01' from generate_series(1, 30) g",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let r = run(&app, "reconcile", "2026-09-01").await;
+    let done = app.wait_terminal(&r).await;
+    assert_eq!(done["reconciled"], 30);
+    assert_eq!(slow.calls().len(), 30);
+    assert!(
+        slow.max_in_flight() <= 2,
+        "cap 2, saw {}",
+        slow.max_in_flight()
+    );
+    assert_eq!(slow.max_in_flight(), 2, "six workers do fill the cap");
+
+    // The second policy stamps the same column: clear it so every row is eligible again.
+    sqlx::query("update ext.payments set reconciled_at = null")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let r = run(&app, "reconcile-b", "2026-09-01").await;
+    let done = app.wait_terminal(&r).await;
+    assert_eq!(done["reconciled"], 30);
+    let calls = limited.calls();
+    assert_eq!(calls.len(), 30);
+    // 10/s with a burst of 2: any one-second span holds at most 10 + 2 calls, and 30 calls
+    // take at least (30 - 2) / 10 s.
+    for (i, c) in calls.iter().enumerate() {
+        let within = calls[i..]
+            .iter()
+            .filter(|d| d.at - c.at < Duration::from_secs(1))
+            .count();
+        assert!(within <= 12, "{within} calls within one second");
+    }
+    let span = calls.last().unwrap().at - calls[0].at;
+    assert!(
+        span >= Duration::from_millis(2_600),
+        "30 calls took {span:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+#[tokio::test]
+async fn redirects_elsewhere_and_private_addresses_are_refused_before_any_byte_is_sent() {
+    let target = StandIn::start(Duration::ZERO, |_, _| ok()).await;
+    let port = target.addr.port();
+    let redirect_to = format!("http://localhost:{port}/steal");
+    let redirector = StandIn::start(Duration::ZERO, move |_, _| {
+        (
+            307,
+            vec![("location".into(), redirect_to.clone())],
+            String::new(),
+        )
+    })
+    .await;
+    let policies = [
+        ("via-redirect", dependency("redirector", &redirector.url(), "")),
+        (
+            "via-literal",
+            format!("[[dependency]]\nname = \"literal\"\nbase_url = \"http://127.0.0.1:{port}\"\n"),
+        ),
+        (
+            "via-name",
+            format!("[[dependency]]\nname = \"byname\"\nbase_url = \"http://localhost:{port}\"\n"),
+        ),
+        (
+            "via-metadata",
+            "[[dependency]]\nname = \"metadata\"\nbase_url = \"http://169.254.169.254\"\ntimeout = \"2s\"\n".to_string(),
+        ),
+    ];
+    let deps = ["redirector", "literal", "byname", "metadata"];
+    let mut config = String::new();
+    for ((name, dep), dep_name) in policies.iter().zip(deps) {
+        config += dep;
+        config += &payments_policy(name, dep_name, 10, "", "");
+    }
+    let app = spawn(2, config).await;
+    seed_payments(&app, 3).await;
+    for (name, _) in &policies {
+        let r = run(&app, name, "2026-09-01").await;
+        let done = app.wait_terminal(&r).await;
+        assert_eq!(done["quarantined_commands"], 1, "{name}: {done}");
+        let (class, reason): (String, String) = sqlx::query_as(
+            "select class, reason from sweeper.dead_letters where run_id = $1 and kind = 'command'",
+        )
+        .bind(&r)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        assert_eq!(class, "permanent", "{name}");
+        assert!(reason.contains("refused"), "{name}: {reason}");
+    }
+    assert_eq!(
+        redirector.calls().len(),
+        1,
+        "the redirect itself was asked for once"
+    );
+    assert!(
+        target.calls().is_empty(),
+        "the target listener received nothing"
+    );
+    assert_eq!(unreconciled(&app).await.len(), 3, "no row changed");
+}
+
+fn upload_policy(name: &str, dep: &str, then: &str) -> String {
+    format!(
+        r#"
+[[policy]]
+name = "{name}"
+schedule = {{ cron = "0 2 * * *", timezone = "UTC" }}
+target = {{ table = "ext.uploads", key = "id", timestamp = "expired_at" }}
+retain_for = "1d"
+exclude = [ {{ column = "legal_hold", equals = true }} ]
+batch_size = 10
+action = {{ kind = "object_store", dependency = "{dep}", column = "object_key", then = {then} }}
+"#
+    )
+}
+
+#[tokio::test]
+async fn objects_in_a_local_directory_are_deleted_with_their_rows() {
+    let dir =
+        std::env::temp_dir().join(format!("sweeper-objects-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(dir.join("u")).unwrap();
+    for i in 1..=20 {
+        if i % 5 != 0 {
+            std::fs::write(dir.join(format!("u/{i}.bin")), b"x").unwrap();
+        }
+    }
+    std::fs::write(dir.join("u/held.bin"), b"x").unwrap();
+    let missing = dir.join("does-not-exist");
+    let config = format!(
+        "[[dependency]]\nname = \"files\"\nkind = \"local\"\nroot = \"{}\"\n\
+         [[dependency]]\nname = \"nowhere\"\nkind = \"local\"\nroot = \"{}\"\n",
+        dir.display(),
+        missing.display()
+    ) + &upload_policy("uploads", "files", "\"delete_row\"")
+        + &upload_policy("uploads-nowhere", "nowhere", "\"delete_row\"");
+    let app = spawn(2, config).await;
+    sqlx::raw_sql(
+        "insert into ext.uploads (id, object_key, expired_at)
+         select g, 'u/' || g || '.bin', timestamptz '2026-08-01' from generate_series(1, 20) g;
+         insert into ext.uploads values (99, 'u/held.bin', true, '2026-08-01')",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+
+    // A directory that does not exist: permanent, never "already absent".
+    let r = run(&app, "uploads-nowhere", "2026-09-01").await;
+    let done = app.wait_terminal(&r).await;
+    assert_eq!(done["already_absent"], 0, "{done}");
+    assert_eq!(done["quarantined_commands"], 2);
+    let classes: Vec<String> =
+        sqlx::query_scalar("select class from sweeper.dead_letters where run_id = $1")
+            .bind(&r)
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(classes, ["permanent", "permanent"]);
+    let rows: i64 = sqlx::query_scalar("select count(*) from ext.uploads")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 21);
+
+    let r = run(&app, "uploads", "2026-09-01").await;
+    let done = app.wait_terminal(&r).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["deleted"], 16);
+    assert_eq!(done["already_absent"], 4);
+    let left: Vec<i64> = sqlx::query_scalar("select id from ext.uploads")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, [99], "only the held row is left");
+    let files: Vec<String> = std::fs::read_dir(dir.join("u"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(files, ["held.bin"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test]
+async fn a_row_changed_during_the_call_is_kept_and_becomes_a_dead_letter() {
+    // The provider changes the row (as a concurrent writer would) while answering.
+    let db_url = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let url_for_standin = db_url.clone();
+    let provider = StandIn::start(Duration::ZERO, move |c: &Call, _| {
+        if item_of(c) == 2 {
+            let url = url_for_standin.lock().unwrap().clone();
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Runtime::new().unwrap();
+                rt.block_on(async {
+                    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+                    sqlx::query("update ext.payments set status = 'closed-edited' where id = 2")
+                        .execute(&pool)
+                        .await
+                        .unwrap();
+                });
+            })
+            .join()
+            .unwrap();
+        }
+        ok()
+    })
+    .await;
+    let config = dependency("payments", &provider.url(), "")
+        + &payments_policy("reconcile", "payments", 10, "", "").replace(
+            "then = { set = \"reconciled_at\" }",
+            "then = \"delete_row\"",
+        );
+    let app = spawn(1, config).await;
+    *db_url.lock().unwrap() = app.db.url.clone();
+    seed_payments(&app, 3).await;
+    let r = run(&app, "reconcile", "2026-09-01").await;
+    let done = app.wait_terminal(&r).await;
+    assert_eq!(done["status"], "completed_with_dead_letters", "{done}");
+    let left: Vec<(i64, String)> = sqlx::query_as("select id, status from ext.payments")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        left,
+        [(2, "closed-edited".to_string())],
+        "the changed row is kept"
+    );
+    let o = outcomes(&app, "reconcile").await;
+    assert_eq!(o["2"], ["failed"]);
+    let (reason, effect): (String, String) = sqlx::query_as(
+        "select d.reason, e.state from sweeper.dead_letters d
+           join sweeper.effects e on e.item_key = d.item_key and e.policy = d.policy
+          where d.kind = 'item'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!(reason.starts_with("row_changed_during_call"), "{reason}");
+    assert_eq!(effect, "closed", "the effect is recorded as done");
+}
