@@ -697,7 +697,7 @@ async fn build_store(
 ) -> Result<std::sync::Arc<dyn object_store::ObjectStore>, Failure> {
     use object_store::{ClientOptions, RetryConfig};
     let spec = &rt.spec;
-    let options = ClientOptions::new()
+    let mut options = ClientOptions::new()
         .with_timeout(spec.timeout)
         .with_connect_timeout(spec.timeout.min(Duration::from_secs(5)));
     // Our classifier owns retries: the store's own retries would multiply them.
@@ -720,9 +720,10 @@ async fn build_store(
             if let Some(e) = endpoint {
                 spec.check_url(e)?;
                 check_resolved(rt, e).await?;
+                // Plain http only when the configured endpoint says so (a local S3 server).
+                options = options.with_allow_http(e.scheme() == "http");
                 b = b
                     .with_endpoint(e.as_str().trim_end_matches('/'))
-                    .with_allow_http(e.scheme() == "http")
                     .with_virtual_hosted_style_request(false);
             }
             if let Some((k, s)) = &spec.s3_keys {

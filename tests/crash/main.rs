@@ -7,6 +7,13 @@
 #[allow(dead_code)]
 #[path = "../integration/common.rs"]
 mod common;
+#[allow(dead_code)]
+#[path = "../integration/ext_common.rs"]
+mod ext_common;
+mod external;
+#[allow(dead_code)]
+#[path = "../integration/standin.rs"]
+mod standin;
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -30,34 +37,41 @@ impl Drop for Server {
     }
 }
 
-fn config(db_url: &str, port: u16, workers: usize) -> std::path::PathBuf {
-    let text = config_toml(
+fn config(db_url: &str, workers: usize) -> String {
+    config_toml(
         db_url,
         workers,
         "[planning]\npage_rows = 50",
         &ticket_policy(10),
     )
-    .replace("127.0.0.1:0", &format!("127.0.0.1:{port}"));
-    let dir = std::env::temp_dir().join(format!("sweeper-crash-{}", uuid::Uuid::new_v4().simple()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("sweeper.toml");
-    std::fs::write(&path, text).unwrap();
-    path
 }
 
 async fn start(db_url: &str, workers: usize, crash_at: Option<&str>) -> Server {
+    start_with(&config(db_url, workers), &[], crash_at).await
+}
+
+/// Starts `sweeper serve` on a free port with the configuration `text` (its `listen` replaced)
+/// and extra environment variables; waits until it is ready.
+async fn start_with(text: &str, env: &[(&str, &str)], crash_at: Option<&str>) -> Server {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let path = config(db_url, port, workers);
+    let text = text.replace("127.0.0.1:0", &format!("127.0.0.1:{port}"));
+    let dir = std::env::temp_dir().join(format!("sweeper-crash-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sweeper.toml");
+    std::fs::write(&path, text).unwrap();
     let mut cmd = Command::new(BIN);
     cmd.args(["serve", "--config", path.to_str().unwrap()])
         .env_remove("DATABASE_URL")
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
     if let Some(point) = crash_at {
         cmd.env("SWEEPER_CRASH_AT", point);
     }

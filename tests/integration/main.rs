@@ -4,6 +4,7 @@ mod cli;
 mod common;
 mod consume;
 mod contract;
+mod ext_common;
 mod external;
 mod failures;
 mod planning;
