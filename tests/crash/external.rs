@@ -217,6 +217,7 @@ action = { kind = "http", dependency = "ledger-api", method = "DELETE", path = "
 #[tokio::test]
 async fn a_429_with_delta_seconds_pauses_both_processes() {
     pause_shared_by_two_processes(
+        "delta-seconds 2",
         || ("2".into(), Duration::from_secs(2)),
         Duration::from_secs(2),
     )
