@@ -717,6 +717,20 @@ async fn build_store(
                 .with_bucket_name(bucket)
                 .with_region(region)
                 .with_retry(retry);
+            // An endpoint from the environment (AWS_ENDPOINT) is checked like a configured one.
+            let from_env = b
+                .get_config_value(&object_store::aws::AmazonS3ConfigKey::Endpoint)
+                .and_then(|e| url::Url::parse(&e).ok());
+            if let (None, Some(e)) = (endpoint, &from_env) {
+                spec.check_url(e).map_err(|_| {
+                    Failure::permanent(format!(
+                        "dependency {}: the endpoint {e} from the environment is not allowed; \
+                         set base_url (and allowed_hosts) instead",
+                        spec.name
+                    ))
+                })?;
+                check_resolved(rt, e).await?;
+            }
             if let Some(e) = endpoint {
                 spec.check_url(e)?;
                 check_resolved(rt, e).await?;

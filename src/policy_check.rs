@@ -120,6 +120,38 @@ async fn check_policy(pool: &PgPool, p: &Policy, out: &mut Vec<Finding>) -> sqlx
         }
     }
 
+    // Columns an external action reads or stamps.
+    for c in p.spec.action.columns() {
+        if col(c.as_str()).is_none() {
+            say(
+                Level::Error,
+                format!(
+                    "action: column {} (named by the action) does not exist in {}",
+                    c.as_str(),
+                    t.table
+                ),
+            );
+        }
+    }
+    let stamped = match &p.spec.action {
+        crate::policy::ActionSpec::Http(h) => h.then.column(),
+        crate::policy::ActionSpec::ObjectStore(o) => o.then.column(),
+        crate::policy::ActionSpec::DeleteRows => None,
+    };
+    if let Some(c) = stamped.and_then(|s| col(s.as_str()).map(|c| (s, c)))
+        && !matches!(c.1.type_name.as_str(), "timestamptz" | "timestamp")
+    {
+        say(
+            Level::Error,
+            format!(
+                "action.then.set: column {} is {}; it is stamped with the database clock and must \
+                 be a nullable timestamptz",
+                c.0.as_str(),
+                c.1.type_sql
+            ),
+        );
+    }
+
     match (col(t.timestamp.as_str()), &t.timestamp_zone) {
         (None, _) => say(
             Level::Error,

@@ -320,3 +320,71 @@ async fn the_selected_set_is_the_same_under_utc_and_tokyo() {
     assert_eq!(sets[0], vec!["1", "2", "3", "4"]);
     assert_eq!(sets[0], sets[1]);
 }
+
+#[tokio::test]
+async fn the_example_policies_pass_check_config_against_their_schema() {
+    let db = TestDb::create().await;
+    let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/examples");
+    let schema = std::fs::read_to_string(dir.join("schema.sql")).unwrap();
+    sqlx::raw_sql(&schema).execute(&pool).await.unwrap();
+    for example in ["upload-retention.toml", "payment-reconciliation.toml"] {
+        let out = sweeper(&[
+            "check-config",
+            "--config",
+            dir.join(example).to_str().unwrap(),
+        ])
+        .env("DATABASE_URL", &db.url)
+        .env_remove("SWEEPER_DATABASE_URL")
+        .env("HS256_KEY_2026_06", SECRET)
+        .env("PAYMENTS_API_TOKEN", "example-token")
+        .output()
+        .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{example}:\n{stdout}\n{stderr}");
+        assert!(
+            stdout.contains("database checks passed"),
+            "{example}:\n{stdout}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn check_config_checks_the_columns_an_action_reads_and_stamps() {
+    let db = TestDb::create().await;
+    let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(
+        "create schema ext;
+         create table ext.payments (id bigint primary key, closed_at timestamptz, reconciled_at text)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let policies = r#"
+[[dependency]]
+name = "payments"
+base_url = "https://api.payments.example"
+
+[[policy]]
+name = "reconcile"
+schedule = { cron = "0 2 * * *" }
+target = { table = "ext.payments", key = "id", timestamp = "closed_at" }
+retain_for = "1d"
+action = { kind = "http", dependency = "payments", method = "POST", path = "/p/{id}/{tenant}", then = { set = "reconciled_at" } }
+"#;
+    let path = write_config(&config_toml(&db.url, 0, "", policies));
+    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains("column tenant (named by the action) does not exist"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("action.then.set: column reconciled_at is text"),
+        "{stdout}"
+    );
+}
