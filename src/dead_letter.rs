@@ -336,13 +336,30 @@ pub async fn abandon(
     .bind(reason)
     .execute(&mut *tx)
     .await?;
+    // An effect the dead letter left open (a call that may have been made) would hold its item
+    // in every later run; abandoning is the operator's decision about it, so it is closed. A
+    // later run may act on the item again, with the next idempotency key.
+    let effects_closed: Vec<String> = sqlx::query_scalar(
+        "with dl as (select kind, run_id, policy, command_id, item_key
+                       from sweeper.dead_letters where dead_letter_id = $1)
+         update sweeper.effects e
+            set state = 'closed', closed_at = sweeper.now()
+           from dl
+          where e.policy = dl.policy and e.run_id = dl.run_id and e.state <> 'closed'
+            and ((dl.kind = 'item' and e.item_key = dl.item_key)
+                 or (dl.kind = 'command' and e.command_id = dl.command_id))
+         returning e.item_key",
+    )
+    .bind(id)
+    .fetch_all(&mut *tx)
+    .await?;
     log_operator_act(
         &mut tx,
         subject,
         "abandon",
         &format!("dead_letter:{id}"),
         reason,
-        serde_json::json!({}),
+        serde_json::json!({ "effects_closed": effects_closed }),
     )
     .await?;
     tx.commit().await?;

@@ -223,22 +223,54 @@ pub(crate) async fn run(
                 }
                 Decision::Call { n, fields } => (n, fields),
             };
-            let admitted = match state.dependencies.admit(&state.pool, &rt).await {
-                Ok(a) => a,
+            let idempotency_key = format!("{}:{}:{}", l.policy, key, effect_n);
+            let mut waited = false;
+            let result = loop {
+                let admitted = match state.dependencies.admit(&state.pool, &rt).await {
+                    Ok(a) => a,
+                    Err(f) => break Err(f),
+                };
+                let result = match &l.rules.action {
+                    ActionSpec::Http(h) => {
+                        crate::action::call_http(&rt, h, &fields, &idempotency_key).await
+                    }
+                    ActionSpec::ObjectStore(o) => {
+                        crate::action::delete_object(&rt, o, &fields).await
+                    }
+                    ActionSpec::DeleteRows => unreachable!("delete_rows has no external call"),
+                };
+                drop(admitted);
+                if let CallResult::Throttled {
+                    pause: Some(p),
+                    reason,
+                } = &result
+                    && !waited
+                    && !p.is_zero()
+                    && *p <= rt.spec.pause_wait
+                {
+                    // A short pause (at most `pause_wait`): stored for every replica, waited out
+                    // here by the next admission (outside any transaction), then the item is
+                    // called again once.
+                    crate::metrics::dependency_call(&dep, "throttled");
+                    if let Err(f) = state
+                        .dependencies
+                        .pause(&state.pool, &dep, *p, reason)
+                        .await
+                    {
+                        break Err(f);
+                    }
+                    waited = true;
+                    continue;
+                }
+                break Ok(result);
+            };
+            let result = match result {
+                Ok(r) => r,
                 Err(f) => {
                     stop = Some(f);
                     break;
                 }
             };
-            let idempotency_key = format!("{}:{}:{}", l.policy, key, effect_n);
-            let result = match &l.rules.action {
-                ActionSpec::Http(h) => {
-                    crate::action::call_http(&rt, h, &fields, &idempotency_key).await
-                }
-                ActionSpec::ObjectStore(o) => crate::action::delete_object(&rt, o, &fields).await,
-                ActionSpec::DeleteRows => unreachable!("delete_rows has no external call"),
-            };
-            drop(admitted);
             match result {
                 CallResult::Done(outcome) => {
                     crate::metrics::dependency_call(

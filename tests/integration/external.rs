@@ -218,6 +218,34 @@ async fn statuses_decide_each_item_and_neighbours_are_done_once() {
     .await
     .unwrap();
     assert_eq!(state, "calling", "left open for the operator");
+    // Abandoning the dead letter is the operator's decision: the effect closes, so later runs
+    // are no longer held by it.
+    let id: i64 = sqlx::query_scalar("select dead_letter_id from sweeper.dead_letters")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    let r = app
+        .client
+        .post(format!("{}/dead-letters/{id}/abandon", app.base))
+        .bearer_auth(app.ops_token())
+        .json(&serde_json::json!({"reason": "the provider rejects this payment; handled by hand"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let (state, n): (String, i32) = sqlx::query_as(
+        "select state, n from sweeper.effects where policy = 'reconcile' and item_key = '21'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!((state.as_str(), n), ("closed", 1));
+    let logged: Value =
+        sqlx::query_scalar("select detail from sweeper.operator_log where action = 'abandon'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(logged["effects_closed"], serde_json::json!(["21"]));
     // Item 42's failures were recorded as transient attempts.
     let transient: i64 = sqlx::query_scalar(
         "select count(*) from sweeper.attempts where outcome = 'failed' and class = 'transient'",
@@ -610,4 +638,59 @@ async fn a_row_changed_during_the_call_is_kept_and_becomes_a_dead_letter() {
     .unwrap();
     assert!(reason.starts_with("row_changed_during_call"), "{reason}");
     assert_eq!(effect, "closed", "the effect is recorded as done");
+}
+
+#[tokio::test]
+async fn short_pauses_are_waited_out_and_timeouts_are_transient() {
+    // Item 1: a 429 whose only hint is the documented reset header (1 s). Item 2: the first
+    // answer comes after the 1 s timeout.
+    let provider = StandIn::start(Duration::ZERO, |c: &Call, earlier: &[Call]| -> Reply {
+        let seen = earlier.iter().filter(|e| e.path == c.path).count();
+        match (item_of(c), seen) {
+            (1, 0) => (
+                429,
+                vec![("x-ratelimit-reset-after".into(), "1".into())],
+                String::new(),
+            ),
+            (2, 0) => (
+                200,
+                vec![("x-standin-delay-ms".into(), "2500".into())],
+                String::new(),
+            ),
+            _ => ok(),
+        }
+    })
+    .await;
+    let config = dependency(
+        "payments",
+        &provider.url(),
+        "pause_wait = \"2s\"\ntimeout = \"1s\"\nreset_header = \"X-RateLimit-Reset-After\"",
+    ) + &payments_policy("reconcile", "payments", 5, "", "");
+    let app = spawn(1, config).await;
+    seed_payments(&app, 3).await;
+    let r = run(&app, "reconcile", "2026-09-01").await;
+    let done = app.wait_terminal(&r).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["reconciled"], 3);
+    let calls = provider.calls();
+    let item1: Vec<&Call> = calls.iter().filter(|c| item_of(c) == 1).collect();
+    assert_eq!(item1.len(), 2);
+    let gap = item1[1].at - item1[0].at;
+    assert!(gap >= Duration::from_millis(950), "waited {gap:?}");
+    eprintln!("reset header `1` with pause_wait 2s: called again after {gap:?}");
+    assert_eq!(calls.iter().filter(|c| item_of(c) == 2).count(), 2);
+    let history: Vec<(String, Option<String>, Option<String>)> =
+        sqlx::query_as("select outcome, class, error from sweeper.attempts order by attempt_id")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    // No snooze: the short pause was waited out; the timeout was one transient attempt.
+    assert_eq!(history.len(), 2, "{history:?}");
+    assert_eq!(history[0].0, "failed");
+    assert_eq!(history[0].1.as_deref(), Some("transient"));
+    assert!(
+        history[0].2.as_deref().unwrap().contains("timed out"),
+        "{history:?}"
+    );
+    assert_eq!(history[1].0, "succeeded");
 }

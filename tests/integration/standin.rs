@@ -81,9 +81,14 @@ async fn handle(
         calls.push(call);
         r
     };
-    tokio::time::sleep(inner.delay).await;
+    let (status, mut headers, body) = reply;
+    // A reply may ask for its own delay (a slow answer) with this pseudo-header.
+    let mut delay = inner.delay;
+    if let Some(i) = headers.iter().position(|(k, _)| k == "x-standin-delay-ms") {
+        delay = Duration::from_millis(headers.remove(i).1.parse().unwrap());
+    }
+    tokio::time::sleep(delay).await;
     inner.in_flight.fetch_sub(1, Ordering::SeqCst);
-    let (status, headers, body) = reply;
     let mut resp = (StatusCode::from_u16(status).unwrap(), body).into_response();
     for (k, v) in headers {
         resp.headers_mut().insert(
