@@ -42,3 +42,8 @@ alter table sweeper.runs add column reconciled bigint not null default 0;
 -- A command with external calls finishes its items over several attempts; the items an earlier
 -- attempt already audited are found by command.
 create index audit_by_command on sweeper.audit (command_id);
+
+-- A command of an external action while its calls run (its lease is live): counted against the
+-- policy's max_concurrent_commands, since no transaction (and so no transaction-scoped slot lock)
+-- can span the calls.
+alter table sweeper.commands add column calling_since timestamptz;

@@ -360,6 +360,11 @@ fn http_from_config(
         if reqwest::header::HeaderName::from_bytes(k.as_bytes()).is_err() {
             errors.push(format!("headers: `{k}` is not a header name"));
         }
+        if reqwest::header::HeaderValue::from_str(v).is_err() {
+            errors.push(format!(
+                "headers: the value of `{k}` holds characters a header cannot carry"
+            ));
+        }
         templates.push(("headers", v));
     }
     for (field, t) in templates {
@@ -392,6 +397,9 @@ fn http_from_config(
             errors.push(format!("done/retry: {s} is not an HTTP status"));
         }
     }
+    if done.is_empty() || done.iter().any(|s| !(200..=299).contains(s)) {
+        errors.push("done: list one or more 2xx statuses".into());
+    }
     if let Some(s) = done
         .iter()
         .find(|s| retry.contains(s) || [404, 410, 429].contains(*s))
@@ -411,6 +419,11 @@ fn http_from_config(
                  count as already absent"
                     .into(),
             );
+        }
+        if let Some(h) = &n.header
+            && (h.is_empty() || reqwest::header::HeaderName::from_bytes(h.as_bytes()).is_err())
+        {
+            errors.push(format!("not_found.header: `{h}` is not a header name"));
         }
         if n.header_contains.is_some() && n.header.is_none() {
             errors.push("not_found.header_contains: needs header".into());
@@ -548,6 +561,18 @@ pub async fn call_http(
         )));
     };
     let client = rt.http.as_ref().expect("http dependencies have a client");
+    // A value that is empty, `.` or `..` would address another resource once the URL is
+    // normalized (the collection, the parent): the item fails instead.
+    for c in placeholders(&action.path).unwrap_or_default() {
+        if let Ok(v) = field_text(fields, c.as_str())
+            && matches!(v.as_str(), "" | "." | "..")
+        {
+            return CallResult::ItemFailed(format!(
+                "column `{}` is `{v}`, which cannot be a path segment",
+                c.as_str()
+            ));
+        }
+    }
     let path = match fill(&action.path, fields, |v| {
         percent_encoding::utf8_percent_encode(v, PATH_SEGMENT).to_string()
     }) {
@@ -562,6 +587,13 @@ pub async fn call_http(
         Ok(u) => u,
         Err(e) => return CallResult::ItemFailed(format!("path `{path}`: {e}")),
     };
+    let expected = format!("{}{}", base_url.path().trim_end_matches('/'), path);
+    if url.path() != expected || url.query().is_some() || url.fragment().is_some() {
+        return CallResult::ItemFailed(format!(
+            "the item's values change the request's path (`{}` instead of `{expected}`)",
+            url.path()
+        ));
+    }
     if let Err(f) = rt.spec.check_url(&url) {
         return CallResult::Failed(f);
     }
@@ -569,7 +601,14 @@ pub async fn call_http(
     let mut req = client.request(method, url);
     for (k, v) in &action.headers {
         match fill(v, fields, |s| s.to_string()) {
-            Ok(v) => req = req.header(k.as_str(), v),
+            Ok(v) => match reqwest::header::HeaderValue::from_str(&v) {
+                Ok(v) => req = req.header(k.as_str(), v),
+                Err(_) => {
+                    return CallResult::ItemFailed(format!(
+                        "header {k}: the item's value holds characters a header cannot carry"
+                    ));
+                }
+            },
             Err(e) => return CallResult::ItemFailed(format!("header {k}: {e}")),
         }
     }
@@ -632,7 +671,14 @@ pub async fn call_http(
     }
     if status == 404 || status == 410 {
         // Read at most 64 KiB of the body to match the signature.
-        let body = read_bounded(resp, 64 * 1024).await;
+        let body = match read_bounded(resp, 64 * 1024).await {
+            Ok(b) => b,
+            Err(_) => {
+                return CallResult::Failed(Failure::transient(format!(
+                    "dependency {name} answered {status} but its body could not be read"
+                )));
+            }
+        };
         if let Some(sig) = &action.not_found
             && sig.status.contains(&status)
             && sig
@@ -671,15 +717,15 @@ pub async fn call_http(
     CallResult::ItemFailed(format!("dependency {name} answered {status}"))
 }
 
-async fn read_bounded(mut resp: reqwest::Response, limit: usize) -> String {
+async fn read_bounded(mut resp: reqwest::Response, limit: usize) -> reqwest::Result<String> {
     let mut buf = Vec::new();
     while buf.len() < limit {
-        match resp.chunk().await {
-            Ok(Some(c)) => buf.extend_from_slice(&c[..c.len().min(limit - buf.len())]),
-            _ => break,
+        match resp.chunk().await? {
+            Some(c) => buf.extend_from_slice(&c[..c.len().min(limit - buf.len())]),
+            None => break,
         }
     }
-    String::from_utf8_lossy(&buf).into_owned()
+    Ok(String::from_utf8_lossy(&buf).into_owned())
 }
 
 /// How long a bucket probe's "it exists" is trusted.

@@ -288,6 +288,36 @@ async fn attempt(
         Step::Run(l) => l,
     };
     if loaded.rules.action.dependency().is_some() && !loaded.dry_run {
+        // max_concurrent_commands: the slot taken in `load` ends with this transaction, so
+        // the commands calling right now are counted instead, serialized per policy.
+        let cap = state
+            .config
+            .policy(&loaded.policy)
+            .map(|p| p.max_concurrent_commands as i64)
+            .unwrap_or(1);
+        sqlx::query("select pg_advisory_xact_lock(hashtext('sweeper:calling:' || $1))")
+            .bind(&loaded.policy)
+            .execute(&mut *tx)
+            .await?;
+        let calling: i64 = sqlx::query_scalar(
+            "select count(*) from sweeper.commands c join sweeper.runs r using (run_id)
+              where r.policy = $2 and c.command_id <> $1 and c.state = 'leased'
+                and c.calling_since is not null and c.lease_until > sweeper.now()",
+        )
+        .bind(command_id)
+        .bind(&loaded.policy)
+        .fetch_one(&mut *tx)
+        .await?;
+        if calling >= cap {
+            tx.rollback().await?;
+            return Err(AttemptError::Failed(Failure::throttled(
+                Utc::now() + state.config.consume.retry_after.delta(),
+                format!(
+                    "policy {} already has {cap} commands calling (max_concurrent_commands)",
+                    loaded.policy
+                ),
+            )));
+        }
         // No transaction may span the calls: the command is leased instead (DESIGN §5,
         // concurrent deliveries), and a delivery that finds a live lease is a "not now".
         let n = match executor {
@@ -320,6 +350,12 @@ async fn attempt(
                 n
             }
         };
+        sqlx::query(
+            "update sweeper.commands set calling_since = sweeper.now() where command_id = $1",
+        )
+        .bind(command_id)
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
         return Ok(Attempted::External(loaded, n));
     }
@@ -941,7 +977,7 @@ pub(crate) async fn record_failure(
         sqlx::query(
             "with c as (
                  update sweeper.commands
-                    set state = 'quarantined', attempts = $2, finished_at = sweeper.now(),
+                    set state = 'quarantined', attempts = $2, finished_at = sweeper.now(), calling_since = null,
                         lease_until = null, lease_owner = null, last_error = $3, last_error_class = $4
                   where command_id = $1
               returning due_since),
@@ -1012,7 +1048,7 @@ pub(crate) async fn record_failure(
     sqlx::query(
         "with c as (
              update sweeper.commands
-                set state = 'pending', attempts = $2, lease_until = null, lease_owner = null,
+                set state = 'pending', attempts = $2, lease_until = null, lease_owner = null, calling_since = null,
                     next_attempt_at = sweeper.now() + make_interval(secs => $3),
                     last_error = $4, last_error_class = $5
               where command_id = $1)

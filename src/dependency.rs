@@ -231,6 +231,12 @@ impl Dependency {
         }
         let parse_url = |s: &str, errors: &mut Vec<String>| -> Option<Url> {
             match Url::parse(s) {
+                Ok(u) if u.query().is_some() || u.fragment().is_some() => {
+                    errors.push(format!(
+                        "base_url: `{s}` must not have a query or fragment (paths are appended to it)"
+                    ));
+                    None
+                }
                 Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => Some(u),
                 Ok(_) => {
                     errors.push(format!(
@@ -457,6 +463,10 @@ pub fn is_non_public(ip: IpAddr) -> bool {
                 || (s[0..6] == [0, 0, 0, 0, 0, 0])
                 || (s[0] == 0x64 && s[1] == 0xff9b)
                 || (s[0] == 0x2001 && s[1] == 0x0db8)
+                // 6to4 and Teredo embed IPv4 addresses; fec0::/10 is the old site-local range.
+                || s[0] == 0x2002
+                || (s[0] == 0x2001 && s[1] == 0)
+                || (s[0] & 0xffc0) == 0xfec0
         }
     }
 }
@@ -727,6 +737,9 @@ mod tests {
             "::ffff:127.0.0.1",
             "::ffff:8.8.8.8",
             "64:ff9b::a00:1",
+            "2002:7f00:1::",
+            "2001:0:4136:e378:8000:63bf:3fff:fdd2",
+            "fec0::1",
         ] {
             assert!(is_non_public(a.parse().unwrap()), "{a}");
         }
@@ -768,6 +781,7 @@ mod tests {
         assert!(d.check_url(&d_url(&d)).is_ok());
         assert!(dep("kind = 'ftp'").unwrap_err()[0].starts_with("kind"));
         assert!(dep("base_url = 'x'").is_err());
+        assert!(dep("base_url = 'https://a.example/v1?token=x'").is_err());
         assert!(
             dep("base_url = 'https://a.example'\nallowed_hosts = ['b.example']").unwrap_err()[0]
                 .starts_with("allowed_hosts")

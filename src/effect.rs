@@ -559,7 +559,8 @@ async fn close(
             "with c as (
                  update sweeper.commands
                     set state = 'succeeded', finished_at = sweeper.now(), lease_until = null,
-                        lease_owner = null, last_error = null, last_error_class = null
+                        lease_owner = null, last_error = null, last_error_class = null,
+                        calling_since = null
                   where command_id = $1
               returning attempts, redrive_of),
              a as (

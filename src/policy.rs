@@ -523,6 +523,21 @@ impl Policy {
                 Err(msg) => errors.push(format!("exclude[{i}]: {msg}")),
             }
         }
+        if let (Some(column), Some(k), Some(ts)) = (
+            action.as_ref().and_then(|a| match a {
+                ActionSpec::Http(h) => h.then.column(),
+                ActionSpec::ObjectStore(o) => o.then.column(),
+                ActionSpec::DeleteRows => None,
+            }),
+            &key,
+            &timestamp,
+        ) && (column == k || column == ts)
+        {
+            errors.push(format!(
+                "action.then.set: `{}` is the target's key or timestamp; stamp a column of its own",
+                column.as_str()
+            ));
+        }
         // `then = { set = "reconciled_at" }`: a stamped row is never selected again.
         if let Some(column) = action.as_ref().and_then(|a| match a {
             ActionSpec::Http(h) => h.then.column(),

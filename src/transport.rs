@@ -32,7 +32,7 @@ pub enum WorkerStep {
 pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<(String, i32)>, Failure> {
     sqlx::query_as(
         "update sweeper.commands c
-            set state = 'leased', attempts = c.attempts + 1, lease_owner = $2,
+            set state = 'leased', attempts = c.attempts + 1, lease_owner = $2, calling_since = null,
                 lease_until = (select sweeper.now()) + make_interval(secs => $1)
           where c.command_id in (
                 select q.command_id from sweeper.commands q

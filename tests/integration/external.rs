@@ -694,3 +694,63 @@ async fn short_pauses_are_waited_out_and_timeouts_are_transient() {
     );
     assert_eq!(history[1].0, "succeeded");
 }
+
+#[tokio::test]
+async fn unusable_item_values_fail_only_their_item_and_nothing_is_sent_for_them() {
+    let provider = StandIn::start(Duration::ZERO, |_, _| ok()).await;
+    let config = dependency("payments", &provider.url(), "")
+        + &payments_policy("reconcile", "payments", 10, "", "").replace(
+            "path = \"/pay/{id}\"",
+            "path = \"/pay/{status}/{id}\", headers = { \"x-status\" = \"{status}\" }",
+        );
+    let app = spawn(1, config).await;
+    sqlx::raw_sql(
+        "insert into ext.payments (id, status, closed_at) values
+            (1, 'closed', '2026-08-01'), (2, '..', '2026-08-01'), (3, '.', '2026-08-01'),
+            (4, '', '2026-08-01'), (5, E'closed\r\nX-Injected: yes', '2026-08-01')",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let r = run(&app, "reconcile", "2026-09-01").await;
+    let done = app.wait_terminal(&r).await;
+    assert_eq!(done["status"], "completed_with_dead_letters", "{done}");
+    let calls = provider.calls();
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0].path, "/pay/closed/1");
+    let o = outcomes(&app, "reconcile").await;
+    assert_eq!(o["1"], ["reconciled"]);
+    for k in ["2", "3", "4", "5"] {
+        assert_eq!(o[k], ["failed"], "{k}");
+    }
+    let items: i64 =
+        sqlx::query_scalar("select count(*) from sweeper.dead_letters where kind = 'item'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(items, 4);
+}
+
+#[tokio::test]
+async fn max_concurrent_commands_holds_while_commands_call() {
+    let provider = StandIn::start(Duration::from_millis(200), |_, _| ok()).await;
+    let config = dependency("payments", &provider.url(), "max_concurrent_calls = 8")
+        + &payments_policy(
+            "reconcile",
+            "payments",
+            2,
+            "",
+            "max_concurrent_commands = 1",
+        );
+    let app = spawn(4, config).await;
+    seed_payments(&app, 8).await;
+    let r = run(&app, "reconcile", "2026-09-01").await;
+    let done = app.wait_terminal(&r).await;
+    assert_eq!(done["reconciled"], 8, "{done}");
+    assert_eq!(provider.calls().len(), 8);
+    assert_eq!(
+        provider.max_in_flight(),
+        1,
+        "one command calls at a time across workers"
+    );
+}
