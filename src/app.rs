@@ -67,6 +67,8 @@ impl Application {
     /// (an error in any policy fails the start, with the same messages as `check-config`),
     /// registers policy versions, and binds the listener.
     pub async fn build(config: Config) -> anyhow::Result<Application> {
+        // Install the process recorder now: counters incremented before it exists are lost.
+        crate::metrics::handle();
         let pool = connect(&config).await?;
         if config.migrate_on_start {
             ledger::MIGRATOR

@@ -246,6 +246,10 @@ pub struct ConsumeConfig {
     /// `queue.lease`, and it must stay below the push queue's attempt deadline (Pub/Sub's ack
     /// deadline, Cloud Tasks' dispatch deadline) when one delivers to `/consume`.
     pub command_deadline: DurationSpec,
+    /// Most `/consume` requests handled at once by this process (default 64). More are shed
+    /// at once with 503 + `Retry-After` (the queue redelivers them) instead of queueing without
+    /// bound; keep it near `database.max_connections`, which bounds useful parallelism anyway.
+    pub max_in_flight: u32,
 }
 
 impl Default for ConsumeConfig {
@@ -255,6 +259,7 @@ impl Default for ConsumeConfig {
             statement_timeout: DurationSpec::from_seconds(30),
             retry_after: DurationSpec::from_seconds(5),
             command_deadline: DurationSpec::from_seconds(60),
+            max_in_flight: 64,
         }
     }
 }
@@ -459,6 +464,9 @@ impl Config {
                  a command may be redelivered until every transport's horizon has passed",
                 raw.ledger.command_retention
             ));
+        }
+        if !(1..=10_000).contains(&raw.consume.max_in_flight) {
+            errors.push("consume.max_in_flight: must be between 1 and 10000".into());
         }
         if !(1..=100_000).contains(&raw.ledger.purge_batch) {
             errors.push("ledger.purge_batch: must be between 1 and 100000".into());

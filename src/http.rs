@@ -2,6 +2,7 @@
 //! consume handlers (DESIGN §4, §5). `openapi.yaml` describes exactly [`ROUTES`]; a test keeps
 //! them in step.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{DefaultBodyLimit, FromRequestParts, Path, Query, State};
@@ -46,11 +47,37 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/metrics"),
 ];
 
-fn handler_for(method: &str, path: &str) -> MethodRouter<AppState> {
+fn handler_for(method: &str, path: &str, state: &AppState) -> MethodRouter<AppState> {
     match (method, path) {
         ("POST", "/trigger/{policy}") => post(trigger_handler),
         ("POST", "/consume") => {
-            post(consume_handler).layer(DefaultBodyLimit::max(CONSUME_BODY_LIMIT))
+            // One semaphore for the whole route (a per-route layer, so the limit is global to
+            // /consume); a request that finds no permit is shed at once, never queued.
+            let retry_after = state.config.consume.retry_after.seconds() as u64;
+            let slots = Arc::new(tokio::sync::Semaphore::new(
+                state.config.consume.max_in_flight as usize,
+            ));
+            post(consume_handler)
+                .layer::<_, std::convert::Infallible>(DefaultBodyLimit::max(CONSUME_BODY_LIMIT))
+                .layer::<_, std::convert::Infallible>(
+                    tower::ServiceBuilder::new()
+                        .layer(axum::error_handling::HandleErrorLayer::new(
+                            move |_: tower::BoxError| async move {
+                                crate::metrics::consume_shed();
+                                Problem::new(
+                                    StatusCode::SERVICE_UNAVAILABLE,
+                                    "overloaded",
+                                    "this replica is handling consume.max_in_flight deliveries; \
+                                     nothing was recorded, retry later",
+                                )
+                                .retry_after(retry_after)
+                            },
+                        ))
+                        .layer(tower::load_shed::LoadShedLayer::new())
+                        .layer(tower::limit::GlobalConcurrencyLimitLayer::with_semaphore(
+                            slots,
+                        )),
+                )
         }
         ("GET", "/runs") => get(crate::ops::list_runs),
         ("GET", "/runs/{run_id}") => get(crate::ops::get_run),
@@ -75,7 +102,7 @@ fn handler_for(method: &str, path: &str) -> MethodRouter<AppState> {
 pub fn router(state: AppState) -> Router {
     let mut r = Router::new();
     for (method, path) in ROUTES {
-        r = r.route(path, handler_for(method, path));
+        r = r.route(path, handler_for(method, path, &state));
     }
     r.fallback(|| async {
         Problem::new(

@@ -63,6 +63,12 @@ pub fn dependency_call(dependency: &str, result: &'static str) {
         .increment(1);
 }
 
+/// Counts a `/consume` request shed because `consume.max_in_flight` were in progress
+/// (`sweeper_consume_shed_total`).
+pub fn consume_shed() {
+    counter!("sweeper_consume_shed_total").increment(1);
+}
+
 /// Reads the ledger-wide values and renders everything in Prometheus text format.
 ///
 /// The ledger-wide values go through a recorder local to this scrape, so concurrent scrapes

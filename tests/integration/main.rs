@@ -7,6 +7,7 @@ mod contract;
 mod ext_common;
 mod external;
 mod failures;
+mod hardening;
 mod planning;
 mod standin;
 mod trigger;
