@@ -152,7 +152,42 @@ pub enum AuthError {
     Invalid(String),
 }
 
-/// Verifies `token` against the configured issuers.
+/// Whether `scope` is one sweeper knows: `trigger:*`, `trigger:{policy}`, `consume`, `ops:read`,
+/// `ops:write`.
+pub fn is_known_scope(scope: &str) -> bool {
+    matches!(scope, "trigger:*" | "consume" | "ops:read" | "ops:write")
+        || scope
+            .strip_prefix("trigger:")
+            .is_some_and(|p| crate::policy::PolicyName::parse(p).is_ok())
+}
+
+/// Verifies `token` against every configured issuer: HS256 key sets, then JWKS issuers for
+/// RS256/ES256 (see [`crate::jwks`]). Tokens longer than [`crate::jwks::MAX_TOKEN_BYTES`] and
+/// any other algorithm are refused before any key is looked at.
+pub async fn verify_any(
+    config: &crate::config::Config,
+    token: &str,
+) -> Result<Principal, AuthError> {
+    if token.len() > crate::jwks::MAX_TOKEN_BYTES {
+        return Err(AuthError::Invalid(format!(
+            "longer than {} bytes",
+            crate::jwks::MAX_TOKEN_BYTES
+        )));
+    }
+    let header = jsonwebtoken::decode_header(token)
+        .map_err(|e| AuthError::Invalid(format!("malformed: {e}")))?;
+    match header.alg {
+        Algorithm::HS256 => verify(&config.issuers, token),
+        alg @ (Algorithm::RS256 | Algorithm::ES256) => {
+            crate::jwks::verify(&config.jwks_issuers, alg, header.kid, token).await
+        }
+        other => Err(AuthError::Invalid(format!(
+            "algorithm {other:?} is not accepted"
+        ))),
+    }
+}
+
+/// Verifies an HS256 `token` against the configured HS256 issuers.
 pub fn verify(issuers: &[Issuer], token: &str) -> Result<Principal, AuthError> {
     let header = jsonwebtoken::decode_header(token)
         .map_err(|e| AuthError::Invalid(format!("malformed: {e}")))?;

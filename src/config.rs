@@ -296,6 +296,13 @@ pub struct AuthConfig {
     /// HS256 issuers; each has one or more keys told apart by `kid`.
     #[serde(default)]
     pub issuer: Vec<IssuerConfig>,
+    /// RS256/ES256 issuers verified against a JWKS (Google OIDC and others).
+    #[serde(default)]
+    pub jwks_issuer: Vec<crate::jwks::JwksIssuerConfig>,
+    /// Secrets accepted as `/consume?token=...` (scope `consume` only) for push systems that
+    /// cannot send an Authorization header. Weaker than OIDC: URLs are often logged.
+    #[serde(default)]
+    pub query_token: Vec<crate::jwks::QueryTokenConfig>,
 }
 
 /// One HS256 issuer: tokens whose `iss` is `iss` and whose `aud` contains `audience`.
@@ -354,6 +361,10 @@ pub struct Config {
     pub ledger: LedgerConfig,
     /// Issuers with their resolved secrets.
     pub issuers: Vec<crate::auth::Issuer>,
+    /// JWKS issuers with their key caches.
+    pub jwks_issuers: Vec<crate::jwks::JwksIssuer>,
+    /// Query-string tokens for `/consume`.
+    pub query_tokens: Vec<crate::jwks::QueryToken>,
     /// The downstream dependencies, validated (DESIGN §9).
     pub dependencies: Vec<crate::dependency::Dependency>,
     /// The policies, validated.
@@ -496,6 +507,8 @@ impl Config {
         }
 
         let issuers = crate::auth::Issuer::from_config(&raw.auth, &mut errors);
+        let jwks_issuers = crate::jwks::JwksIssuer::from_config(&raw.auth.jwks_issuer, &mut errors);
+        let query_tokens = crate::jwks::QueryToken::from_config(&raw.auth.query_token, &mut errors);
 
         let mut dependencies: Vec<crate::dependency::Dependency> = Vec::new();
         for (i, d) in raw.dependency.into_iter().enumerate() {
@@ -582,6 +595,8 @@ impl Config {
             consume: raw.consume,
             ledger: raw.ledger,
             issuers,
+            jwks_issuers,
+            query_tokens,
             dependencies,
             policies,
         })

@@ -291,8 +291,22 @@ impl FromRequestParts<AppState> for Caller {
             .map(str::trim)
             .filter(|t| !t.is_empty());
         let result = match token {
-            None => Err(AuthError::Missing),
-            Some(t) => auth::verify(&state.config.issuers, t),
+            Some(t) => auth::verify_any(&state.config, t).await,
+            // Push systems that cannot send a header may present a configured secret as
+            // `/consume?token=...` (scope `consume` only, DESIGN §10).
+            None => match parts.uri.path() {
+                "/consume" if !state.config.query_tokens.is_empty() => parts
+                    .uri
+                    .query()
+                    .and_then(|q| {
+                        url::form_urlencoded::parse(q.as_bytes())
+                            .find(|(k, _)| k == "token")
+                            .map(|(_, v)| v.into_owned())
+                    })
+                    .and_then(|t| crate::jwks::QueryToken::verify(&state.config.query_tokens, &t))
+                    .ok_or(AuthError::Missing),
+                _ => Err(AuthError::Missing),
+            },
         };
         result.map(Caller).map_err(|e| {
             info!(reason = %e, "authentication failed");

@@ -16,6 +16,7 @@ pub mod dependency;
 pub mod effect;
 pub mod failpoints;
 pub mod http;
+pub mod jwks;
 pub mod ledger;
 pub mod metrics;
 pub mod ops;

@@ -8,6 +8,7 @@ mod ext_common;
 mod external;
 mod failures;
 mod hardening;
+mod jwks;
 mod planning;
 mod standin;
 mod trigger;

@@ -1,0 +1,394 @@
+//! External token issuers (DESIGN §10): RS256/ES256 tokens verified against a JWKS, e.g. Google
+//! OIDC tokens sent by Cloud Scheduler and Pub/Sub push; and query-string tokens for push systems
+//! that cannot send a header.
+//!
+//! A JWKS token is accepted when its header's algorithm is one the issuer pins, its `kid` names a
+//! key of the issuer's key set, the signature verifies, `iss` is the issuer, `aud` is a single
+//! string equal to one of the configured audiences (no normalisation: a trailing slash or a query
+//! string is another audience; an array is refused), `exp`/`nbf` hold with 30 s leeway, `iat` is
+//! not in the future beyond it, and — for Google — `email` is present and `email_verified` is
+//! true. Scopes come from the issuer's `principals` map (the verified email for Google, else
+//! `sub`), never from the token.
+//!
+//! The key set is fetched with the configured URL, cached for the response's `Cache-Control:
+//! max-age` (default 5 min, at most a day), refreshed when stale, and refreshed at most once a
+//! minute on an unknown `kid`; a failed fetch keeps the last good set. One fetch at a time:
+//! concurrent verifications wait for it instead of failing.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use jsonwebtoken::jwk::JwkSet;
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+use crate::auth::{AuthError, LEEWAY_SECONDS, Principal};
+
+/// Longest token accepted, in bytes (Google ID tokens are about 1 KiB).
+pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
+/// An unknown `kid` triggers at most one key-set fetch per this interval.
+pub const MIN_REFRESH: Duration = Duration::from_secs(60);
+const RETRY_FAILED_FETCH: Duration = Duration::from_secs(5);
+const DEFAULT_MAX_AGE: Duration = Duration::from_secs(300);
+const LONGEST_MAX_AGE: Duration = Duration::from_secs(86_400);
+
+/// `[[auth.jwks_issuer]]` as written.
+///
+/// ```toml
+/// [[auth.jwks_issuer]]
+/// iss = "https://accounts.google.com"
+/// jwks_url = "https://www.googleapis.com/oauth2/v3/certs"
+/// algorithms = ["RS256"]
+/// audiences = ["https://sweeper.example.com"]
+/// google = true
+/// principals = { "scheduler@my-project.iam.gserviceaccount.com" = ["trigger:*"],
+///                "pubsub-push@my-project.iam.gserviceaccount.com" = ["consume"] }
+/// ```
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JwksIssuerConfig {
+    /// The exact `iss`.
+    pub iss: String,
+    /// Where the key set is fetched (https; http only with `allow_http`).
+    pub jwks_url: String,
+    /// Pinned algorithms: `RS256` and/or `ES256`.
+    pub algorithms: Vec<String>,
+    /// Accepted audiences, each compared exactly.
+    pub audiences: Vec<String>,
+    /// Google OIDC: require `email` and `email_verified: true`; the email is the principal.
+    #[serde(default)]
+    pub google: bool,
+    /// Allow an http JWKS URL (a key server on loopback in tests). Default false.
+    #[serde(default)]
+    pub allow_http: bool,
+    /// Principal (verified email, or `sub`) → scopes.
+    #[serde(default)]
+    pub principals: HashMap<String, Vec<String>>,
+}
+
+/// `[[auth.query_token]]`: a secret accepted as `/consume?token=...`, for the `consume` scope only.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueryTokenConfig {
+    /// Recorded as the actor.
+    pub subject: String,
+    /// The environment variable holding the secret (at least 32 bytes).
+    pub token_env: String,
+}
+
+/// A validated query-string token: its SHA-256, compared in constant time.
+#[derive(Clone)]
+pub struct QueryToken {
+    /// The actor.
+    pub subject: String,
+    digest: [u8; 32],
+}
+
+impl std::fmt::Debug for QueryToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueryToken")
+            .field("subject", &self.subject)
+            .finish()
+    }
+}
+
+impl QueryToken {
+    /// Reads every query token's secret from the environment.
+    pub fn from_config(c: &[QueryTokenConfig], errors: &mut Vec<String>) -> Vec<QueryToken> {
+        let mut out = Vec::new();
+        for (i, q) in c.iter().enumerate() {
+            match std::env::var(&q.token_env) {
+                Ok(v) if v.len() >= crate::auth::MIN_SECRET_BYTES => out.push(QueryToken {
+                    subject: q.subject.clone(),
+                    digest: Sha256::digest(v.as_bytes()).into(),
+                }),
+                _ => errors.push(format!(
+                    "auth.query_token[{i}]: environment variable {} must hold at least {} bytes",
+                    q.token_env,
+                    crate::auth::MIN_SECRET_BYTES
+                )),
+            }
+        }
+        out
+    }
+
+    /// The principal for `presented`, if it is one of `tokens`: scope `consume` only.
+    pub fn verify(tokens: &[QueryToken], presented: &str) -> Option<Principal> {
+        let d: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
+        tokens
+            .iter()
+            .find(|t| {
+                t.digest
+                    .iter()
+                    .zip(d)
+                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                    == 0
+            })
+            .map(|t| Principal {
+                subject: t.subject.clone(),
+                scopes: HashSet::from(["consume".to_string()]),
+            })
+    }
+}
+
+/// A validated JWKS issuer with its key cache.
+#[derive(Clone)]
+pub struct JwksIssuer {
+    /// The exact `iss`.
+    pub iss: String,
+    /// Pinned algorithms.
+    pub algorithms: Vec<Algorithm>,
+    /// Accepted audiences.
+    pub audiences: Vec<String>,
+    /// Google OIDC rules.
+    pub google: bool,
+    /// Lowercased principal → scopes.
+    pub principals: HashMap<String, HashSet<String>>,
+    cache: std::sync::Arc<KeyCache>,
+}
+
+impl std::fmt::Debug for JwksIssuer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JwksIssuer")
+            .field("iss", &self.iss)
+            .field("jwks_url", &self.cache.url.as_str())
+            .finish()
+    }
+}
+
+struct KeyCache {
+    url: url::Url,
+    client: reqwest::Client,
+    state: tokio::sync::Mutex<CacheState>,
+}
+
+#[derive(Default)]
+struct CacheState {
+    set: Option<JwkSet>,
+    expires: Option<Instant>,
+    last_fetch: Option<Instant>,
+    last_failed: Option<Instant>,
+    last_unknown: Option<Instant>,
+}
+
+impl JwksIssuer {
+    /// Validates every configured JWKS issuer.
+    pub fn from_config(c: &[JwksIssuerConfig], errors: &mut Vec<String>) -> Vec<JwksIssuer> {
+        let mut out = Vec::new();
+        for (i, ic) in c.iter().enumerate() {
+            let label = format!("auth.jwks_issuer[{i}]");
+            let url = match url::Url::parse(&ic.jwks_url) {
+                Ok(u) if u.scheme() == "https" || (u.scheme() == "http" && ic.allow_http) => {
+                    Some(u)
+                }
+                _ => {
+                    errors.push(format!(
+                        "{label}.jwks_url: `{}` must be an https URL (http only with allow_http)",
+                        ic.jwks_url
+                    ));
+                    None
+                }
+            };
+            let mut algorithms = Vec::new();
+            for a in &ic.algorithms {
+                match a.as_str() {
+                    "RS256" => algorithms.push(Algorithm::RS256),
+                    "ES256" => algorithms.push(Algorithm::ES256),
+                    other => errors.push(format!(
+                        "{label}.algorithms: `{other}` is not accepted (RS256, ES256)"
+                    )),
+                }
+            }
+            if ic.algorithms.is_empty() {
+                errors.push(format!("{label}.algorithms: pin at least one"));
+            }
+            if ic.iss.is_empty()
+                || ic.audiences.is_empty()
+                || ic.audiences.iter().any(String::is_empty)
+            {
+                errors.push(format!(
+                    "{label}: `iss` and every audience must be non-empty"
+                ));
+            }
+            let mut principals = HashMap::new();
+            for (p, scopes) in &ic.principals {
+                for s in scopes {
+                    if !crate::auth::is_known_scope(s) {
+                        errors.push(format!("{label}.principals[{p}]: unknown scope `{s}`"));
+                    }
+                }
+                principals.insert(p.to_lowercase(), scopes.iter().cloned().collect());
+            }
+            let client = reqwest::Client::builder()
+                .timeout(Duration::from_secs(5))
+                .no_proxy()
+                .redirect(reqwest::redirect::Policy::none())
+                .build();
+            if let (Some(url), Ok(client)) = (url, client) {
+                out.push(JwksIssuer {
+                    iss: ic.iss.clone(),
+                    algorithms,
+                    audiences: ic.audiences.clone(),
+                    google: ic.google,
+                    principals,
+                    cache: std::sync::Arc::new(KeyCache {
+                        url,
+                        client,
+                        state: tokio::sync::Mutex::new(CacheState::default()),
+                    }),
+                });
+            }
+        }
+        out
+    }
+
+    /// The decoding key for `kid`, fetching the key set when it is stale or `kid` is unknown.
+    async fn key(&self, kid: &str) -> Option<DecodingKey> {
+        let mut st = self.cache.state.lock().await;
+        let known = st.set.as_ref().is_some_and(|s| s.find(kid).is_some());
+        let stale = st.expires.is_none_or(|e| Instant::now() >= e);
+        // A failing key server is asked at most every few seconds; an unknown kid (a rotation,
+        // or a forged header) triggers at most one refresh a minute.
+        let may_fetch = st
+            .last_failed
+            .is_none_or(|t| t.elapsed() >= RETRY_FAILED_FETCH);
+        let unknown_refresh = !known && st.last_unknown.is_none_or(|t| t.elapsed() >= MIN_REFRESH);
+        if may_fetch && (stale || unknown_refresh) {
+            if !known && st.set.is_some() {
+                st.last_unknown = Some(Instant::now());
+            }
+            st.last_fetch = Some(Instant::now());
+            match self.fetch().await {
+                Ok((set, max_age)) => {
+                    st.set = Some(set);
+                    st.expires = Some(Instant::now() + max_age);
+                    st.last_failed = None;
+                }
+                Err(e) => {
+                    st.last_failed = Some(Instant::now());
+                    tracing::warn!(jwks_url = %self.cache.url, error = %e, "fetching the key set failed; keeping the last good one");
+                }
+            }
+        }
+        st.set
+            .as_ref()
+            .and_then(|s| s.find(kid))
+            .and_then(|k| DecodingKey::from_jwk(k).ok())
+    }
+
+    async fn fetch(&self) -> anyhow::Result<(JwkSet, Duration)> {
+        let resp = self
+            .cache
+            .client
+            .get(self.cache.url.clone())
+            .send()
+            .await?
+            .error_for_status()?;
+        let max_age = resp
+            .headers()
+            .get(reqwest::header::CACHE_CONTROL)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                v.split(',')
+                    .filter_map(|d| d.trim().strip_prefix("max-age="))
+                    .find_map(|n| n.trim().parse::<u64>().ok())
+            })
+            .map(|s| Duration::from_secs(s).min(LONGEST_MAX_AGE))
+            .unwrap_or(DEFAULT_MAX_AGE);
+        let bytes = resp.bytes().await?;
+        anyhow::ensure!(bytes.len() <= 256 * 1024, "key set larger than 256 KiB");
+        Ok((serde_json::from_slice(&bytes)?, max_age))
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct ExternalClaims {
+    sub: String,
+    #[allow(dead_code)]
+    iss: String,
+    /// A single string: an array is refused by deserialization.
+    #[allow(dead_code)]
+    aud: String,
+    #[serde(default)]
+    iat: Option<u64>,
+    #[serde(default)]
+    email: Option<String>,
+    #[serde(default)]
+    email_verified: Option<bool>,
+}
+
+/// Verifies an RS256/ES256 token against the JWKS issuers.
+pub async fn verify(
+    issuers: &[JwksIssuer],
+    alg: Algorithm,
+    kid: Option<String>,
+    token: &str,
+) -> Result<Principal, AuthError> {
+    let kid = kid.ok_or_else(|| AuthError::Invalid("no `kid` in the header".into()))?;
+    let mut candidates: Vec<&JwksIssuer> = Vec::new();
+    for i in issuers {
+        if i.algorithms.contains(&alg) {
+            candidates.push(i);
+        }
+    }
+    if candidates.is_empty() {
+        return Err(AuthError::Invalid(format!(
+            "algorithm {alg:?} is not accepted"
+        )));
+    }
+    for issuer in candidates {
+        let Some(key) = issuer.key(&kid).await else {
+            continue;
+        };
+        let mut v = Validation::new(alg);
+        v.leeway = LEEWAY_SECONDS;
+        v.validate_nbf = true;
+        v.set_audience(&issuer.audiences);
+        v.set_issuer(&[&issuer.iss]);
+        v.set_required_spec_claims(&["exp", "sub", "iss", "aud"]);
+        let data = jsonwebtoken::decode::<ExternalClaims>(token, &key, &v).map_err(|e| {
+            use jsonwebtoken::errors::ErrorKind as K;
+            AuthError::Invalid(match e.kind() {
+                K::ExpiredSignature => "expired".to_string(),
+                K::InvalidSignature => "signature does not verify".to_string(),
+                K::InvalidAudience => "wrong audience".to_string(),
+                K::InvalidIssuer => "wrong issuer".to_string(),
+                K::ImmatureSignature => "not yet valid".to_string(),
+                K::MissingRequiredClaim(c) => format!("missing claim `{c}`"),
+                K::Json(_) => "claims of the wrong shape (aud must be one string)".to_string(),
+                other => format!("{other:?}"),
+            })
+        })?;
+        let c = data.claims;
+        let now = chrono::Utc::now().timestamp().max(0) as u64;
+        if c.iat.is_some_and(|iat| iat > now + LEEWAY_SECONDS) {
+            return Err(AuthError::Invalid("issued in the future (iat)".into()));
+        }
+        let principal = if issuer.google {
+            match (c.email, c.email_verified) {
+                (Some(e), Some(true)) if !e.is_empty() => e.to_lowercase(),
+                _ => {
+                    return Err(AuthError::Invalid(
+                        "a Google token needs `email` with `email_verified: true`".into(),
+                    ));
+                }
+            }
+        } else {
+            c.sub.clone()
+        };
+        if principal.trim().is_empty() {
+            return Err(AuthError::Invalid("empty principal".into()));
+        }
+        let scopes = issuer
+            .principals
+            .get(&principal.to_lowercase())
+            .cloned()
+            .unwrap_or_default();
+        return Ok(Principal {
+            subject: principal,
+            scopes,
+        });
+    }
+    Err(AuthError::Invalid(format!("unknown kid `{kid}`")))
+}
