@@ -60,6 +60,7 @@ pub async fn connect(config: &Config) -> anyhow::Result<PgPool> {
 pub struct Application {
     listener: TcpListener,
     state: AppState,
+    tls: Option<axum_server::tls_rustls::RustlsConfig>,
 }
 
 impl Application {
@@ -92,6 +93,22 @@ impl Application {
             );
         }
         ledger::register_policy_versions(&pool, &config.policies).await?;
+        // One crypto provider for every rustls user (aws-lc-rs, crates.md §0).
+        let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+        let tls = match &config.tls {
+            Some(t) => Some(
+                axum_server::tls_rustls::RustlsConfig::from_pem_file(&t.cert, &t.key)
+                    .await
+                    .with_context(|| {
+                        format!(
+                            "reading the TLS certificate {} and key {}",
+                            t.cert.display(),
+                            t.key.display()
+                        )
+                    })?,
+            ),
+            None => None,
+        };
         let dependencies = crate::dependency::Dependencies::build(&config.dependencies)
             .context("building the dependencies' clients")?;
         let listener = TcpListener::bind(config.listen)
@@ -99,6 +116,7 @@ impl Application {
             .with_context(|| format!("cannot listen on {}", config.listen))?;
         Ok(Application {
             listener,
+            tls,
             state: AppState {
                 pool,
                 config: Arc::new(config),
@@ -126,16 +144,52 @@ impl Application {
     /// (or one of them exits, which cancels the others). In-flight requests finish; workers stop
     /// after their current command.
     pub async fn run_until(self, shutdown: CancellationToken) -> anyhow::Result<()> {
-        let Application { listener, state } = self;
+        let Application {
+            listener,
+            state,
+            tls,
+        } = self;
         let mut tasks = tokio::task::JoinSet::new();
         let router = crate::http::router(state.clone());
         let token = shutdown.clone();
-        tasks.spawn(async move {
-            let r = axum::serve(listener, router)
-                .with_graceful_shutdown(async move { token.cancelled().await })
-                .await;
-            ("http server", r.map_err(anyhow::Error::from))
-        });
+        match (tls, state.config.tls.clone()) {
+            (Some(rustls), Some(files)) => {
+                let handle = axum_server::Handle::new();
+                let (h, t, drain) = (
+                    handle.clone(),
+                    token.clone(),
+                    state.config.queue.drain.std(),
+                );
+                tokio::spawn(async move {
+                    t.cancelled().await;
+                    h.graceful_shutdown(Some(drain));
+                });
+                let (r, t) = (rustls.clone(), token.clone());
+                tasks.spawn(async move {
+                    crate::tls::reload_loop(r, files, t).await;
+                    ("tls reload", Ok(()))
+                });
+                tasks.spawn(async move {
+                    let r = async {
+                        let std_listener = listener.into_std()?;
+                        axum_server::from_tcp_rustls(std_listener, rustls)?
+                            .handle(handle)
+                            .serve(router.into_make_service())
+                            .await
+                    }
+                    .await;
+                    ("https server", r.map_err(anyhow::Error::from))
+                });
+            }
+            _ => {
+                tasks.spawn(async move {
+                    let r = axum::serve(listener, router)
+                        .with_graceful_shutdown(async move { token.cancelled().await })
+                        .await;
+                    ("http server", r.map_err(anyhow::Error::from))
+                });
+            }
+        }
         for n in 0..state.config.queue.workers {
             let (s, t) = (state.clone(), shutdown.clone());
             tasks.spawn(async move {

@@ -141,6 +141,8 @@ struct RawConfig {
     #[serde(default)]
     ledger: LedgerConfig,
     #[serde(default)]
+    tls: Option<TlsConfig>,
+    #[serde(default)]
     auth: AuthConfig,
     #[serde(default)]
     dependency: Vec<crate::dependency::DependencyConfig>,
@@ -264,6 +266,27 @@ impl Default for ConsumeConfig {
     }
 }
 
+/// `[tls]`: serve HTTPS (HTTP/1.1 and HTTP/2 by ALPN) with a PEM certificate chain and key.
+///
+/// The files are read again on SIGHUP and when their modification time changes (checked every
+/// `reload_check`); new handshakes use the new certificate, open connections keep theirs. A
+/// reload that fails (a half-written file) keeps the old certificate and logs why.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM certificate chain, leaf first.
+    pub cert: std::path::PathBuf,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: std::path::PathBuf,
+    /// How often the files' modification times are checked (default `10s`).
+    #[serde(default = "default_reload_check")]
+    pub reload_check: DurationSpec,
+}
+
+fn default_reload_check() -> DurationSpec {
+    DurationSpec::from_seconds(10)
+}
+
 /// Ledger hygiene (DESIGN §7).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -359,6 +382,8 @@ pub struct Config {
     pub consume: ConsumeConfig,
     /// Ledger hygiene.
     pub ledger: LedgerConfig,
+    /// HTTPS; `None` serves plain HTTP (behind a TLS-terminating platform).
+    pub tls: Option<TlsConfig>,
     /// Issuers with their resolved secrets.
     pub issuers: Vec<crate::auth::Issuer>,
     /// JWKS issuers with their key caches.
@@ -594,6 +619,7 @@ impl Config {
             planning: raw.planning,
             consume: raw.consume,
             ledger: raw.ledger,
+            tls: raw.tls,
             issuers,
             jwks_issuers,
             query_tokens,

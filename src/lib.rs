@@ -25,6 +25,7 @@ pub mod policy;
 pub mod policy_check;
 pub mod quickstart;
 pub mod retry;
+pub mod tls;
 pub mod transport;
 pub mod trigger;
 pub mod window;

@@ -14,6 +14,7 @@ mod external;
 #[allow(dead_code)]
 #[path = "../integration/standin.rs"]
 mod standin;
+mod tls;
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -62,7 +63,7 @@ async fn start_with(text: &str, env: &[(&str, &str)], crash_at: Option<&str>) ->
     let dir = std::env::temp_dir().join(format!("sweeper-crash-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("sweeper.toml");
-    std::fs::write(&path, text).unwrap();
+    std::fs::write(&path, &text).unwrap();
     let mut cmd = Command::new(BIN);
     cmd.args(["serve", "--config", path.to_str().unwrap()])
         .env_remove("DATABASE_URL")
@@ -77,6 +78,10 @@ async fn start_with(text: &str, env: &[(&str, &str)], crash_at: Option<&str>) ->
     }
     let child = cmd.spawn().unwrap();
     let base = format!("http://127.0.0.1:{port}");
+    if text.contains("\n[tls]") {
+        // HTTPS: the caller waits for readiness with a client that trusts its certificate.
+        return Server { child, base };
+    }
     let started = Instant::now();
     while reqwest::get(format!("{base}/readyz"))
         .await
