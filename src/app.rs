@@ -197,6 +197,14 @@ impl Application {
                 ("built-in worker", Ok(()))
             });
         }
+        if let Some(p) = &state.config.pubsub {
+            let publisher = crate::pubsub::Publisher::new(p)?;
+            let (s, t) = (state.clone(), shutdown.clone());
+            tasks.spawn(async move {
+                crate::pubsub::relay_loop(s, publisher, t).await;
+                ("pubsub relay", Ok(()))
+            });
+        }
         let (s, t) = (state.clone(), shutdown.clone());
         tasks.spawn(async move {
             crate::plan::planner_loop(s, t).await;
@@ -272,6 +280,13 @@ pub async fn housekeeping_loop(state: AppState, shutdown: CancellationToken) {
 
 /// One round of housekeeping: purges until a batch comes back short. Returns commands purged.
 pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
+    let republish = crate::pubsub::mark_stale_for_republish(state).await?;
+    if republish > 0 {
+        info!(
+            commands = republish,
+            "push commands not delivered within republish_after are published again"
+        );
+    }
     let mut total = 0;
     loop {
         let n = ledger::purge_terminal_commands(

@@ -143,6 +143,8 @@ struct RawConfig {
     #[serde(default)]
     tls: Option<TlsConfig>,
     #[serde(default)]
+    pubsub: Option<crate::pubsub::PubsubConfig>,
+    #[serde(default)]
     auth: AuthConfig,
     #[serde(default)]
     dependency: Vec<crate::dependency::DependencyConfig>,
@@ -384,6 +386,8 @@ pub struct Config {
     pub ledger: LedgerConfig,
     /// HTTPS; `None` serves plain HTTP (behind a TLS-terminating platform).
     pub tls: Option<TlsConfig>,
+    /// The Pub/Sub transport, for policies with `transport = "pubsub"`.
+    pub pubsub: Option<crate::pubsub::PubsubConfig>,
     /// Issuers with their resolved secrets.
     pub issuers: Vec<crate::auth::Issuer>,
     /// JWKS issuers with their key caches.
@@ -607,6 +611,16 @@ impl Config {
             }
         }
 
+        if raw.pubsub.is_none()
+            && let Some(p) = policies
+                .iter()
+                .find(|p| p.transport == crate::policy::Transport::Pubsub)
+        {
+            errors.push(format!(
+                "policy[{}].transport: pubsub needs a [pubsub] section (project, topic)",
+                p.name
+            ));
+        }
         if !errors.is_empty() {
             return Err(ConfigError(errors));
         }
@@ -620,6 +634,7 @@ impl Config {
             consume: raw.consume,
             ledger: raw.ledger,
             tls: raw.tls,
+            pubsub: raw.pubsub,
             issuers,
             jwks_issuers,
             query_tokens,

@@ -199,6 +199,7 @@ pub async fn redrive(
             let n = sqlx::query(
                 "update sweeper.commands
                     set state = 'pending', attempts = 0, next_attempt_at = sweeper.now(),
+                        publish_due = transport <> 'builtin',
                         due_since = sweeper.now(), age_credit_seconds = 0,
                         publish_generation = publish_generation + 1, finished_at = null,
                         lease_until = null, lease_owner = null
@@ -224,13 +225,14 @@ pub async fn redrive(
             let new_id: String = sqlx::query_scalar(
                 "insert into sweeper.commands
                      (command_id, run_id, batch_no, item_keys, transport, next_attempt_at,
-                      due_since, redrive_of)
-                 select $1 || ':redrive-' || $3, $1, -$3::int, array[$2],
-                        coalesce((select transport from sweeper.commands where command_id = $4),
-                                 'builtin'),
-                        sweeper.now(), sweeper.now(), $3
+                      due_since, redrive_of, publish_due)
+                 select $1 || ':redrive-' || $3, $1, -$3::int, array[$2], t.transport,
+                        sweeper.now(), sweeper.now(), $3, t.transport <> 'builtin'
+                   from (select coalesce((select transport from sweeper.commands
+                                           where command_id = $4), 'builtin') as transport) t
                  on conflict (command_id) do update
                     set state = 'pending', attempts = 0, next_attempt_at = sweeper.now(),
+                        publish_due = sweeper.commands.transport <> 'builtin',
                         due_since = sweeper.now(), age_credit_seconds = 0,
                         publish_generation = sweeper.commands.publish_generation + 1,
                         finished_at = null, lease_until = null, lease_owner = null,

@@ -379,24 +379,32 @@ async fn trigger_handler(
 async fn consume_handler(
     State(state): State<AppState>,
     caller: Caller,
+    headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("consume")?;
     let retry_after = state.config.consume.retry_after.seconds() as u64;
-    let parsed = serde_json::from_slice::<Envelope>(&body)
-        .map_err(|e| e.to_string())
-        .and_then(|e| match e.schema_version.unwrap_or(1) {
-            1 => Ok(e),
-            v => Err(format!("schema_version {v} is not supported (1 is)")),
-        })
-        .and_then(|e| {
-            let id = &e.command_id;
-            if id.is_empty() || id.len() > 512 || id.chars().any(char::is_control) {
-                Err("command_id must be 1-512 characters without control characters".into())
-            } else {
-                Ok(e)
-            }
-        });
+    // A Pub/Sub push (wrapped or unwrapped) is answered by DESIGN §5's push column.
+    let push = crate::pubsub::parse_push(&headers, &body);
+    if let Some(p) = &push {
+        info!(message_id = ?p.message_id, delivery_attempt = ?p.delivery_attempt, "Pub/Sub push");
+    }
+    let parsed = match &push {
+        Some(p) => p.envelope.clone(),
+        None => serde_json::from_slice::<Envelope>(&body).map_err(|e| e.to_string()),
+    }
+    .and_then(|e| match e.schema_version.unwrap_or(1) {
+        1 => Ok(e),
+        v => Err(format!("schema_version {v} is not supported (1 is)")),
+    })
+    .and_then(|e| {
+        let id = &e.command_id;
+        if id.is_empty() || id.len() > 512 || id.chars().any(char::is_control) {
+            Err("command_id must be 1-512 characters without control characters".into())
+        } else {
+            Ok(e)
+        }
+    });
     let envelope = match parsed {
         Ok(e) => e,
         Err(why) => {
@@ -437,6 +445,18 @@ async fn consume_handler(
         }
         ConsumeOutcome::UnknownOfTerminalRun { command_id } => {
             json!({"command_id": command_id, "result": "unknown_command_of_terminal_run"})
+        }
+        ConsumeOutcome::NotNow {
+            reason,
+            retry_after_seconds,
+        } if push.is_some() => {
+            // Pub/Sub ignores Retry-After and slows the whole subscription after nacks: commit
+            // "publish again when due", then acknowledge.
+            crate::pubsub::request_republish(&state, &envelope.command_id, retry_after_seconds)
+                .await
+                .map_err(|f| Problem::unavailable(f.message, retry_after))?;
+            json!({"command_id": envelope.command_id, "result": "not_now", "reason": reason,
+                   "republish_in_seconds": retry_after_seconds})
         }
         ConsumeOutcome::NotNow {
             reason,

@@ -23,6 +23,7 @@ pub mod ops;
 pub mod plan;
 pub mod policy;
 pub mod policy_check;
+pub mod pubsub;
 pub mod quickstart;
 pub mod retry;
 pub mod tls;

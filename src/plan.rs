@@ -221,10 +221,11 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     if n_commands > 0 {
         sqlx::query(
             "insert into sweeper.commands
-                 (command_id, run_id, batch_no, item_keys, transport, next_attempt_at, due_since)
+                 (command_id, run_id, batch_no, item_keys, transport, next_attempt_at, due_since,
+                  publish_due)
              select $1 || ':' || (b.ord - 1 + $3), $1, b.ord - 1 + $3,
                     array(select jsonb_array_elements_text(b.keys)), $4, r.window_at,
-                    greatest(r.window_at, sweeper.now())
+                    greatest(r.window_at, sweeper.now()), $4 <> 'builtin'
                from jsonb_array_elements($2) with ordinality as b(keys, ord),
                     sweeper.runs r
               where r.run_id = $1",
@@ -232,7 +233,14 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         .bind(run_id)
         .bind(sqlx::types::Json(&batches))
         .bind(next_batch_no)
-        .bind(crate::policy::Transport::Builtin.as_str())
+        .bind(
+            state
+                .config
+                .policy(&policy)
+                .map(|p| p.transport)
+                .unwrap_or(crate::policy::Transport::Builtin)
+                .as_str(),
+        )
         .execute(&mut *tx)
         .await
         .map_err(db)?;

@@ -213,18 +213,23 @@ impl PolicySpec {
     }
 }
 
-/// How commands of a policy reach `/consume`. Only the built-in queue exists so far.
+/// How commands of a policy reach `/consume` (DESIGN §8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Transport {
-    /// The built-in PostgreSQL queue (DESIGN §8).
+    /// The built-in PostgreSQL queue.
     Builtin,
+    /// Google Cloud Pub/Sub: published by the relay, pushed to `/consume`.
+    Pubsub,
 }
 
 impl Transport {
     /// The name stored on each command.
     pub fn as_str(self) -> &'static str {
-        "builtin"
+        match self {
+            Transport::Builtin => "builtin",
+            Transport::Pubsub => "pubsub",
+        }
     }
 }
 
@@ -300,7 +305,7 @@ pub struct PolicyConfig {
     /// `{ kind = "delete_rows" }` (the default).
     #[serde(default)]
     pub action: Option<ActionConfig>,
-    /// `builtin` (the default).
+    /// `builtin` (the default) or `pubsub` (needs a `[pubsub]` section).
     #[serde(default)]
     pub transport: Option<String>,
     /// `{ max_attempts = 5, base = "1s", cap = "1h", max_age = "24h" }` (these are the defaults).
@@ -481,12 +486,16 @@ impl Policy {
                 .map_err(|es| errors.extend(es.into_iter().map(|e| format!("action.{e}"))))
                 .ok(),
         };
-        match c.transport.as_deref() {
-            None | Some("builtin") => {}
-            Some(other) => errors.push(format!(
-                "transport: `{other}` is not supported (supported: builtin)"
-            )),
-        }
+        let transport = match c.transport.as_deref() {
+            None | Some("builtin") => Transport::Builtin,
+            Some("pubsub") => Transport::Pubsub,
+            Some(other) => {
+                errors.push(format!(
+                    "transport: `{other}` is not supported (supported: builtin, pubsub)"
+                ));
+                Transport::Builtin
+            }
+        };
         let defaults = RetryPolicy::default();
         let r = c.retry.clone().unwrap_or(RetryConfig {
             max_attempts: None,
@@ -573,7 +582,7 @@ impl Policy {
             schedule: schedule.unwrap(),
             early_tolerance,
             batch_size: c.batch_size,
-            transport: Transport::Builtin,
+            transport,
             spec,
             version,
             retry,

@@ -10,5 +10,6 @@ mod failures;
 mod hardening;
 mod jwks;
 mod planning;
+mod pubsub;
 mod standin;
 mod trigger;

@@ -1,0 +1,234 @@
+//! The Pub/Sub transport against the real Pub/Sub emulator (Java, on loopback): the relay
+//! publishes, the emulator pushes to `/consume` (with the query-string token: the emulator sends
+//! no OIDC token), every "not now" is a committed decision plus an ack and a republish.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::common::*;
+use crate::ext_common::*;
+use crate::standin::{Call, StandIn, ok};
+
+/// The emulator's launcher; `PUBSUB_EMULATOR_BIN` overrides it.
+fn emulator_bin() -> String {
+    std::env::var("PUBSUB_EMULATOR_BIN").unwrap_or_else(|_| {
+        "/usr/lib/google-cloud-sdk/platform/pubsub-emulator/bin/cloud-pubsub-emulator".into()
+    })
+}
+
+pub struct Emulator {
+    child: Child,
+    pub host: String,
+}
+
+impl Drop for Emulator {
+    fn drop(&mut self) {
+        // The launcher script starts java as a child: end it first.
+        let _ = Command::new("pkill")
+            .args(["-TERM", "-P", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub async fn emulator() -> Emulator {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new(emulator_bin())
+        .args(["--host=127.0.0.1", &format!("--port={port}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the Pub/Sub emulator (google-cloud-cli-pubsub-emulator) must be installed");
+    let host = format!("127.0.0.1:{port}");
+    let started = Instant::now();
+    while reqwest::get(format!("http://{host}/v1/projects/test/topics"))
+        .await
+        .map(|r| !r.status().is_success())
+        .unwrap_or(true)
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the emulator did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Emulator { child, host }
+}
+
+/// Creates the topic and a push subscription to `app`'s `/consume` with `ack_deadline` seconds.
+async fn subscribe(em: &Emulator, app: &TestApp, ack_deadline: u32) {
+    let http = reqwest::Client::new();
+    let r = http
+        .put(format!(
+            "http://{}/v1/projects/test/topics/sweeper",
+            em.host
+        ))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    let secret = std::env::var("CARGO_PKG_DESCRIPTION").unwrap();
+    let token: String = url::form_urlencoded::byte_serialize(secret.as_bytes()).collect();
+    let r = http
+        .put(format!(
+            "http://{}/v1/projects/test/subscriptions/push",
+            em.host
+        ))
+        .json(&json!({
+            "topic": "projects/test/topics/sweeper",
+            "pushConfig": {"pushEndpoint": format!("{}/consume?token={token}", app.base)},
+            "ackDeadlineSeconds": ack_deadline,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+}
+
+fn pubsub_toml(em: &Emulator) -> String {
+    format!(
+        "[consume]\nlock_timeout = \"1s\"\n\
+         [pubsub]\nproject = \"test\"\ntopic = \"sweeper\"\nemulator_host = \"{}\"\n\
+         [[auth.query_token]]\nsubject = \"pubsub-push\"\ntoken_env = \"CARGO_PKG_DESCRIPTION\"\n",
+        em.host
+    )
+}
+
+#[tokio::test]
+async fn a_run_completes_through_real_pushes_and_transient_failures_converge() {
+    let em = emulator().await;
+    let policy = ticket_policy(10).replace(
+        "batch_size = 10",
+        "batch_size = 10\ntransport = \"pubsub\"\nretry = { max_attempts = 10, base = \"1s\", cap = \"1s\", max_age = \"1h\" }",
+    );
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: policy,
+        extra_toml: pubsub_toml(&em),
+        ..Default::default()
+    })
+    .await;
+    subscribe(&em, &app, 10).await;
+    let eligible = seed_mixed(&app.pool, 200, at("2026-09-01T02:00:00Z")).await;
+    // Hold one eligible row for 3 s: its command fails transiently (lock_timeout 1s) and must
+    // come back by republish.
+    let held = eligible[eligible.len() / 2];
+    use sqlx::Connection;
+    let mut blocker = sqlx::PgConnection::connect(&app.db.url).await.unwrap();
+    let mut tx = blocker.begin().await.unwrap();
+    sqlx::query("select 1 from demo.tickets where id = $1 for update")
+        .bind(held)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let (status, run) = app.trigger("ticket-retention", "").await;
+    assert_eq!(status, 202, "{run}");
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    tx.commit().await.unwrap();
+
+    let done = app.wait_terminal(&run_id).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["deleted"].as_i64().unwrap(), eligible.len() as i64);
+    let dup: i64 = sqlx::query_scalar(
+        "select count(*) from (select item_key from sweeper.audit group by item_key
+                                having count(*) > 1) d",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(dup, 0, "one outcome per item");
+    // Every command went through the relay; the held one failed, was acknowledged and came back.
+    let (unpublished, retried): (i64, i64) = sqlx::query_as(
+        "select count(*) filter (where published_at is null),
+                count(*) filter (where published_generation >= 2)
+           from sweeper.commands where run_id = $1",
+    )
+    .bind(&run_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(unpublished, 0);
+    assert!(
+        retried >= 1,
+        "the failed command was republished with a new generation"
+    );
+    let transient: i64 = sqlx::query_scalar(
+        "select count(*) from sweeper.attempts where outcome = 'failed' and class = 'transient'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!(transient >= 1, "the held row made an attempt fail");
+}
+
+#[tokio::test]
+async fn a_snooze_longer_than_the_ack_deadline_is_acked_and_republished() {
+    let em = emulator().await;
+    // The provider throttles the first call for 12 s, longer than the 10 s ack deadline.
+    let provider = StandIn::start(Duration::ZERO, |_, earlier: &[Call]| {
+        if earlier.is_empty() {
+            (
+                429,
+                vec![("retry-after".into(), "12".into())],
+                String::new(),
+            )
+        } else {
+            ok()
+        }
+    })
+    .await;
+    let policies = dependency("payments", &provider.url(), "pause_wait = \"0s\"")
+        + &payments_policy("reconcile", "payments", 10, "", "transport = \"pubsub\"");
+    let app = TestApp::spawn(Spawn {
+        setup_sql: EXT,
+        now: Some(at(NOW)),
+        policies,
+        extra_toml: pubsub_toml(&em),
+        ..Default::default()
+    })
+    .await;
+    subscribe(&em, &app, 10).await;
+    seed_payments(&app, 5).await;
+    let started = Instant::now();
+    let (status, run) = app.trigger("reconcile", "?window=2026-09-01").await;
+    assert_eq!(status, 202, "{run}");
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    let done = app.wait_terminal(&run_id).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["reconciled"], 5);
+    assert!(
+        started.elapsed() >= Duration::from_secs(11),
+        "{:?}",
+        started.elapsed()
+    );
+    let (snoozes, generation): (i64, Option<i32>) = sqlx::query_as(
+        "select (select count(*) from sweeper.attempts where outcome = 'snoozed'),
+                (select published_generation from sweeper.commands where run_id = $1)",
+    )
+    .bind(&run_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(snoozes, 1);
+    assert_eq!(
+        generation,
+        Some(2),
+        "republished once, with the next generation"
+    );
+    let calls = provider.calls();
+    assert_eq!(calls.len(), 6, "one throttled call, then one per item");
+    let gap = calls[1].at - calls[0].at;
+    assert!(
+        gap >= Duration::from_secs(11),
+        "no call during the pause: {gap:?}"
+    );
+}
