@@ -159,6 +159,14 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 path.display(),
                 config.policies.len()
             );
+            for q in &config.query_tokens {
+                println!(
+                    "warning: auth.query_token[{}]: a token in /consume's query string is weaker \
+                     than OIDC (URLs are often logged by proxies and platforms); use it only \
+                     where the sender cannot send an Authorization header",
+                    q.subject
+                );
+            }
             let pool = app::connect(&config).await?;
             let findings = crate::policy_check::check_policies(&pool, &config.policies).await?;
             let errors = findings

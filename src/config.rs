@@ -611,6 +611,22 @@ impl Config {
             }
         }
 
+        if raw
+            .tls
+            .as_ref()
+            .is_some_and(|t| t.reload_check.seconds() < 1)
+        {
+            errors.push("tls.reload_check: must be at least 1s".into());
+        }
+        if raw
+            .pubsub
+            .as_ref()
+            .is_some_and(|p| p.relay_interval.seconds() < 1 || p.republish_after.seconds() < 60)
+        {
+            errors.push(
+                "pubsub: relay_interval must be at least 1s and republish_after at least 1m".into(),
+            );
+        }
         if raw.pubsub.is_none()
             && let Some(p) = policies
                 .iter()

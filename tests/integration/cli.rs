@@ -388,3 +388,24 @@ action = { kind = "http", dependency = "payments", method = "POST", path = "/p/{
         "{stdout}"
     );
 }
+
+#[tokio::test]
+async fn check_config_warns_about_query_tokens() {
+    let db = TestDb::create().await;
+    let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(TICKETS).execute(&pool).await.unwrap();
+    let text = config_toml(&db.url, 0, "", &ticket_policy(10)).replace(
+        "\n[[auth.issuer]]",
+        "\n[[auth.query_token]]\nsubject = \"emulator\"\ntoken_env = \"CARGO_PKG_DESCRIPTION\"\n\n[[auth.issuer]]",
+    );
+    let path = write_config(&text);
+    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("warning: auth.query_token[emulator]"),
+        "{stdout}"
+    );
+}
