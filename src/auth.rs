@@ -187,6 +187,21 @@ pub async fn verify_any(
     }
 }
 
+/// Why `jsonwebtoken` refused a token, in words safe to show the caller.
+pub(crate) fn refusal(e: &jsonwebtoken::errors::Error) -> String {
+    use jsonwebtoken::errors::ErrorKind as K;
+    match e.kind() {
+        K::ExpiredSignature => "expired".to_string(),
+        K::InvalidSignature => "signature does not verify".to_string(),
+        K::InvalidAudience => "wrong audience".to_string(),
+        K::InvalidIssuer => "wrong issuer".to_string(),
+        K::ImmatureSignature => "not yet valid".to_string(),
+        K::MissingRequiredClaim(c) => format!("missing claim `{c}`"),
+        K::Json(_) => "claims of the wrong shape".to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
 /// Verifies an HS256 `token` against the configured HS256 issuers.
 pub fn verify(issuers: &[Issuer], token: &str) -> Result<Principal, AuthError> {
     let header = jsonwebtoken::decode_header(token)
@@ -212,19 +227,8 @@ pub fn verify(issuers: &[Issuer], token: &str) -> Result<Principal, AuthError> {
     v.set_audience(&[&issuer.audience]);
     v.set_issuer(&[&issuer.iss]);
     v.set_required_spec_claims(&["exp", "sub", "iss", "aud"]);
-    let data = jsonwebtoken::decode::<Claims>(token, &key, &v).map_err(|e| {
-        use jsonwebtoken::errors::ErrorKind as K;
-        let why = match e.kind() {
-            K::ExpiredSignature => "expired".to_string(),
-            K::InvalidSignature => "signature does not verify".to_string(),
-            K::InvalidAudience => "wrong audience".to_string(),
-            K::InvalidIssuer => "wrong issuer".to_string(),
-            K::ImmatureSignature => "not yet valid".to_string(),
-            K::MissingRequiredClaim(c) => format!("missing claim `{c}`"),
-            other => format!("{other:?}"),
-        };
-        AuthError::Invalid(why)
-    })?;
+    let data = jsonwebtoken::decode::<Claims>(token, &key, &v)
+        .map_err(|e| AuthError::Invalid(refusal(&e)))?;
     if data.claims.sub.trim().is_empty() {
         return Err(AuthError::Invalid("empty `sub`".into()));
     }
