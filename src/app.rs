@@ -152,6 +152,8 @@ impl Application {
         let mut tasks = tokio::task::JoinSet::new();
         let router = crate::http::router(state.clone());
         let token = shutdown.clone();
+        // axum-server installs hyper's timer, which the header read timeout needs.
+        let header_read_timeout = state.config.http.header_read_timeout.std();
         match (tls, state.config.tls.clone()) {
             (Some(rustls), Some(files)) => {
                 let handle = axum_server::Handle::new();
@@ -172,7 +174,12 @@ impl Application {
                 tasks.spawn(async move {
                     let r = async {
                         let std_listener = listener.into_std()?;
-                        axum_server::from_tcp_rustls(std_listener, rustls)?
+                        let mut server = axum_server::from_tcp_rustls(std_listener, rustls)?;
+                        server
+                            .http_builder()
+                            .http1()
+                            .header_read_timeout(header_read_timeout);
+                        server
                             .handle(handle)
                             .serve(router.into_make_service())
                             .await
@@ -182,10 +189,25 @@ impl Application {
                 });
             }
             _ => {
+                let handle = axum_server::Handle::new();
+                let (h, drain) = (handle.clone(), state.config.queue.drain.std());
+                tokio::spawn(async move {
+                    token.cancelled().await;
+                    h.graceful_shutdown(Some(drain));
+                });
                 tasks.spawn(async move {
-                    let r = axum::serve(listener, router)
-                        .with_graceful_shutdown(async move { token.cancelled().await })
-                        .await;
+                    let r = async {
+                        let mut server = axum_server::from_tcp(listener.into_std()?)?;
+                        server
+                            .http_builder()
+                            .http1()
+                            .header_read_timeout(header_read_timeout);
+                        server
+                            .handle(handle)
+                            .serve(router.into_make_service())
+                            .await
+                    }
+                    .await;
                     ("http server", r.map_err(anyhow::Error::from))
                 });
             }
@@ -197,12 +219,30 @@ impl Application {
                 ("built-in worker", Ok(()))
             });
         }
+        let mut publishers = Vec::new();
         if let Some(p) = &state.config.pubsub {
-            let publisher = crate::pubsub::Publisher::new(p)?;
+            publishers.push(crate::relay::Publisher::Pubsub(
+                crate::pubsub::Publisher::new(p)?,
+            ));
+        }
+        // The QStash relay runs only where a policy publishes through it; a [qstash] section
+        // may exist just to verify signed schedule calls to /trigger.
+        if let Some(q) = &state.config.qstash
+            && state
+                .config
+                .policies
+                .iter()
+                .any(|p| p.transport == crate::policy::Transport::Qstash)
+        {
+            publishers.push(crate::relay::Publisher::Qstash(
+                crate::qstash::Publisher::new(q)?,
+            ));
+        }
+        for publisher in publishers {
             let (s, t) = (state.clone(), shutdown.clone());
             tasks.spawn(async move {
-                crate::pubsub::relay_loop(s, publisher, t).await;
-                ("pubsub relay", Ok(()))
+                crate::relay::relay_loop(s, publisher, t).await;
+                ("push relay", Ok(()))
             });
         }
         let (s, t) = (state.clone(), shutdown.clone());
@@ -280,7 +320,7 @@ pub async fn housekeeping_loop(state: AppState, shutdown: CancellationToken) {
 
 /// One round of housekeeping: purges until a batch comes back short. Returns commands purged.
 pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
-    let republish = crate::pubsub::mark_stale_for_republish(state).await?;
+    let republish = crate::relay::mark_stale_for_republish(state).await?;
     if republish > 0 {
         info!(
             commands = republish,

@@ -195,6 +195,7 @@ pub(crate) fn refusal(e: &jsonwebtoken::errors::Error) -> String {
         K::InvalidSignature => "signature does not verify".to_string(),
         K::InvalidAudience => "wrong audience".to_string(),
         K::InvalidIssuer => "wrong issuer".to_string(),
+        K::InvalidSubject => "wrong subject".to_string(),
         K::ImmatureSignature => "not yet valid".to_string(),
         K::MissingRequiredClaim(c) => format!("missing claim `{c}`"),
         K::Json(_) => "claims of the wrong shape".to_string(),

@@ -141,9 +141,13 @@ struct RawConfig {
     #[serde(default)]
     ledger: LedgerConfig,
     #[serde(default)]
+    http: HttpConfig,
+    #[serde(default)]
     tls: Option<TlsConfig>,
     #[serde(default)]
     pubsub: Option<crate::pubsub::PubsubConfig>,
+    #[serde(default)]
+    qstash: Option<crate::qstash::QstashConfig>,
     #[serde(default)]
     auth: AuthConfig,
     #[serde(default)]
@@ -268,6 +272,29 @@ impl Default for ConsumeConfig {
     }
 }
 
+/// `[http]`: connection and request time limits of the server.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    /// A client must send a request's complete header block within this (default `10s`), or the
+    /// connection is closed (hyper's HTTP/1 `header_read_timeout`); a slow-header client cannot
+    /// hold a connection open.
+    pub header_read_timeout: DurationSpec,
+    /// Every request, body included, is answered within this (default `90s`): past it the
+    /// request is dropped (its transaction rolls back) and answered 503 `timeout` with
+    /// `Retry-After`. A backstop above `consume.command_deadline`, which it must exceed.
+    pub request_timeout: DurationSpec,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: DurationSpec::from_seconds(10),
+            request_timeout: DurationSpec::from_seconds(90),
+        }
+    }
+}
+
 /// `[tls]`: serve HTTPS (HTTP/1.1 and HTTP/2 by ALPN) with a PEM certificate chain and key.
 ///
 /// The files are read again on SIGHUP and when their modification time changes (checked every
@@ -384,10 +411,14 @@ pub struct Config {
     pub consume: ConsumeConfig,
     /// Ledger hygiene.
     pub ledger: LedgerConfig,
+    /// Server time limits.
+    pub http: HttpConfig,
     /// HTTPS; `None` serves plain HTTP (behind a TLS-terminating platform).
     pub tls: Option<TlsConfig>,
     /// The Pub/Sub transport, for policies with `transport = "pubsub"`.
     pub pubsub: Option<crate::pubsub::PubsubConfig>,
+    /// The QStash transport and signature verification, with its secrets resolved.
+    pub qstash: Option<crate::qstash::Qstash>,
     /// Issuers with their resolved secrets.
     pub issuers: Vec<crate::auth::Issuer>,
     /// JWKS issuers with their key caches.
@@ -611,6 +642,15 @@ impl Config {
             }
         }
 
+        if raw.http.header_read_timeout.seconds() < 1
+            || raw.http.request_timeout <= raw.consume.command_deadline
+        {
+            errors.push(format!(
+                "http: header_read_timeout must be at least 1s and request_timeout ({}) longer \
+                 than consume.command_deadline ({})",
+                raw.http.request_timeout, raw.consume.command_deadline
+            ));
+        }
         if raw
             .tls
             .as_ref()
@@ -637,6 +677,18 @@ impl Config {
                 p.name
             ));
         }
+        let publishes_qstash = policies
+            .iter()
+            .any(|p| p.transport == crate::policy::Transport::Qstash);
+        if raw.qstash.is_none() && publishes_qstash {
+            errors.push(
+                "policy transport qstash needs a [qstash] section (public_url, signing keys)"
+                    .into(),
+            );
+        }
+        let qstash = raw
+            .qstash
+            .and_then(|q| crate::qstash::Qstash::from_config(q, publishes_qstash, &mut errors));
         if !errors.is_empty() {
             return Err(ConfigError(errors));
         }
@@ -649,8 +701,10 @@ impl Config {
             planning: raw.planning,
             consume: raw.consume,
             ledger: raw.ledger,
+            http: raw.http,
             tls: raw.tls,
             pubsub: raw.pubsub,
+            qstash,
             issuers,
             jwks_issuers,
             query_tokens,

@@ -100,6 +100,8 @@ fn handler_for(method: &str, path: &str, state: &AppState) -> MethodRouter<AppSt
 
 /// Builds the router with request ids, tracing and body limits.
 pub fn router(state: AppState) -> Router {
+    let request_timeout = state.config.http.request_timeout.std();
+    let retry_after = state.config.consume.retry_after.seconds() as u64;
     let mut r = Router::new();
     for (method, path) in ROUTES {
         r = r.route(path, handler_for(method, path, &state));
@@ -120,6 +122,21 @@ pub fn router(state: AppState) -> Router {
     })
     .layer(DefaultBodyLimit::max(SMALL_BODY_LIMIT))
     .layer(axum::middleware::map_response(problem_for_plain_errors))
+    .layer(
+        tower::ServiceBuilder::new()
+            .layer(axum::error_handling::HandleErrorLayer::new(
+                move |_: tower::BoxError| async move {
+                    Problem::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "timeout",
+                        "the request took longer than http.request_timeout and was abandoned; \
+                         what it had not committed was rolled back; retry later",
+                    )
+                    .retry_after(retry_after)
+                },
+            ))
+            .layer(tower::timeout::TimeoutLayer::new(request_timeout)),
+    )
     .with_state(state)
     .layer(PropagateRequestIdLayer::x_request_id())
     .layer(TraceLayer::new_for_http().make_span_with(|req: &axum::http::Request<_>| {
@@ -258,8 +275,9 @@ pub async fn problem_for_plain_errors(resp: Response) -> Response {
     out
 }
 
-/// The authenticated caller of a request.
-pub struct Caller(pub Principal);
+/// The authenticated caller of a request. A QStash signature also names the body it was issued
+/// for; the handler compares it with [`Caller::verify_body`] before anything else.
+pub struct Caller(pub Principal, Option<String>);
 
 impl Caller {
     /// Fails with 403 unless the caller holds `scope`.
@@ -272,6 +290,22 @@ impl Caller {
                 "forbidden",
                 format!("this endpoint needs scope `{scope}`"),
             ))
+        }
+    }
+
+    /// For a caller authenticated by `Upstash-Signature`: fails with 401 unless the signature's
+    /// `body` claim is the hash of exactly these bytes. Other callers pass.
+    pub fn verify_body(&self, body: &[u8]) -> Result<(), Problem> {
+        match &self.1 {
+            Some(claimed) if !crate::qstash::body_matches(claimed, body) => {
+                info!("Upstash-Signature names another body");
+                Err(Problem::new(
+                    StatusCode::UNAUTHORIZED,
+                    "unauthenticated",
+                    "invalid token: Upstash-Signature was issued for another body",
+                ))
+            }
+            _ => Ok(()),
         }
     }
 }
@@ -290,11 +324,24 @@ impl FromRequestParts<AppState> for Caller {
             })
             .map(str::trim)
             .filter(|t| !t.is_empty());
-        let result = match token {
-            Some(t) => auth::verify_any(&state.config, t).await,
+        let signature = parts.headers.get(crate::qstash::SIGNATURE_HEADER);
+        let path = parts.uri.path();
+        // A QStash signature is accepted only where the handler checks the body against it.
+        let signed_route =
+            parts.method == Method::POST && (path == "/consume" || path.starts_with("/trigger/"));
+        let result = match (token, signature, &state.config.qstash) {
+            (Some(t), _, _) => auth::verify_any(&state.config, t).await.map(|p| (p, None)),
+            (None, Some(sig), Some(q)) if signed_route => sig
+                .to_str()
+                .map_err(|_| AuthError::Invalid("Upstash-Signature is not ASCII".into()))
+                .and_then(|sig| {
+                    let target = parts.uri.path_and_query().map_or(path, |pq| pq.as_str());
+                    q.verify(sig.trim(), target)
+                })
+                .map(|s| (s.principal, Some(s.body_hash))),
             // Push systems that cannot send a header may present a configured secret as
             // `/consume?token=...` (scope `consume` only, DESIGN §10).
-            None => match parts.uri.path() {
+            _ => match path {
                 "/consume" if !state.config.query_tokens.is_empty() => parts
                     .uri
                     .query()
@@ -304,11 +351,12 @@ impl FromRequestParts<AppState> for Caller {
                             .map(|(_, v)| v.into_owned())
                     })
                     .and_then(|t| crate::jwks::QueryToken::verify(&state.config.query_tokens, &t))
+                    .map(|p| (p, None))
                     .ok_or(AuthError::Missing),
                 _ => Err(AuthError::Missing),
             },
         };
-        result.map(Caller).map_err(|e| {
+        result.map(|(p, body)| Caller(p, body)).map_err(|e| {
             info!(reason = %e, "authentication failed");
             Problem::new(StatusCode::UNAUTHORIZED, "unauthenticated", e.to_string())
         })
@@ -329,7 +377,9 @@ async fn trigger_handler(
     caller: Caller,
     query: Result<Query<TriggerQuery>, axum::extract::rejection::QueryRejection>,
     headers: HeaderMap,
+    body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
+    caller.verify_body(&body)?;
     caller.require(&format!("trigger:{policy}"))?;
     let Query(query) =
         query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
@@ -382,12 +432,20 @@ async fn consume_handler(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
+    caller.verify_body(&body)?;
     caller.require("consume")?;
     let retry_after = state.config.consume.retry_after.seconds() as u64;
-    // A Pub/Sub push (wrapped or unwrapped) is answered by DESIGN §5's push column.
+    // A Pub/Sub push (wrapped or unwrapped) or a QStash delivery is answered by DESIGN §5's
+    // push column.
     let push = crate::pubsub::parse_push(&headers, &body);
     if let Some(p) = &push {
         info!(message_id = ?p.message_id, delivery_attempt = ?p.delivery_attempt, "Pub/Sub push");
+    }
+    let qstash = caller.1.is_some();
+    if qstash {
+        let header = |h: &str| headers.get(h).and_then(|v| v.to_str().ok());
+        info!(message_id = ?header("upstash-message-id"), retried = ?header("upstash-retried"),
+              "QStash delivery");
     }
     let parsed = match &push {
         Some(p) => p.envelope.clone(),
@@ -449,10 +507,11 @@ async fn consume_handler(
         ConsumeOutcome::NotNow {
             reason,
             retry_after_seconds,
-        } if push.is_some() => {
-            // Pub/Sub ignores Retry-After and slows the whole subscription after nacks: commit
-            // "publish again when due", then acknowledge.
-            crate::pubsub::request_republish(&state, &envelope.command_id, retry_after_seconds)
+        } if push.is_some() || qstash => {
+            // Pub/Sub ignores Retry-After and slows the whole subscription after nacks; QStash
+            // spends one of its few retries on every non-2xx: commit "publish again when due",
+            // then acknowledge.
+            crate::relay::request_republish(&state, &envelope.command_id, retry_after_seconds)
                 .await
                 .map_err(|f| Problem::unavailable(f.message, retry_after))?;
             json!({"command_id": envelope.command_id, "result": "not_now", "reason": reason,

@@ -221,6 +221,8 @@ pub enum Transport {
     Builtin,
     /// Google Cloud Pub/Sub: published by the relay, pushed to `/consume`.
     Pubsub,
+    /// Upstash QStash: published by the relay, delivered to `/consume` with a signature.
+    Qstash,
 }
 
 impl Transport {
@@ -229,6 +231,7 @@ impl Transport {
         match self {
             Transport::Builtin => "builtin",
             Transport::Pubsub => "pubsub",
+            Transport::Qstash => "qstash",
         }
     }
 }
@@ -489,9 +492,10 @@ impl Policy {
         let transport = match c.transport.as_deref() {
             None | Some("builtin") => Transport::Builtin,
             Some("pubsub") => Transport::Pubsub,
+            Some("qstash") => Transport::Qstash,
             Some(other) => {
                 errors.push(format!(
-                    "transport: `{other}` is not supported (supported: builtin, pubsub)"
+                    "transport: `{other}` is not supported (supported: builtin, pubsub, qstash)"
                 ));
                 Transport::Builtin
             }

@@ -1,12 +1,8 @@
 //! The Google Cloud Pub/Sub transport (DESIGN §5, §8).
 //!
-//! Commands of a `transport = "pubsub"` policy are written with `publish_due` in the run's
-//! transaction (the outbox). The relay publishes due ones through the REST `:publish` API, then
-//! marks them published; a crash between the two publishes again with the same generation and
-//! the consumer absorbs the duplicate. Every "not now" answered to a push is a committed decision
-//! plus an acknowledgement: the command is marked `publish_due` and republished, with the next
-//! generation, when it is due. Housekeeping marks pending commands whose last publish is older
-//! than `republish_after` (a message lost or dead-lettered by Pub/Sub still completes).
+//! Commands of a `transport = "pubsub"` policy are published by the outbox relay
+//! ([`crate::relay`]) through the REST `:publish` API; the topic's push subscription delivers them
+//! to `/consume`, which recognises the push envelope parsed here.
 //!
 //! Messages carry identity only (DESIGN §2.12): `data` is the built-in envelope as JSON, and the
 //! attributes repeat `command_id` and `publish_generation`.
@@ -14,15 +10,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::config::DurationSpec;
+use crate::consume::Envelope;
+use crate::relay::{Outbound, PublishError};
+use crate::retry::parse_retry_after;
 use base64::Engine;
 use serde::Deserialize;
 use serde_json::json;
-use tracing::{info, warn};
-
-use crate::app::AppState;
-use crate::config::DurationSpec;
-use crate::consume::Envelope;
-use crate::retry::{Failure, parse_retry_after};
 
 /// `[pubsub]`.
 ///
@@ -58,8 +52,6 @@ fn default_relay_interval() -> DurationSpec {
     DurationSpec::from_seconds(1)
 }
 
-/// Most messages per `:publish` call (Pub/Sub allows 1,000).
-const PUBLISH_BATCH: i64 = 100;
 /// Longest wait a `Retry-After` from the publish API may impose on the relay.
 const PUBLISH_PAUSE_CAP: Duration = Duration::from_secs(60);
 
@@ -75,15 +67,6 @@ impl std::fmt::Debug for Publisher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Publisher").field("url", &self.url).finish()
     }
-}
-
-/// Why a publish did not go through.
-#[derive(Debug)]
-pub struct PublishError {
-    /// What happened.
-    pub message: String,
-    /// How long the API asked us to wait (429/503 with `Retry-After`, or `RetryInfo`).
-    pub retry_after: Option<Duration>,
 }
 
 impl Publisher {
@@ -111,21 +94,18 @@ impl Publisher {
         })
     }
 
-    /// Publishes one message per `(command_id, run_id, generation)`.
-    pub async fn publish(&self, messages: &[(String, String, i32)]) -> Result<(), PublishError> {
+    /// Publishes one message per command, all or none.
+    pub async fn publish(&self, messages: &[Outbound]) -> Result<(), PublishError> {
         let fail = |message: String| PublishError {
             message,
             retry_after: None,
         };
-        let body = json!({"messages": messages.iter().map(|(id, run, generation)| {
-            let envelope = json!({"command_id": id, "run_id": run, "schema_version": 1,
-                                  "publish_generation": generation});
-            json!({
-                "data": base64::engine::general_purpose::STANDARD.encode(envelope.to_string()),
-                "attributes": {"command_id": id, "publish_generation": generation.to_string(),
-                               "dedup_id": format!("{id}:{generation}")},
-            })
-        }).collect::<Vec<_>>()});
+        let body = json!({"messages": messages.iter().map(|m| json!({
+            "data": base64::engine::general_purpose::STANDARD.encode(m.envelope().to_string()),
+            "attributes": {"command_id": m.command_id,
+                           "publish_generation": m.generation.to_string(),
+                           "dedup_id": m.dedup_id()},
+        })).collect::<Vec<_>>()});
         let mut req = self.client.post(&self.url).json(&body);
         if !self.emulator {
             let provider = self
@@ -178,152 +158,6 @@ impl Publisher {
                     .then_some(Duration::from_secs(1))),
         })
     }
-}
-
-/// Publishes the due commands once; returns how many were published.
-pub async fn relay_once(state: &AppState, publisher: &Publisher) -> Result<usize, PublishError> {
-    let db = |e: sqlx::Error| PublishError {
-        message: Failure::from_db(&e).message,
-        retry_after: None,
-    };
-    // The generation: the first publish uses the command's own; a republish the next one; the
-    // relay's retry of a publish it could not confirm (no mark) the same one.
-    let rows: Vec<(String, String, i32, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
-        "select c.command_id, c.run_id,
-                case when c.published_generation is null then c.publish_generation
-                     else greatest(c.publish_generation, c.published_generation + 1) end,
-                c.next_attempt_at
-           from sweeper.commands c join sweeper.runs r using (run_id)
-          where c.transport = 'pubsub' and c.publish_due
-            and c.next_attempt_at <= sweeper.now()
-            and (c.state = 'pending' or (c.state = 'leased' and c.lease_until < sweeper.now()))
-            and not exists (select 1 from sweeper.policy_state ps
-                             where ps.policy = r.policy and ps.suspended)
-          order by c.next_attempt_at
-          limit $1",
-    )
-    .bind(PUBLISH_BATCH)
-    .fetch_all(&state.pool)
-    .await
-    .map_err(db)?;
-    if rows.is_empty() {
-        return Ok(0);
-    }
-    let messages: Vec<(String, String, i32)> = rows
-        .iter()
-        .map(|(id, run, g, _)| (id.clone(), run.clone(), *g))
-        .collect();
-    publisher.publish(&messages).await?;
-    crate::crash_point!("relay_after_publish");
-    // Marked published; a decision committed since the read (it moves next_attempt_at) keeps
-    // the command due for the next publish.
-    let ids: Vec<&str> = rows.iter().map(|r| r.0.as_str()).collect();
-    let gens: Vec<i32> = rows.iter().map(|r| r.2).collect();
-    let nexts: Vec<chrono::DateTime<chrono::Utc>> = rows.iter().map(|r| r.3).collect();
-    sqlx::query(
-        "update sweeper.commands c
-            set publish_due = case when c.next_attempt_at = u.next then false else c.publish_due end,
-                published_at = sweeper.now(), published_generation = u.generation,
-                publish_generation = greatest(c.publish_generation, u.generation)
-           from unnest($1::text[], $2::int4[], $3::timestamptz[]) as u(command_id, generation, next)
-          where c.command_id = u.command_id",
-    )
-    .bind(&ids)
-    .bind(&gens)
-    .bind(&nexts)
-    .execute(&state.pool)
-    .await
-    .map_err(db)?;
-    Ok(rows.len())
-}
-
-/// The relay: publishes due commands every `relay_interval` until `shutdown`, backing off when
-/// the publish API throttles or fails.
-pub async fn relay_loop(
-    state: AppState,
-    publisher: Publisher,
-    shutdown: tokio_util::sync::CancellationToken,
-) {
-    let interval = state
-        .config
-        .pubsub
-        .as_ref()
-        .map(|p| p.relay_interval.std())
-        .unwrap_or(Duration::from_secs(1));
-    let mut failures = 0u32;
-    loop {
-        let wait = match relay_once(&state, &publisher).await {
-            Ok(n) if n as i64 == PUBLISH_BATCH => Duration::ZERO,
-            Ok(n) => {
-                if n > 0 {
-                    info!(published = n, "relay published commands");
-                }
-                failures = 0;
-                interval
-            }
-            Err(e) => {
-                failures += 1;
-                let backoff = crate::retry::Backoff {
-                    base_seconds: 1.0,
-                    cap_seconds: 60.0,
-                }
-                .delay_seconds(failures, &mut rand::rng());
-                let wait = e
-                    .retry_after
-                    .unwrap_or(Duration::from_secs_f64(backoff.max(0.5)));
-                warn!(error = %e.message, retry_in = ?wait, "relay could not publish");
-                wait
-            }
-        };
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(wait) => {}
-        }
-    }
-}
-
-/// Commits "publish this command again when it is due, and not before `not_before_seconds`"
-/// for a push delivery answered "not now". Returns whether the command exists.
-pub async fn request_republish(
-    state: &AppState,
-    command_id: &str,
-    not_before_seconds: u64,
-) -> Result<bool, Failure> {
-    let n = sqlx::query(
-        "update sweeper.commands
-            set publish_due = true,
-                next_attempt_at = greatest(next_attempt_at,
-                                           sweeper.now() + make_interval(secs => $2))
-          where command_id = $1 and state in ('pending', 'leased')",
-    )
-    .bind(command_id)
-    .bind(not_before_seconds.clamp(1, 86_400) as f64)
-    .execute(&state.pool)
-    .await
-    .map_err(|e| Failure::from_db(&e))?
-    .rows_affected();
-    Ok(n > 0)
-}
-
-/// Housekeeping: pending push commands whose last publish is older than `republish_after` are
-/// published again (a message lost or dead-lettered by the queue still completes).
-pub async fn mark_stale_for_republish(state: &AppState) -> sqlx::Result<u64> {
-    let Some(p) = &state.config.pubsub else {
-        return Ok(0);
-    };
-    Ok(sqlx::query(
-        "update sweeper.commands
-            set publish_due = true
-          where transport = 'pubsub' and not publish_due
-            and (state = 'pending' or (state = 'leased' and lease_until < sweeper.now()))
-            and next_attempt_at <= sweeper.now()
-            and (published_at is null
-                 or published_at < sweeper.now() - make_interval(secs => $1))",
-    )
-    .bind(p.republish_after.seconds() as f64)
-    .execute(&state.pool)
-    .await?
-    .rows_affected())
 }
 
 /// A push delivery from Pub/Sub, parsed.

@@ -409,3 +409,46 @@ async fn check_config_warns_about_query_tokens() {
         "{stdout}"
     );
 }
+
+/// The deployment configurations in `deploy/` (the built-in queue, Cloud Run with Pub/Sub,
+/// QStash) pass `check-config` against the table their policy cleans.
+#[tokio::test]
+async fn the_deploy_configurations_pass_check_config() {
+    let db = TestDb::create().await;
+    let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(
+        "create schema support;
+         create table support.tickets (id bigint primary key, closed_at timestamptz not null,
+                                       legal_hold boolean not null default false, status text);
+         create index on support.tickets (closed_at, id)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy");
+    for config in [
+        "sweeper.example.toml",
+        "cloudrun/sweeper.toml",
+        "qstash/sweeper.toml",
+    ] {
+        let out = sweeper(&[
+            "check-config",
+            "--config",
+            dir.join(config).to_str().unwrap(),
+        ])
+        .env("SWEEPER_DATABASE_URL", &db.url)
+        .env("HS256_KEY_2026_06", SECRET)
+        .env("QSTASH_TOKEN", "qstash-api-token")
+        .env("QSTASH_CURRENT_SIGNING_KEY", "sig_current")
+        .env("QSTASH_NEXT_SIGNING_KEY", "sig_next")
+        .output()
+        .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{config}:\n{stdout}\n{stderr}");
+        assert!(
+            stdout.contains("database checks passed"),
+            "{config}:\n{stdout}"
+        );
+    }
+}

@@ -196,11 +196,24 @@ pub struct TestApp {
     pub db: TestDb,
 }
 
+/// A configuration for tests. `extra` continues the `[queue]` table and may open others; a
+/// `listen = "..."` line of its own replaces the default `127.0.0.1:0` (to keep a port across
+/// restarts, or to know a public URL before starting).
 pub fn config_toml(db_url: &str, workers: usize, extra: &str, policies: &str) -> String {
+    let own_listen = extra
+        .lines()
+        .find(|l| l.trim_start().starts_with("listen ="))
+        .map(str::to_string);
+    let extra: String = extra
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("listen ="))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let listen = own_listen.unwrap_or_else(|| "listen = \"127.0.0.1:0\"".into());
     format!(
         r#"
 database_url = "{db_url}"
-listen = "127.0.0.1:0"
+{listen}
 migrate_on_start = true
 [database]
 max_connections = 8

@@ -100,3 +100,77 @@ async fn a_thousand_concurrent_deliveries_against_a_small_limit_shed_some_and_lo
     assert!(metrics.contains("sweeper_consume_shed_total"), "{metrics}");
     eprintln!("1000 concurrent deliveries, max_in_flight 4: {by_status:?}");
 }
+
+/// A slow-header client is disconnected after `http.header_read_timeout`; a client that sends
+/// headers but stalls its body gets 503 `timeout` after `http.request_timeout`, and the command
+/// it named is untouched.
+#[tokio::test]
+async fn slow_clients_are_cut_off_and_change_nothing() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        extra_toml: "[consume]\nstatement_timeout = \"1s\"\ncommand_deadline = \"1s\"\n\
+                     [http]\nheader_read_timeout = \"1s\"\nrequest_timeout = \"2s\""
+            .into(),
+        ..Default::default()
+    })
+    .await;
+    seed_mixed(&app.pool, 20, at("2026-09-01T02:00:00Z")).await;
+    let (_, run) = app.trigger("ticket-retention", "").await;
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    app.wait_planned(&run_id).await;
+    let command = app.command_ids(&run_id).await.remove(0);
+    let addr = app.base.trim_start_matches("http://").to_string();
+
+    // Half a header block, then silence: the server closes the connection.
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    s.write_all(b"POST /consume HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut buf = Vec::new();
+    let read =
+        tokio::time::timeout(std::time::Duration::from_secs(10), s.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "the connection was still open after 10 s");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "closed after {:?}",
+        started.elapsed()
+    );
+
+    // Complete headers announcing a body that never comes.
+    let body = format!("{{\"command_id\":\"{command}\"}}");
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!(
+        "POST /consume HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{}",
+        app.token(&["consume"]),
+        body.len(),
+        &body[..5]
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(std::time::Duration::from_secs(10), s.read(&mut answer))
+        .await
+        .expect("an answer within 10 s")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("urn:sweeper:problem:timeout"), "{answer}");
+    assert!(
+        answer.to_ascii_lowercase().contains("retry-after:"),
+        "{answer}"
+    );
+    let (state, attempts): (String, i32) =
+        sqlx::query_as("select state, attempts from sweeper.commands where command_id = $1")
+            .bind(&command)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), attempts), ("pending", 0));
+    let audit: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(audit, 0);
+}

@@ -11,5 +11,6 @@ mod hardening;
 mod jwks;
 mod planning;
 mod pubsub;
+mod qstash;
 mod standin;
 mod trigger;
