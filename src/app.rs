@@ -287,6 +287,9 @@ impl Application {
                 first_error.get_or_insert(e);
             }
         }
+        if let Err(e) = crate::ledger::release_job_leases(&state.pool, state.replica_id).await {
+            warn!(error = %e, "could not release job leases; they expire on their own");
+        }
         match crate::transport::release_own_leases(&state).await {
             Ok(0) => {}
             Ok(n) => info!(
@@ -305,12 +308,26 @@ impl Application {
     }
 }
 
-/// Periodic ledger work any replica may do: purging old terminal commands in bounded batches.
+/// Periodic ledger work, done by the replica holding the `housekeeping` job lease (renewed every
+/// round, twice the interval long): republishing stale push commands and purging old terminal
+/// commands in bounded batches.
 pub async fn housekeeping_loop(state: AppState, shutdown: CancellationToken) {
+    let interval = state.config.ledger.housekeeping_interval;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(state.config.ledger.housekeeping_interval.std()) => {}
+            _ = tokio::time::sleep(interval.std()) => {}
+        }
+        let lease = (interval.seconds() * 2 + 10) as f64;
+        match crate::ledger::take_job_lease(&state.pool, "housekeeping", state.replica_id, lease)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => continue,
+            Err(e) => {
+                warn!(error = %e, "housekeeping could not take its lease; retrying next round");
+                continue;
+            }
         }
         if let Err(e) = housekeeping_once(&state).await {
             warn!(error = %e, "housekeeping failed; retrying next round");

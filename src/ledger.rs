@@ -278,3 +278,41 @@ impl SpecCache {
         Ok(spec)
     }
 }
+
+/// Takes or renews the lease on background job `job` for `owner` for `seconds`. Returns whether
+/// `owner` holds it now: it did already, or the lease was free or expired. One statement, so two
+/// replicas cannot both win.
+pub async fn take_job_lease(
+    pool: &PgPool,
+    job: &str,
+    owner: uuid::Uuid,
+    seconds: f64,
+) -> sqlx::Result<bool> {
+    let held: Option<bool> = sqlx::query_scalar(
+        "insert into sweeper.job_leases as l (job, lease_owner, lease_until)
+         values ($1, $2, sweeper.now() + make_interval(secs => $3))
+         on conflict (job) do update
+            set lease_until = excluded.lease_until, lease_owner = excluded.lease_owner,
+                taken_at = case when l.lease_owner = excluded.lease_owner then l.taken_at
+                                 else sweeper.now() end
+          where l.lease_owner = excluded.lease_owner or l.lease_until < sweeper.now()
+         returning true",
+    )
+    .bind(job)
+    .bind(owner)
+    .bind(seconds)
+    .fetch_optional(pool)
+    .await?;
+    Ok(held.is_some())
+}
+
+/// Releases every job lease `owner` holds (on shutdown), so another replica takes over at once.
+pub async fn release_job_leases(pool: &PgPool, owner: uuid::Uuid) -> sqlx::Result<u64> {
+    Ok(
+        sqlx::query("delete from sweeper.job_leases where lease_owner = $1")
+            .bind(owner)
+            .execute(pool)
+            .await?
+            .rows_affected(),
+    )
+}

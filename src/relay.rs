@@ -20,6 +20,9 @@ use crate::retry::Failure;
 
 /// Most commands one relay round reads and publishes.
 pub const RELAY_BATCH: i64 = 100;
+/// The relay's job lease, in seconds: one replica publishes per transport; another takes over
+/// this long after the holder stopped renewing (a crash), or at once after a clean shutdown.
+pub const RELAY_LEASE_SECONDS: f64 = 60.0;
 
 /// One command to publish.
 #[derive(Debug, Clone)]
@@ -69,6 +72,11 @@ pub enum Publisher {
 }
 
 impl Publisher {
+    /// The name of this relay's job lease: `relay:{transport}`.
+    pub fn job(&self) -> String {
+        format!("relay:{}", self.transport().as_str())
+    }
+
     fn transport(&self) -> Transport {
         match self {
             Publisher::Pubsub(_) => Transport::Pubsub,
@@ -114,8 +122,42 @@ impl Publisher {
     }
 }
 
-/// Publishes the due commands of the publisher's transport once; returns how many were read
-/// and how many published.
+/// What one relay round did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Round {
+    /// Another replica holds the relay's lease; nothing was read.
+    Standby,
+    /// This replica holds the lease: commands read, and how many of them were published.
+    Published {
+        /// Commands read (at most [`RELAY_BATCH`]).
+        read: usize,
+        /// Commands the queue accepted.
+        published: usize,
+    },
+}
+
+/// One relay round: takes or renews the relay's job lease, then publishes if it holds it.
+pub async fn relay_round(state: &AppState, publisher: &Publisher) -> Result<Round, PublishError> {
+    let held = crate::ledger::take_job_lease(
+        &state.pool,
+        &publisher.job(),
+        state.replica_id,
+        RELAY_LEASE_SECONDS,
+    )
+    .await
+    .map_err(|e| PublishError {
+        message: Failure::from_db(&e).message,
+        retry_after: None,
+    })?;
+    if !held {
+        return Ok(Round::Standby);
+    }
+    let (read, published) = relay_once(state, publisher).await?;
+    Ok(Round::Published { read, published })
+}
+
+/// Publishes the due commands of the publisher's transport once, whoever holds the lease;
+/// returns how many were read and how many published.
 pub async fn relay_once(
     state: &AppState,
     publisher: &Publisher,
@@ -196,8 +238,9 @@ pub async fn relay_once(
     }
 }
 
-/// The relay: publishes due commands every `relay_interval` until `shutdown`, backing off when
-/// the publish API throttles or fails.
+/// The relay: every `relay_interval` until `shutdown`, a round of [`relay_round`] (publishing
+/// when this replica holds the relay's lease), backing off when the publish API throttles or
+/// fails.
 pub async fn relay_loop(
     state: AppState,
     publisher: Publisher,
@@ -207,9 +250,10 @@ pub async fn relay_loop(
     let transport = publisher.transport().as_str();
     let mut failures = 0u32;
     loop {
-        let wait = match relay_once(&state, &publisher).await {
-            Ok((read, _)) if read as i64 == RELAY_BATCH => Duration::ZERO,
-            Ok((_, published)) => {
+        let wait = match relay_round(&state, &publisher).await {
+            Ok(Round::Standby) => interval,
+            Ok(Round::Published { read, .. }) if read as i64 == RELAY_BATCH => Duration::ZERO,
+            Ok(Round::Published { published, .. }) => {
                 if published > 0 {
                     info!(transport, published, "relay published commands");
                 }

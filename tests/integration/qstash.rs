@@ -714,3 +714,76 @@ async fn a_command_not_yet_due_is_handed_over_with_not_before_and_arrives_no_ear
         "{deliveries:?}"
     );
 }
+
+/// A replica that builds on `db_url` with `extra` but does not serve: its relay is driven by hand.
+async fn idle_replica(db_url: &str, extra: &str) -> sweeper::app::Application {
+    let text = config_toml(db_url, 0, extra, &qstash_policy(5));
+    sweeper::app::Application::build(sweeper::config::Config::from_toml(&text).unwrap())
+        .await
+        .unwrap()
+}
+
+async fn lease_owner(pool: &sqlx::PgPool) -> Option<uuid::Uuid> {
+    sqlx::query_scalar("select lease_owner from sweeper.job_leases where job = 'relay:qstash'")
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn one_replica_relays_at_a_time_and_another_takes_over_on_shutdown_or_expiry() {
+    use sweeper::relay::{Publisher, Round, relay_round};
+    let qstash = Qstash::start().await;
+    let port = free_port();
+    let extra = qstash_toml(port, &qstash.url(), r#"["consume"]"#);
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: qstash_policy(5),
+        extra_toml: extra.clone(),
+        ..Default::default()
+    })
+    .await;
+    let others = extra.replace(&format!("127.0.0.1:{port}\"\n["), "127.0.0.1:0\"\n[");
+    let b = idle_replica(&app.db.url, &others).await;
+    let publisher = |a: &sweeper::app::Application| {
+        Publisher::Qstash(
+            sweeper::qstash::Publisher::new(a.state().config.qstash.as_ref().unwrap()).unwrap(),
+        )
+    };
+    let pb = publisher(&b);
+    // A's relay took the lease at start; B stands by, even with commands due.
+    let started = std::time::Instant::now();
+    while lease_owner(&app.pool).await != Some(app.state.replica_id) {
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    seed_mixed(&app.pool, 20, at("2026-09-01T02:00:00Z")).await;
+    let (_, run) = app.trigger("ticket-retention", "").await;
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    app.wait_terminal(&run_id).await;
+    assert_eq!(relay_round(&b.state(), &pb).await.unwrap(), Round::Standby);
+
+    // A shuts down cleanly and releases the lease: B takes over at once.
+    let (db, pool) = app.stop().await;
+    assert!(matches!(
+        relay_round(&b.state(), &pb).await.unwrap(),
+        Round::Published { .. }
+    ));
+    assert_eq!(lease_owner(&pool).await, Some(b.state().replica_id));
+
+    // B stops renewing without releasing (a crash): C stands by until the lease expires.
+    let c = idle_replica(&db.url, &others).await;
+    let pc = publisher(&c);
+    assert_eq!(relay_round(&c.state(), &pc).await.unwrap(), Round::Standby);
+    let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("select sweeper.now()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    set_clock(&pool, now + chrono::TimeDelta::seconds(61)).await;
+    assert!(matches!(
+        relay_round(&c.state(), &pc).await.unwrap(),
+        Round::Published { .. }
+    ));
+    assert_eq!(lease_owner(&pool).await, Some(c.state().replica_id));
+    drop((b, c, db));
+}
