@@ -447,23 +447,7 @@ async fn consume_handler(
         info!(message_id = ?header("upstash-message-id"), retried = ?header("upstash-retried"),
               "QStash delivery");
     }
-    let parsed = match &push {
-        Some(p) => p.envelope.clone(),
-        None => serde_json::from_slice::<Envelope>(&body).map_err(|e| e.to_string()),
-    }
-    .and_then(|e| match e.schema_version.unwrap_or(1) {
-        1 => Ok(e),
-        v => Err(format!("schema_version {v} is not supported (1 is)")),
-    })
-    .and_then(|e| {
-        let id = &e.command_id;
-        if id.is_empty() || id.len() > 512 || id.chars().any(char::is_control) {
-            Err("command_id must be 1-512 characters without control characters".into())
-        } else {
-            Ok(e)
-        }
-    });
-    let envelope = match parsed {
+    let envelope = match delivered_envelope(push.as_ref(), &body) {
         Ok(e) => e,
         Err(why) => {
             // A poison message from an authenticated sender: quarantine it and acknowledge, so
@@ -536,6 +520,33 @@ async fn consume_handler(
         ConsumeOutcome::Stale => unreachable!("deliveries hold no claim"),
     };
     Ok((StatusCode::OK, Json(body)).into_response())
+}
+
+/// The envelope a `/consume` body carries: from the Pub/Sub push `push` when the body is one
+/// (see [`crate::pubsub::parse_push`]), else the body as the built-in envelope. `Err` says why
+/// the body is a poison message: not an envelope, a `schema_version` other than 1, or a
+/// `command_id` that is empty, longer than 512 bytes or holds a control character. Total: any
+/// bytes give `Ok` or `Err`, never a panic (the fuzz target `consume_body` checks that).
+pub fn delivered_envelope(
+    push: Option<&crate::pubsub::PushDelivery>,
+    body: &[u8],
+) -> Result<Envelope, String> {
+    match push {
+        Some(p) => p.envelope.clone(),
+        None => serde_json::from_slice::<Envelope>(body).map_err(|e| e.to_string()),
+    }
+    .and_then(|e| match e.schema_version.unwrap_or(1) {
+        1 => Ok(e),
+        v => Err(format!("schema_version {v} is not supported (1 is)")),
+    })
+    .and_then(|e| {
+        let id = &e.command_id;
+        if id.is_empty() || id.len() > 512 || id.chars().any(char::is_control) {
+            Err("command_id must be 1-512 characters without control characters".into())
+        } else {
+            Ok(e)
+        }
+    })
 }
 
 /// `Retry-After` default for endpoints that have nothing better to say.

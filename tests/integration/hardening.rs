@@ -174,3 +174,149 @@ async fn slow_clients_are_cut_off_and_change_nothing() {
         .unwrap();
     assert_eq!(audit, 0);
 }
+
+/// Property: whatever bytes an authenticated sender POSTs to `/consume` (random bytes, and valid
+/// generic envelopes and Pub/Sub pushes mutated by flips, cuts and splices, with and without the
+/// unwrapped-push header), the answer is one of DESIGN §5's (200 with a known `result`, 404
+/// `unknown-command`, 503 `not-now`) or 413 for an oversized body; errors are problem+json; and
+/// the ledger stays consistent: every quarantined body is a dead letter, audit rows belong only
+/// to commands that succeeded. Seeded, so a failure reproduces.
+#[tokio::test]
+async fn any_bytes_to_consume_get_a_documented_answer_and_leave_the_ledger_consistent() {
+    use base64::Engine;
+    use rand::{Rng, SeedableRng};
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        ..Default::default()
+    })
+    .await;
+    seed_mixed(&app.pool, 40, at("2026-09-01T02:00:00Z")).await;
+    let (_, run) = app.trigger("ticket-retention", "").await;
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    app.wait_planned(&run_id).await;
+    let commands = app.command_ids(&run_id).await;
+    let token = app.token(&["consume"]);
+    let seeds: Vec<Vec<u8>> = commands
+        .iter()
+        .flat_map(|id| {
+            let generic = serde_json::json!({"command_id": id, "run_id": run_id,
+                                             "schema_version": 1, "publish_generation": 1})
+            .to_string();
+            let wrapped = serde_json::json!({"message": {
+                "data": base64::engine::general_purpose::STANDARD.encode(&generic),
+                "messageId": "7", "attributes": {"command_id": id}},
+                "subscription": "projects/p/subscriptions/s"})
+            .to_string();
+            [generic.into_bytes(), wrapped.into_bytes()]
+        })
+        .collect();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(20261130);
+    let mut quarantined = Vec::new();
+    for case in 0..1_000 {
+        let mut body: Vec<u8> = if case % 4 == 0 {
+            (0..rng.random_range(0..600))
+                .map(|_| rng.random())
+                .collect()
+        } else {
+            seeds[rng.random_range(0..seeds.len())].clone()
+        };
+        for _ in 0..rng.random_range(0..4) {
+            if body.is_empty() {
+                break;
+            }
+            let i = rng.random_range(0..body.len());
+            match rng.random_range(0..4) {
+                0 => body[i] = rng.random(),
+                1 => body.truncate(i),
+                2 => {
+                    let alphabet = b"{}[]\":,\\\0\xff";
+                    body.insert(i, alphabet[rng.random_range(0..alphabet.len())])
+                }
+                _ => {
+                    let other = &seeds[rng.random_range(0..seeds.len())];
+                    let j = rng.random_range(0..other.len());
+                    body.splice(i.., other[j..].iter().copied());
+                }
+            }
+        }
+        if case % 50 == 7 {
+            body = vec![b'['; sweeper::http::CONSUME_BODY_LIMIT + 1];
+        }
+        let mut req = app
+            .client
+            .post(format!("{}/consume", app.base))
+            .bearer_auth(&token)
+            .body(body.clone());
+        if case % 3 == 0 {
+            req = req.header("x-goog-pubsub-message-id", case.to_string());
+        }
+        let r = req.send().await.unwrap();
+        let status = r.status().as_u16();
+        let content_type = r
+            .headers()
+            .get("content-type")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default();
+        let answer: serde_json::Value = r.json().await.unwrap_or(serde_json::Value::Null);
+        let shown = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
+        match status {
+            200 => {
+                let result = answer["result"].as_str().unwrap_or_default();
+                assert!(
+                    [
+                        "executed",
+                        "duplicate",
+                        "quarantined",
+                        "quarantined_envelope",
+                        "unknown_command_of_terminal_run",
+                        "not_now"
+                    ]
+                    .contains(&result),
+                    "case {case} {shown:?}: {answer}"
+                );
+                if result == "quarantined_envelope" {
+                    quarantined.push(answer["dead_letter_id"].as_i64().unwrap());
+                }
+            }
+            404 | 503 | 413 => {
+                assert_eq!(content_type, "application/problem+json", "case {case}");
+                let slug = answer["type"].as_str().unwrap_or_default();
+                let expected = match status {
+                    404 => "urn:sweeper:problem:unknown-command",
+                    503 => "urn:sweeper:problem:not-now",
+                    _ => "urn:sweeper:problem:body-too-large",
+                };
+                assert_eq!(slug, expected, "case {case} {shown:?}: {answer}");
+            }
+            other => panic!("case {case} {shown:?}: status {other}: {answer}"),
+        }
+    }
+    assert!(quarantined.len() > 50, "the mutations reach the quarantine");
+    let found: i64 = sqlx::query_scalar(
+        "select count(*) from sweeper.dead_letters where kind = 'envelope' and dead_letter_id = any($1)",
+    )
+    .bind(&quarantined)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    let distinct: std::collections::HashSet<i64> = quarantined.iter().copied().collect();
+    assert_eq!(found as usize, distinct.len());
+    let stray: i64 = sqlx::query_scalar(
+        "select count(*) from sweeper.audit a
+          where not exists (select 1 from sweeper.commands c
+                             where c.command_id = a.command_id and c.state = 'succeeded')",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(stray, 0, "audit rows only for succeeded commands");
+    assert_eq!(
+        app.client
+            .get(format!("{}/healthz", app.base))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+}
