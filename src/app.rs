@@ -152,7 +152,10 @@ impl Application {
         let mut tasks = tokio::task::JoinSet::new();
         let router = crate::http::router(state.clone());
         let token = shutdown.clone();
-        // axum-server installs hyper's timer, which the header read timeout needs.
+        // A connection must complete its first request within header_read_timeout (axum-server's
+        // first-request timeout: a client that connects and sends nothing, or only an HTTP/2
+        // preface, is closed), and each later request's header block too (hyper's HTTP/1 header
+        // read timeout; axum-server installs the timer it needs).
         let header_read_timeout = state.config.http.header_read_timeout.std();
         match (tls, state.config.tls.clone()) {
             (Some(rustls), Some(files)) => {
@@ -174,7 +177,8 @@ impl Application {
                 tasks.spawn(async move {
                     let r = async {
                         let std_listener = listener.into_std()?;
-                        let mut server = axum_server::from_tcp_rustls(std_listener, rustls)?;
+                        let mut server = axum_server::from_tcp_rustls(std_listener, rustls)?
+                            .first_request_timeout(header_read_timeout);
                         server
                             .http_builder()
                             .http1()
@@ -197,7 +201,8 @@ impl Application {
                 });
                 tasks.spawn(async move {
                     let r = async {
-                        let mut server = axum_server::from_tcp(listener.into_std()?)?;
+                        let mut server = axum_server::from_tcp(listener.into_std()?)?
+                            .first_request_timeout(header_read_timeout);
                         server
                             .http_builder()
                             .http1()

@@ -893,8 +893,25 @@ pub(crate) async fn record_failure(
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
     if matches!(executor, Executor::Delivery) && seen.is_none() {
-        // Nothing was executed (the command row was never locked): not an attempt.
-        return Err(f);
+        // Nothing was executed (the command row was never locked): not an attempt. If the
+        // ledger answers, the row was busy (a concurrent delivery executing it, a lock or
+        // deadline wait): a "not now", not an unreachable ledger (DESIGN §5).
+        let answers = sqlx::query("select 1 from sweeper.commands where command_id = $1")
+            .bind(command_id)
+            .fetch_optional(&state.pool)
+            .await
+            .is_ok();
+        if !answers {
+            return Err(f);
+        }
+        return Ok(ConsumeOutcome::NotNow {
+            reason: format!(
+                "the command is busy (another delivery may be executing it; {}); nothing was \
+                 recorded, retry later",
+                f.class.as_str()
+            ),
+            retry_after_seconds: state.config.consume.retry_after.seconds() as u64,
+        });
     }
     if f.class == FailureClass::Permanent && f.message.contains("SQLSTATE 42") {
         // A schema error: read the catalog afresh next time.
@@ -1106,10 +1123,10 @@ pub async fn quarantine_envelope(
     let hash = hex::encode(Sha256::digest(body));
     let cut = &body[..body.len().min(RAW_BODY_LIMIT)];
     let raw = String::from_utf8_lossy(cut).replace('\0', "\u{FFFD}");
-    let reason: String = format!("invalid_payload: {error} (from {subject})")
-        .chars()
-        .take(crate::retry::MAX_ERROR_CHARS)
-        .collect();
+    let reason = crate::http::printable(
+        &format!("invalid_payload: {error} (from {subject})"),
+        crate::retry::MAX_ERROR_CHARS,
+    );
     let id: i64 = sqlx::query_scalar(
         "insert into sweeper.dead_letters
              (kind, reason, class, raw_body, raw_sha256, first_failure_at, last_failure_at)

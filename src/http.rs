@@ -356,6 +356,16 @@ impl FromRequestParts<AppState> for Caller {
                 _ => Err(AuthError::Missing),
             },
         };
+        let result = result.and_then(|(p, body)| {
+            // The subject becomes the actor of audit rows: PostgreSQL text refuses NUL.
+            if p.subject.chars().any(char::is_control) || p.subject.len() > 512 {
+                Err(AuthError::Invalid(
+                    "`sub` is longer than 512 bytes or holds control characters".into(),
+                ))
+            } else {
+                Ok((p, body))
+            }
+        });
         result.map(|(p, body)| Caller(p, body)).map_err(|e| {
             info!(reason = %e, "authentication failed");
             Problem::new(StatusCode::UNAUTHORIZED, "unauthenticated", e.to_string())
@@ -528,6 +538,32 @@ async fn consume_handler(
 /// `command_id` that is empty, longer than 512 bytes or holds a control character. Total: any
 /// bytes give `Ok` or `Err`, never a panic (the fuzz target `consume_body` checks that).
 pub fn delivered_envelope(
+    push: Option<&crate::pubsub::PushDelivery>,
+    body: &[u8],
+) -> Result<Envelope, String> {
+    // serde's messages quote the offending input (an unknown field's name may hold a NUL, which
+    // PostgreSQL text refuses, or be 60 KiB long): store and show a bounded, printable reason.
+    parse_delivered(push, body).map_err(|why| printable(&why, MAX_REASON_CHARS))
+}
+
+/// Longest reason given for a quarantined envelope, in characters.
+pub const MAX_REASON_CHARS: usize = 300;
+
+/// `text` safe to store as PostgreSQL text and to show: control characters (NUL included)
+/// replaced by U+FFFD, cut to `max` characters with a trailing `…`.
+pub fn printable(text: &str, max: usize) -> String {
+    let mut out: String = text
+        .chars()
+        .take(max)
+        .map(|c| if c.is_control() { '\u{FFFD}' } else { c })
+        .collect();
+    if text.chars().nth(max).is_some() {
+        out.push('…');
+    }
+    out
+}
+
+fn parse_delivered(
     push: Option<&crate::pubsub::PushDelivery>,
     body: &[u8],
 ) -> Result<Envelope, String> {

@@ -220,8 +220,7 @@ pub fn parse_push(headers: &axum::http::HeaderMap, body: &[u8]) -> Option<PushDe
     };
     let m = wrapped.message;
     let envelope = match m.data.as_deref().filter(|d| !d.is_empty()) {
-        Some(d) => base64::engine::general_purpose::STANDARD
-            .decode(d)
+        Some(d) => decode_data(d)
             .map_err(|e| format!("message.data is not base64: {e}"))
             .and_then(|bytes| parse_envelope(&bytes)),
         None => match m.attributes.as_ref().and_then(|a| a.get("command_id")) {
@@ -243,6 +242,21 @@ pub fn parse_push(headers: &axum::http::HeaderMap, body: &[u8]) -> Option<PushDe
         delivery_attempt: wrapped.delivery_attempt.or(wrapped.delivery_attempt_snake),
         message_id: m.message_id.or(m.message_id_snake),
     })
+}
+
+/// `message.data`: the proto3 JSON mapping of `bytes` lets writers use the standard or the
+/// URL-safe alphabet, padded or not (push-protocols §1.1), so all four are read.
+fn decode_data(d: &str) -> Result<Vec<u8>, base64::DecodeError> {
+    use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
+    let lenient =
+        GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent);
+    GeneralPurpose::new(&base64::alphabet::STANDARD, lenient)
+        .decode(d)
+        .or_else(|e| {
+            GeneralPurpose::new(&base64::alphabet::URL_SAFE, lenient)
+                .decode(d)
+                .map_err(|_| e)
+        })
 }
 
 fn parse_envelope(bytes: &[u8]) -> Result<Envelope, String> {
@@ -286,6 +300,16 @@ mod tests {
             (e.command_id.as_str(), e.publish_generation),
             ("c:1", Some(3))
         );
+        // Unpadded and URL-safe data are read too.
+        let raw = br#"{"command_id":"c:1?~?"}"#; // "/" in standard base64, "_" in URL-safe
+        for engine in [
+            base64::engine::general_purpose::STANDARD_NO_PAD,
+            base64::engine::general_purpose::URL_SAFE,
+            base64::engine::general_purpose::URL_SAFE_NO_PAD,
+        ] {
+            let p = push(json!({"message": {"data": engine.encode(raw)}}));
+            assert_eq!(p.envelope.unwrap().command_id, "c:1?~?");
+        }
         // Garbage inside a push is a poison message, not a generic envelope.
         assert!(push(json!({"message": {"data": "%%%"}})).envelope.is_err());
         assert!(push(json!({"message": {}})).envelope.is_err());

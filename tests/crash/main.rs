@@ -7,10 +7,13 @@
 #[allow(dead_code)]
 #[path = "../integration/common.rs"]
 mod common;
+#[path = "../integration/emulator.rs"]
+mod emulator;
 #[allow(dead_code)]
 #[path = "../integration/ext_common.rs"]
 mod ext_common;
 mod external;
+mod pubsub;
 #[allow(dead_code)]
 #[path = "../integration/standin.rs"]
 mod standin;
@@ -54,11 +57,19 @@ async fn start(db_url: &str, workers: usize, crash_at: Option<&str>) -> Server {
 /// Starts `sweeper serve` on a free port with the configuration `text` (its `listen` replaced)
 /// and extra environment variables; waits until it is ready.
 async fn start_with(text: &str, env: &[(&str, &str)], crash_at: Option<&str>) -> Server {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
+    start_on(free_port(), text, env, crash_at).await
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
-        .port();
+        .port()
+}
+
+/// [`start_with`] on a given port (a restart on the same port keeps a push endpoint valid).
+async fn start_on(port: u16, text: &str, env: &[(&str, &str)], crash_at: Option<&str>) -> Server {
     let text = text.replace("127.0.0.1:0", &format!("127.0.0.1:{port}"));
     let dir = std::env::temp_dir().join(format!("sweeper-crash-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).unwrap();

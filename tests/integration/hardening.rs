@@ -122,6 +122,22 @@ async fn slow_clients_are_cut_off_and_change_nothing() {
     let command = app.command_ids(&run_id).await.remove(0);
     let addr = app.base.trim_start_matches("http://").to_string();
 
+    // Silence from the start, or only an HTTP/2 preface: closed once the first request is
+    // overdue, so idle connections cannot exhaust the server's file descriptors.
+    for opening in [
+        &b""[..],
+        &b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0"[..],
+    ] {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(opening).await.unwrap();
+        let started = std::time::Instant::now();
+        let mut buf = Vec::new();
+        let read =
+            tokio::time::timeout(std::time::Duration::from_secs(10), s.read_to_end(&mut buf)).await;
+        assert!(read.is_ok(), "an idle connection was still open after 10 s");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
+
     // Half a header block, then silence: the server closes the connection.
     let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
     s.write_all(b"POST /consume HTTP/1.1\r\nHost: x\r\n")
@@ -319,4 +335,163 @@ async fn any_bytes_to_consume_get_a_documented_answer_and_leave_the_ledger_consi
             .status(),
         200
     );
+}
+
+/// Bodies whose refusal reason would quote a NUL or 60 KiB of input, and a caller whose `sub`
+/// holds a NUL: each gets a definite answer (quarantined, or 401) instead of a 503 that every
+/// queue retries for ever, and nothing else changes.
+#[tokio::test]
+async fn hostile_text_in_bodies_and_subjects_is_answered_not_retried_for_ever() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        ..Default::default()
+    })
+    .await;
+    seed_mixed(&app.pool, 20, at("2026-09-01T02:00:00Z")).await;
+    let (_, run) = app.trigger("ticket-retention", "").await;
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    app.wait_planned(&run_id).await;
+    let command = app.command_ids(&run_id).await.remove(0);
+    let token = app.token(&["consume"]);
+    let long_field = format!(r#"{{"command_id":"x","{}":1}}"#, "f".repeat(60_000));
+    for body in [r#"{"command_id":"x","\u0000":1}"#.to_string(), long_field] {
+        let r = app
+            .client
+            .post(format!("{}/consume", app.base))
+            .bearer_auth(&token)
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let answer: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(answer["result"], "quarantined_envelope", "{answer}");
+        let error = answer["error"].as_str().unwrap();
+        assert!(
+            error.chars().count() <= 301 && !error.contains('\0'),
+            "{error}"
+        );
+        let reason: String =
+            sqlx::query_scalar("select reason from sweeper.dead_letters where dead_letter_id = $1")
+                .bind(answer["dead_letter_id"].as_i64().unwrap())
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+        assert!(reason.contains("unknown field"), "{reason}");
+    }
+    let nul_subject = sweeper::auth::mint(&app.issuer, "a\0b", &["consume".into()], 600).unwrap();
+    let r = app
+        .client
+        .post(format!("{}/consume", app.base))
+        .bearer_auth(nul_subject)
+        .json(&serde_json::json!({"command_id": command}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let (state, attempts): (String, i32) =
+        sqlx::query_as("select state, attempts from sweeper.commands where command_id = $1")
+            .bind(&command)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), attempts), ("pending", 0));
+}
+
+/// Deliveries that wait on a command row another delivery holds past `command_deadline` are
+/// "not now" (503 `not-now` for the generic envelope, a committed 200 `not_now` for a push),
+/// never "the ledger is unavailable"; the failure is recorded once.
+#[tokio::test]
+async fn deliveries_queued_behind_a_busy_command_are_not_now_not_unavailable() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        extra_toml: "[consume]\nlock_timeout = \"3s\"\nstatement_timeout = \"1s\"\n\
+                     command_deadline = \"1s\""
+            .into(),
+        // The first failure's retry is due (uniformly) within the hour: not during the test.
+        policies: ticket_policy(10).replace(
+            "batch_size = 10",
+            "batch_size = 10\nretry = { max_attempts = 5, base = \"1h\", cap = \"1h\", max_age = \"1d\" }",
+        ),
+        ..Default::default()
+    })
+    .await;
+    seed_mixed(&app.pool, 20, at("2026-09-01T02:00:00Z")).await;
+    let (_, run) = app.trigger("ticket-retention", "").await;
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    app.wait_planned(&run_id).await;
+    let command = app.command_ids(&run_id).await.remove(0);
+    let keys: Vec<String> =
+        sqlx::query_scalar("select item_keys from sweeper.commands where command_id = $1")
+            .bind(&command)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    // Hold the command's first target row: the first delivery locks the command row and waits
+    // for it until the deadline; the others wait behind the command row.
+    let held: i64 = keys[0].parse().unwrap();
+    use sqlx::Connection;
+    let mut blocker = sqlx::PgConnection::connect(&app.db.url).await.unwrap();
+    let mut tx = blocker.begin().await.unwrap();
+    sqlx::query("select 1 from demo.tickets where id = $1 for update")
+        .bind(held)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let token = app.token(&["consume"]);
+    let mut tasks = Vec::new();
+    for i in 0..10 {
+        let (client, url, token, command) = (
+            app.client.clone(),
+            format!("{}/consume", app.base),
+            token.clone(),
+            command.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut r = client
+                .post(url)
+                .bearer_auth(token)
+                .json(&serde_json::json!({"command_id": command}));
+            if i % 2 == 1 {
+                r = r.header("x-goog-pubsub-message-id", i.to_string());
+            }
+            let r = r.send().await.unwrap();
+            let status = r.status().as_u16();
+            (
+                i % 2 == 1,
+                status,
+                r.json::<serde_json::Value>().await.unwrap(),
+            )
+        }));
+    }
+    for t in tasks {
+        let (push, status, answer) = t.await.unwrap();
+        if push {
+            assert_eq!(
+                (status, answer["result"].as_str()),
+                (200, Some("not_now")),
+                "{answer}"
+            );
+        } else {
+            assert_eq!(status, 503, "{answer}");
+            assert_eq!(answer["type"], "urn:sweeper:problem:not-now", "{answer}");
+        }
+    }
+    tx.commit().await.unwrap();
+    let (state, attempts): (String, i32) =
+        sqlx::query_as("select state, attempts from sweeper.commands where command_id = $1")
+            .bind(&command)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (state.as_str(), attempts),
+        ("pending", 1),
+        "one failure, one attempt"
+    );
+    let audit: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(audit, 0);
 }

@@ -4,6 +4,7 @@ mod cli;
 mod common;
 mod consume;
 mod contract;
+mod emulator;
 mod ext_common;
 mod external;
 mod failures;

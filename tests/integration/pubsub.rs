@@ -2,96 +2,12 @@
 //! publishes, the emulator pushes to `/consume` (with the query-string token: the emulator sends
 //! no OIDC token), every "not now" is a committed decision plus an ack and a republish.
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::json;
-
 use crate::common::*;
+use crate::emulator::{Emulator, emulator, subscribe};
 use crate::ext_common::*;
 use crate::standin::{Call, StandIn, ok};
-
-/// The emulator's launcher; `PUBSUB_EMULATOR_BIN` overrides it.
-fn emulator_bin() -> String {
-    std::env::var("PUBSUB_EMULATOR_BIN").unwrap_or_else(|_| {
-        "/usr/lib/google-cloud-sdk/platform/pubsub-emulator/bin/cloud-pubsub-emulator".into()
-    })
-}
-
-pub struct Emulator {
-    child: Child,
-    pub host: String,
-}
-
-impl Drop for Emulator {
-    fn drop(&mut self) {
-        // The launcher script starts java as a child: end it first.
-        let _ = Command::new("pkill")
-            .args(["-TERM", "-P", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-pub async fn emulator() -> Emulator {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new(emulator_bin())
-        .args(["--host=127.0.0.1", &format!("--port={port}")])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("the Pub/Sub emulator (google-cloud-cli-pubsub-emulator) must be installed");
-    let host = format!("127.0.0.1:{port}");
-    let started = Instant::now();
-    while reqwest::get(format!("http://{host}/v1/projects/test/topics"))
-        .await
-        .map(|r| !r.status().is_success())
-        .unwrap_or(true)
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the emulator did not start"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    Emulator { child, host }
-}
-
-/// Creates the topic and a push subscription to `app`'s `/consume` with `ack_deadline` seconds.
-async fn subscribe(em: &Emulator, app: &TestApp, ack_deadline: u32) {
-    let http = reqwest::Client::new();
-    let r = http
-        .put(format!(
-            "http://{}/v1/projects/test/topics/sweeper",
-            em.host
-        ))
-        .json(&json!({}))
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
-    let secret = std::env::var("CARGO_PKG_DESCRIPTION").unwrap();
-    let token: String = url::form_urlencoded::byte_serialize(secret.as_bytes()).collect();
-    let r = http
-        .put(format!(
-            "http://{}/v1/projects/test/subscriptions/push",
-            em.host
-        ))
-        .json(&json!({
-            "topic": "projects/test/topics/sweeper",
-            "pushConfig": {"pushEndpoint": format!("{}/consume?token={token}", app.base)},
-            "ackDeadlineSeconds": ack_deadline,
-        }))
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
-}
 
 fn pubsub_toml(em: &Emulator) -> String {
     format!(
@@ -116,9 +32,9 @@ async fn a_run_completes_through_real_pushes_and_transient_failures_converge() {
         ..Default::default()
     })
     .await;
-    subscribe(&em, &app, 10).await;
+    subscribe(&em, &app.base, 10).await;
     let eligible = seed_mixed(&app.pool, 200, at("2026-09-01T02:00:00Z")).await;
-    // Hold one eligible row for 3 s: its command fails transiently (lock_timeout 1s) and must
+    // Hold one eligible row until a delivery fails on it (lock_timeout 1s): its command must
     // come back by republish.
     let held = eligible[eligible.len() / 2];
     use sqlx::Connection;
@@ -132,7 +48,21 @@ async fn a_run_completes_through_real_pushes_and_transient_failures_converge() {
     let (status, run) = app.trigger("ticket-retention", "").await;
     assert_eq!(status, 202, "{run}");
     let run_id = run["run_id"].as_str().unwrap().to_string();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    let started = Instant::now();
+    while sqlx::query_scalar::<_, i64>(
+        "select count(*) from sweeper.attempts where outcome = 'failed' and class = 'transient'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap()
+        == 0
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no delivery failed on the held row"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     tx.commit().await.unwrap();
 
     let done = app.wait_terminal(&run_id).await;
@@ -196,7 +126,7 @@ async fn a_snooze_longer_than_the_ack_deadline_is_acked_and_republished() {
         ..Default::default()
     })
     .await;
-    subscribe(&em, &app, 10).await;
+    subscribe(&em, &app.base, 10).await;
     seed_payments(&app, 5).await;
     let started = Instant::now();
     let (status, run) = app.trigger("reconcile", "?window=2026-09-01").await;

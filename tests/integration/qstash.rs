@@ -290,8 +290,8 @@ async fn a_run_completes_through_signed_deliveries_with_throttled_publishes_and_
     })
     .await;
     let eligible = seed_mixed(&app.pool, 200, at("2026-09-01T02:00:00Z")).await;
-    // Hold one eligible row for 3 s: its command fails transiently (lock_timeout 1s); the
-    // failure is committed, acknowledged with 200, and the command comes back by a republish
+    // Hold one eligible row until a delivery fails on it (lock_timeout 1s): the failure is
+    // committed, acknowledged with 200, and the command comes back by a republish
     // that QStash holds until it is due.
     let held = eligible[eligible.len() / 2];
     use sqlx::Connection;
@@ -305,7 +305,23 @@ async fn a_run_completes_through_signed_deliveries_with_throttled_publishes_and_
     let (status, run) = app.trigger("ticket-retention", "").await;
     assert_eq!(status, 202, "{run}");
     let run_id = run["run_id"].as_str().unwrap().to_string();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Release the row once its command's delivery has failed on it (not after a fixed time: the
+    // throttled publishes make the first delivery's arrival vary).
+    let started = std::time::Instant::now();
+    while sqlx::query_scalar::<_, i64>(
+        "select count(*) from sweeper.attempts where outcome = 'failed' and class = 'transient'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap()
+        == 0
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no delivery failed on the held row"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     tx.commit().await.unwrap();
 
     let done = app.wait_terminal(&run_id).await;

@@ -1,6 +1,6 @@
 //! Any bytes as a `/consume` body, with or without the unwrapped-push header: parsing never
-//! panics, and an accepted envelope always names a storable command id. The QStash body-hash
-//! check is total over the same bytes.
+//! panics, an accepted envelope always names a storable command id, and a refusal's reason is
+//! bounded and printable. The QStash body-hash check is total over the same bytes.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -12,11 +12,18 @@ fuzz_target!(|data: &[u8]| {
         headers.insert("x-goog-pubsub-message-id", "1".parse().unwrap());
     }
     let push = sweeper::pubsub::parse_push(&headers, body);
-    if let Ok(envelope) = sweeper::http::delivered_envelope(push.as_ref(), body) {
-        let id = &envelope.command_id;
-        assert!(!id.is_empty() && id.len() <= 512);
-        assert!(!id.chars().any(char::is_control));
-        assert_eq!(envelope.schema_version.unwrap_or(1), 1);
+    match sweeper::http::delivered_envelope(push.as_ref(), body) {
+        Ok(envelope) => {
+            let id = &envelope.command_id;
+            assert!(!id.is_empty() && id.len() <= 512);
+            assert!(!id.chars().any(char::is_control));
+            assert_eq!(envelope.schema_version.unwrap_or(1), 1);
+        }
+        // The reason is stored and shown: bounded and printable.
+        Err(why) => {
+            assert!(why.chars().count() <= sweeper::http::MAX_REASON_CHARS + 1);
+            assert!(!why.chars().any(char::is_control), "{why:?}");
+        }
     }
     if let Ok(claim) = std::str::from_utf8(body) {
         let _ = sweeper::qstash::body_matches(claim, body);
