@@ -157,62 +157,38 @@ impl Application {
         // preface, is closed), and each later request's header block too (hyper's HTTP/1 header
         // read timeout; axum-server installs the timer it needs).
         let header_read_timeout = state.config.http.header_read_timeout.std();
+        let handle = axum_server::Handle::new();
+        let (h, drain) = (handle.clone(), state.config.queue.drain.std());
+        tokio::spawn(async move {
+            token.cancelled().await;
+            h.graceful_shutdown(Some(drain));
+        });
+        let mut server = axum_server::from_tcp(listener.into_std()?)?
+            .first_request_timeout(header_read_timeout)
+            .handle(handle);
+        server
+            .http_builder()
+            .http1()
+            .header_read_timeout(header_read_timeout);
+        let service = router.into_make_service();
         match (tls, state.config.tls.clone()) {
             (Some(rustls), Some(files)) => {
-                let handle = axum_server::Handle::new();
-                let (h, t, drain) = (
-                    handle.clone(),
-                    token.clone(),
-                    state.config.queue.drain.std(),
-                );
-                tokio::spawn(async move {
-                    t.cancelled().await;
-                    h.graceful_shutdown(Some(drain));
-                });
-                let (r, t) = (rustls.clone(), token.clone());
+                let (r, t) = (rustls.clone(), shutdown.clone());
                 tasks.spawn(async move {
                     crate::tls::reload_loop(r, files, t).await;
                     ("tls reload", Ok(()))
                 });
+                let acceptor = axum_server::tls_rustls::RustlsAcceptor::new(rustls)
+                    .handshake_timeout(header_read_timeout);
+                let server = server.acceptor(acceptor);
                 tasks.spawn(async move {
-                    let r = async {
-                        let std_listener = listener.into_std()?;
-                        let mut server = axum_server::from_tcp_rustls(std_listener, rustls)?
-                            .first_request_timeout(header_read_timeout);
-                        server
-                            .http_builder()
-                            .http1()
-                            .header_read_timeout(header_read_timeout);
-                        server
-                            .handle(handle)
-                            .serve(router.into_make_service())
-                            .await
-                    }
-                    .await;
+                    let r = server.serve(service).await;
                     ("https server", r.map_err(anyhow::Error::from))
                 });
             }
             _ => {
-                let handle = axum_server::Handle::new();
-                let (h, drain) = (handle.clone(), state.config.queue.drain.std());
-                tokio::spawn(async move {
-                    token.cancelled().await;
-                    h.graceful_shutdown(Some(drain));
-                });
                 tasks.spawn(async move {
-                    let r = async {
-                        let mut server = axum_server::from_tcp(listener.into_std()?)?
-                            .first_request_timeout(header_read_timeout);
-                        server
-                            .http_builder()
-                            .http1()
-                            .header_read_timeout(header_read_timeout);
-                        server
-                            .handle(handle)
-                            .serve(router.into_make_service())
-                            .await
-                    }
-                    .await;
+                    let r = server.serve(service).await;
                     ("http server", r.map_err(anyhow::Error::from))
                 });
             }
@@ -305,7 +281,14 @@ impl Application {
                 warn!(error = %f.message, "could not release leases; they expire on their own")
             }
         }
-        state.pool.close().await;
+        // A connection still checked out (by a task outside the JoinSet) would make close()
+        // wait for ever; the process is exiting, and PostgreSQL ends abandoned sessions.
+        if tokio::time::timeout(std::time::Duration::from_secs(5), state.pool.close())
+            .await
+            .is_err()
+        {
+            warn!("database connections still in use after 5 s; exiting without them");
+        }
         match first_error {
             Some(e) => Err(e),
             None => Ok(()),

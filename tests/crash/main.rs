@@ -60,14 +60,6 @@ async fn start_with(text: &str, env: &[(&str, &str)], crash_at: Option<&str>) ->
     start_on(free_port(), text, env, crash_at).await
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// [`start_with`] on a given port (a restart on the same port keeps a push endpoint valid).
 async fn start_on(port: u16, text: &str, env: &[(&str, &str)], crash_at: Option<&str>) -> Server {
     let text = text.replace("127.0.0.1:0", &format!("127.0.0.1:{port}"));

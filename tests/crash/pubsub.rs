@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::common::*;
 use crate::emulator::{emulator, subscribe};
-use crate::{advance, assert_end_state, free_port, prepare, start_on, trigger, wait_crashed};
+use crate::{advance, assert_end_state, prepare, start_on, trigger, wait_crashed};
 
 #[tokio::test]
 async fn a_server_killed_with_pushes_in_flight_completes_the_run_after_a_restart() {

@@ -462,3 +462,50 @@ pub async fn seed_mixed(pool: &PgPool, n: i64, window: DateTime<Utc>) -> Vec<i64
     }
     eligible
 }
+
+/// A free loopback port, for a server whose address must be known before it starts (a public
+/// URL in its configuration, or a restart on the same port).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Locks ticket `id` (`SELECT ... FOR UPDATE`) in a transaction on a connection of its own;
+/// [`release_ticket`] commits it. Commands touching the row fail on `lock_timeout` meanwhile.
+pub async fn lock_ticket(db_url: &str, id: i64) -> PgConnection {
+    let mut c = PgConnection::connect(db_url).await.unwrap();
+    sqlx::query("begin").execute(&mut c).await.unwrap();
+    sqlx::query("select 1 from demo.tickets where id = $1 for update")
+        .bind(id)
+        .execute(&mut c)
+        .await
+        .unwrap();
+    c
+}
+
+/// Ends [`lock_ticket`]'s transaction.
+pub async fn release_ticket(mut c: PgConnection) {
+    sqlx::query("commit").execute(&mut c).await.unwrap();
+}
+
+/// Waits (up to 60 s) until some attempt has failed transiently.
+pub async fn wait_transient_failure(pool: &PgPool) {
+    let started = Instant::now();
+    while sqlx::query_scalar::<_, i64>(
+        "select count(*) from sweeper.attempts where outcome = 'failed' and class = 'transient'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+        == 0
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no attempt failed transiently"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -430,14 +430,7 @@ async fn deliveries_queued_behind_a_busy_command_are_not_now_not_unavailable() {
     // Hold the command's first target row: the first delivery locks the command row and waits
     // for it until the deadline; the others wait behind the command row.
     let held: i64 = keys[0].parse().unwrap();
-    use sqlx::Connection;
-    let mut blocker = sqlx::PgConnection::connect(&app.db.url).await.unwrap();
-    let mut tx = blocker.begin().await.unwrap();
-    sqlx::query("select 1 from demo.tickets where id = $1 for update")
-        .bind(held)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let blocker = lock_ticket(&app.db.url, held).await;
     let token = app.token(&["consume"]);
     let mut tasks = Vec::new();
     for i in 0..10 {
@@ -477,7 +470,7 @@ async fn deliveries_queued_behind_a_busy_command_are_not_now_not_unavailable() {
             assert_eq!(answer["type"], "urn:sweeper:problem:not-now", "{answer}");
         }
     }
-    tx.commit().await.unwrap();
+    release_ticket(blocker).await;
     let (state, attempts): (String, i32) =
         sqlx::query_as("select state, attempts from sweeper.commands where command_id = $1")
             .bind(&command)

@@ -37,33 +37,12 @@ async fn a_run_completes_through_real_pushes_and_transient_failures_converge() {
     // Hold one eligible row until a delivery fails on it (lock_timeout 1s): its command must
     // come back by republish.
     let held = eligible[eligible.len() / 2];
-    use sqlx::Connection;
-    let mut blocker = sqlx::PgConnection::connect(&app.db.url).await.unwrap();
-    let mut tx = blocker.begin().await.unwrap();
-    sqlx::query("select 1 from demo.tickets where id = $1 for update")
-        .bind(held)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let blocker = lock_ticket(&app.db.url, held).await;
     let (status, run) = app.trigger("ticket-retention", "").await;
     assert_eq!(status, 202, "{run}");
     let run_id = run["run_id"].as_str().unwrap().to_string();
-    let started = Instant::now();
-    while sqlx::query_scalar::<_, i64>(
-        "select count(*) from sweeper.attempts where outcome = 'failed' and class = 'transient'",
-    )
-    .fetch_one(&app.pool)
-    .await
-    .unwrap()
-        == 0
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "no delivery failed on the held row"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    tx.commit().await.unwrap();
+    wait_transient_failure(&app.pool).await;
+    release_ticket(blocker).await;
 
     let done = app.wait_terminal(&run_id).await;
     assert_eq!(done["status"], "completed", "{done}");

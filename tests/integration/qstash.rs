@@ -248,15 +248,6 @@ fn destination_url(uri: &Uri) -> String {
     uri.path().trim_start_matches("/v2/publish/").to_string()
 }
 
-/// A free loopback port for a server whose public URL must be known before it starts.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn qstash_toml(port: u16, api: &str, scopes: &str) -> String {
     format!(
         "listen = \"127.0.0.1:{port}\"\n\
@@ -294,35 +285,14 @@ async fn a_run_completes_through_signed_deliveries_with_throttled_publishes_and_
     // committed, acknowledged with 200, and the command comes back by a republish
     // that QStash holds until it is due.
     let held = eligible[eligible.len() / 2];
-    use sqlx::Connection;
-    let mut blocker = sqlx::PgConnection::connect(&app.db.url).await.unwrap();
-    let mut tx = blocker.begin().await.unwrap();
-    sqlx::query("select 1 from demo.tickets where id = $1 for update")
-        .bind(held)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let blocker = lock_ticket(&app.db.url, held).await;
     let (status, run) = app.trigger("ticket-retention", "").await;
     assert_eq!(status, 202, "{run}");
     let run_id = run["run_id"].as_str().unwrap().to_string();
     // Release the row once its command's delivery has failed on it (not after a fixed time: the
     // throttled publishes make the first delivery's arrival vary).
-    let started = std::time::Instant::now();
-    while sqlx::query_scalar::<_, i64>(
-        "select count(*) from sweeper.attempts where outcome = 'failed' and class = 'transient'",
-    )
-    .fetch_one(&app.pool)
-    .await
-    .unwrap()
-        == 0
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "no delivery failed on the held row"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    tx.commit().await.unwrap();
+    wait_transient_failure(&app.pool).await;
+    release_ticket(blocker).await;
 
     let done = app.wait_terminal(&run_id).await;
     assert_eq!(done["status"], "completed", "{done}");
@@ -616,19 +586,12 @@ async fn a_redriven_command_is_published_again_under_a_new_dedup_id() {
     .await;
     let eligible = seed_mixed(&app.pool, 5, at("2026-09-01T02:00:00Z")).await;
     // max_attempts = 1 and a locked row: the only attempt fails and the command is quarantined.
-    use sqlx::Connection;
-    let mut blocker = sqlx::PgConnection::connect(&app.db.url).await.unwrap();
-    let mut tx = blocker.begin().await.unwrap();
-    sqlx::query("select 1 from demo.tickets where id = $1 for update")
-        .bind(eligible[0])
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let blocker = lock_ticket(&app.db.url, eligible[0]).await;
     let (_, run) = app.trigger("ticket-retention", "").await;
     let run_id = run["run_id"].as_str().unwrap().to_string();
     let done = app.wait_terminal(&run_id).await;
     assert_eq!(done["status"], "completed_with_dead_letters", "{done}");
-    tx.commit().await.unwrap();
+    release_ticket(blocker).await;
     let command = app.command_ids(&run_id).await.remove(0);
     let dl: Vec<Value> = app.get_json("/dead-letters").await["dead_letters"]
         .as_array()
