@@ -2,7 +2,8 @@
 //! tables and columns exist; the key is `bigint`, `integer`, `uuid` or `text` and unique; the
 //! timestamp is `timestamptz` (or `timestamp` with `timestamp_zone`); exclusion values cast to
 //! their column's type; indexes support the scans; foreign keys that reference the target are
-//! reported with their `ON DELETE` rule.
+//! reported with their `ON DELETE` rule; the connecting role holds SELECT, UPDATE and (when rows
+//! are deleted) DELETE on the target.
 
 use std::fmt;
 
@@ -69,6 +70,40 @@ async fn check_policy(pool: &PgPool, p: &Policy, out: &mut Vec<Finding>) -> sqlx
         return Ok(());
     };
     let col = |name: &str| info.columns.get(name);
+
+    // The connecting role's table privileges: SELECT to plan, UPDATE for the row locks every
+    // command takes (`FOR UPDATE` needs it) and for a stamping action, DELETE when rows go.
+    let deletes = match &p.spec.action {
+        crate::policy::ActionSpec::DeleteRows => true,
+        crate::policy::ActionSpec::Http(h) => matches!(h.then, crate::action::Then::DeleteRow),
+        crate::policy::ActionSpec::ObjectStore(o) => {
+            matches!(o.then, crate::action::Then::DeleteRow)
+        }
+    };
+    let missing: Vec<String> = sqlx::query_scalar(
+        "select p from unnest($2::text[]) p where not has_table_privilege(to_regclass($1), p)",
+    )
+    .bind(t.table.quoted())
+    .bind(
+        ["SELECT", "UPDATE"]
+            .into_iter()
+            .chain(deletes.then_some("DELETE"))
+            .collect::<Vec<_>>(),
+    )
+    .fetch_all(pool)
+    .await?;
+    if !missing.is_empty() {
+        say(
+            Level::Error,
+            format!(
+                "target.table: the database role lacks {} on {} (commands lock rows with \
+                 SELECT ... FOR UPDATE, which needs UPDATE; grant {} to it)",
+                missing.join(", "),
+                t.table,
+                missing.join(", ")
+            ),
+        );
+    }
 
     match col(t.key.as_str()) {
         None => say(

@@ -46,6 +46,9 @@
 #   SERVICE_URL            the URL the push subscription and the Scheduler jobs call [the Cloud
 #                          Run service's URL, read after the deploy]
 #   PROJECT_NUMBER         [read with gcloud projects describe]
+#   VPC_NETWORK, VPC_SUBNET  when set, Direct VPC egress to that network and subnet for private
+#                          ranges (--vpc-egress=private-ranges-only), to reach a database on a
+#                          private IP
 #   LEGACY_PUBSUB_AGENT [0] 1 = grant the Pub/Sub service agent roles/iam.serviceAccountTokenCreator
 #                          on the project (needed only in projects created before April 2021)
 #   DRY_RUN [0]            1 = print the commands (lines starting "+ "; existence checks start
@@ -197,6 +200,11 @@ fi
 
 # --- 1. service accounts -----------------------------------------------------------------------
 
+step "APIs"
+run gcloud services enable run.googleapis.com pubsub.googleapis.com cloudscheduler.googleapis.com \
+  secretmanager.googleapis.com artifactregistry.googleapis.com iam.googleapis.com \
+  --project="$PROJECT"
+
 step "service accounts"
 for sa in sweeper-run sweeper-scheduler sweeper-push; do
   if absent gcloud iam service-accounts describe "${sa}@${PROJECT}.iam.gserviceaccount.com" --project="$PROJECT"; then
@@ -269,8 +277,13 @@ run gcloud pubsub topics add-iam-policy-binding "$TOPIC" --project="$PROJECT" \
 # IAM check is off (--allow-unauthenticated); /healthz, /readyz and /metrics are then public (the
 # metrics name your policies).
 step "Cloud Run service"
+egress_flags=()
+if [[ -n "${VPC_NETWORK:-}" ]]; then
+  egress_flags=(--network="$VPC_NETWORK" --subnet="${VPC_SUBNET:-$VPC_NETWORK}"
+    --vpc-egress=private-ranges-only)
+fi
 run gcloud run deploy "$SERVICE" --project="$PROJECT" --region="$REGION" --image="$IMAGE" \
-  --service-account="$RUN_SA" --port=8080 \
+  --service-account="$RUN_SA" --port=8080 ${egress_flags[@]+"${egress_flags[@]}"} \
   --no-cpu-throttling --min-instances=1 --timeout="$RUN_TIMEOUT" \
   --allow-unauthenticated \
   --set-env-vars="SWEEPER_CONFIG=${CONFIG_MOUNT}" \
@@ -359,4 +372,6 @@ done
 
 step "done"
 echo "# Next: the first Scheduler run should answer 202 (200 for an existing run); follow it with"
-echo "# GET ${URL}/runs/{run_id} and an on-call token (sweeper token --scope ops:read ...)."
+echo "# GET ${URL}/runs/{run_id} and an on-call token, minted where the configuration is:"
+echo "#   ${HS256_ENV}=\$(gcloud secrets versions access latest --secret=${HS256_SECRET} --project=${PROJECT}) \\"
+echo "#   SWEEPER_DATABASE_URL=postgres://unused sweeper token --config ${CONFIG} --scope ops:read --sub you@example.com"

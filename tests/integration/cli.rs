@@ -452,3 +452,62 @@ async fn the_deploy_configurations_pass_check_config() {
         );
     }
 }
+
+/// A database role that may read and delete but not lock rows (`FOR UPDATE` needs UPDATE) would
+/// pass every other check and quarantine every command on its first try: check-config says so.
+#[tokio::test]
+async fn check_config_names_the_table_privileges_the_database_role_lacks() {
+    let db = TestDb::create().await;
+    let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let role = format!(
+        "sweeper_limited_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    sqlx::raw_sql(&format!(
+        "create schema support;
+         create table support.tickets (id bigint primary key, closed_at timestamptz not null,
+                                       legal_hold boolean not null default false, status text);
+         create index on support.tickets (closed_at, id);
+         create role {role} login;
+         grant usage on schema support to {role};
+         grant select, delete on support.tickets to {role}"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let url = url::Url::parse(&db.url)
+        .map(|mut u| {
+            u.set_username(&role).unwrap();
+            u.to_string()
+        })
+        .unwrap();
+    let config =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/sweeper.example.toml");
+    let check = || {
+        let out = sweeper(&["check-config", "--config", config.to_str().unwrap()])
+            .env("SWEEPER_DATABASE_URL", &url)
+            .env("HS256_KEY_2026_06", SECRET)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let (ok, stdout) = check();
+    assert!(!ok, "{stdout}");
+    assert!(
+        stdout.contains("the database role lacks UPDATE on support.tickets"),
+        "{stdout}"
+    );
+    sqlx::query(&format!("grant update on support.tickets to {role}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (ok, stdout) = check();
+    assert!(ok, "{stdout}");
+    sqlx::raw_sql(&format!("drop owned by {role}; drop role {role}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
