@@ -336,6 +336,17 @@ impl TestApp {
     }
 
     /// Waits until the run's planning is done.
+    /// Triggers `ticket-retention` for the current window, waits until it is planned, and returns
+    /// the run id and its command ids in batch order.
+    pub async fn planned_run(&self) -> (String, Vec<String>) {
+        let (status, run) = self.trigger("ticket-retention", "").await;
+        assert!(status == 202 || status == 200, "{run}");
+        let run_id = run["run_id"].as_str().unwrap().to_string();
+        self.wait_planned(&run_id).await;
+        let commands = self.command_ids(&run_id).await;
+        (run_id, commands)
+    }
+
     pub async fn wait_planned(&self, run_id: &str) {
         self.wait_until(run_id, "planning done", |r| r["planning_done"] == true)
             .await;

@@ -13,11 +13,7 @@ async fn a_thousand_concurrent_deliveries_against_a_small_limit_shed_some_and_lo
     })
     .await;
     let eligible = seed_mixed(&app.pool, 300, at("2026-09-01T02:00:00Z")).await;
-    let (status, run) = app.trigger("ticket-retention", "").await;
-    assert_eq!(status, 202, "{run}");
-    let run_id = run["run_id"].as_str().unwrap().to_string();
-    app.wait_planned(&run_id).await;
-    let commands = app.command_ids(&run_id).await;
+    let (run_id, commands) = app.planned_run().await;
     assert!(commands.len() >= 10);
 
     let token = app.token(&["consume"]);
@@ -116,10 +112,8 @@ async fn slow_clients_are_cut_off_and_change_nothing() {
     })
     .await;
     seed_mixed(&app.pool, 20, at("2026-09-01T02:00:00Z")).await;
-    let (_, run) = app.trigger("ticket-retention", "").await;
-    let run_id = run["run_id"].as_str().unwrap().to_string();
-    app.wait_planned(&run_id).await;
-    let command = app.command_ids(&run_id).await.remove(0);
+    let (_, mut commands) = app.planned_run().await;
+    let command = commands.remove(0);
     let addr = app.base.trim_start_matches("http://").to_string();
 
     // Silence from the start, or only an HTTP/2 preface: closed once the first request is
@@ -207,10 +201,7 @@ async fn any_bytes_to_consume_get_a_documented_answer_and_leave_the_ledger_consi
     })
     .await;
     seed_mixed(&app.pool, 40, at("2026-09-01T02:00:00Z")).await;
-    let (_, run) = app.trigger("ticket-retention", "").await;
-    let run_id = run["run_id"].as_str().unwrap().to_string();
-    app.wait_planned(&run_id).await;
-    let commands = app.command_ids(&run_id).await;
+    let (run_id, commands) = app.planned_run().await;
     let token = app.token(&["consume"]);
     let seeds: Vec<Vec<u8>> = commands
         .iter()
@@ -348,10 +339,8 @@ async fn hostile_text_in_bodies_and_subjects_is_answered_not_retried_for_ever() 
     })
     .await;
     seed_mixed(&app.pool, 20, at("2026-09-01T02:00:00Z")).await;
-    let (_, run) = app.trigger("ticket-retention", "").await;
-    let run_id = run["run_id"].as_str().unwrap().to_string();
-    app.wait_planned(&run_id).await;
-    let command = app.command_ids(&run_id).await.remove(0);
+    let (_, mut commands) = app.planned_run().await;
+    let command = commands.remove(0);
     let token = app.token(&["consume"]);
     let long_field = format!(r#"{{"command_id":"x","{}":1}}"#, "f".repeat(60_000));
     for body in [r#"{"command_id":"x","\u0000":1}"#.to_string(), long_field] {
@@ -417,10 +406,8 @@ async fn deliveries_queued_behind_a_busy_command_are_not_now_not_unavailable() {
     })
     .await;
     seed_mixed(&app.pool, 20, at("2026-09-01T02:00:00Z")).await;
-    let (_, run) = app.trigger("ticket-retention", "").await;
-    let run_id = run["run_id"].as_str().unwrap().to_string();
-    app.wait_planned(&run_id).await;
-    let command = app.command_ids(&run_id).await.remove(0);
+    let (_, mut commands) = app.planned_run().await;
+    let command = commands.remove(0);
     let keys: Vec<String> =
         sqlx::query_scalar("select item_keys from sweeper.commands where command_id = $1")
             .bind(&command)

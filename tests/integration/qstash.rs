@@ -641,10 +641,7 @@ async fn a_command_not_yet_due_is_handed_over_with_not_before_and_arrives_no_ear
     })
     .await;
     let eligible = seed_mixed(&app.pool, 30, at("2026-09-01T02:00:00Z")).await;
-    let (_, run) = app.trigger("ticket-retention", "").await;
-    let run_id = run["run_id"].as_str().unwrap().to_string();
-    app.wait_planned(&run_id).await;
-    let commands = app.command_ids(&run_id).await;
+    let (run_id, commands) = app.planned_run().await;
     assert!(commands.len() >= 2);
     // One command is due in 5 s (by the ledger's clock, which runs months behind the wall).
     sqlx::query(
