@@ -1,23 +1,22 @@
 //! Bearer-token authentication: HS256 issuers with key sets, and scopes (DESIGN §10).
 //!
 //! A token is accepted when its header's `kid` names a configured key, its HS256 signature
-//! verifies with that key, `iss` is that key's issuer, `aud` contains the issuer's audience, `exp`
-//! is in the future and `nbf`, when present, is not (30 s leeway each), and `sub` is present. Scopes are the space-separated `scope`
+//! verifies with that key, `iss` is that key's issuer, `aud` contains the issuer's audience, it
+//! passes the time rule of [`crate::token`] (`exp` required; `exp`, `nbf`, `iat` within
+//! `auth.leeway`), and `sub` is a non-empty string. Scopes are the space-separated `scope`
 //! claim (RFC 8693 §4.2). The algorithm is pinned to HS256 whatever the header says.
 
 use std::collections::HashSet;
 
-use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
+use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header};
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 
 use crate::config::AuthConfig;
+use crate::token::Refusal;
 
 /// Smallest accepted HS256 secret, in bytes (RFC 7518 §3.2: a key of at least the hash size).
 pub const MIN_SECRET_BYTES: usize = 32;
-
-/// Clock skew allowed on `exp` and `nbf`, in seconds.
-pub const LEEWAY_SECONDS: u64 = 30;
 
 /// A configured issuer with its secrets resolved.
 #[derive(Clone)]
@@ -141,17 +140,6 @@ impl Principal {
     }
 }
 
-/// Why a token was refused. The message is safe to show the caller.
-#[derive(Debug, thiserror::Error)]
-pub enum AuthError {
-    /// No `Authorization: Bearer` header.
-    #[error("missing bearer token: send `Authorization: Bearer <jwt>`")]
-    Missing,
-    /// Anything wrong with the token itself.
-    #[error("invalid token: {0}")]
-    Invalid(String),
-}
-
 /// Whether `scope` is one sweeper knows: `trigger:*`, `trigger:{policy}`, `consume`, `ops:read`,
 /// `ops:write`.
 pub fn is_known_scope(scope: &str) -> bool {
@@ -162,82 +150,75 @@ pub fn is_known_scope(scope: &str) -> bool {
 }
 
 /// Verifies `token` against every configured issuer: HS256 key sets, then JWKS issuers for
-/// RS256/ES256 (see [`crate::jwks`]). Tokens longer than [`crate::jwks::MAX_TOKEN_BYTES`] and
-/// any other algorithm are refused before any key is looked at.
-pub async fn verify_any(
-    config: &crate::config::Config,
-    token: &str,
-) -> Result<Principal, AuthError> {
-    if token.len() > crate::jwks::MAX_TOKEN_BYTES {
-        return Err(AuthError::Invalid(format!(
-            "longer than {} bytes",
-            crate::jwks::MAX_TOKEN_BYTES
-        )));
-    }
-    let header = jsonwebtoken::decode_header(token)
-        .map_err(|e| AuthError::Invalid(format!("malformed: {e}")))?;
-    match header.alg {
-        Algorithm::HS256 => verify(&config.issuers, token),
-        alg @ (Algorithm::RS256 | Algorithm::ES256) => {
-            crate::jwks::verify(&config.jwks_issuers, alg, header.kid, token).await
+/// RS256/ES256 (see [`crate::jwks`]). The shape is checked first (tokens longer than
+/// [`crate::jwks::MAX_TOKEN_BYTES`] are malformed), and any other algorithm is refused before
+/// any key is looked at; every issuer kind then applies the same time rule
+/// ([`crate::token::check_times`], with `auth.leeway`).
+pub async fn verify_any(config: &crate::config::Config, token: &str) -> Result<Principal, Refusal> {
+    let header = crate::token::read_header(token, crate::jwks::MAX_TOKEN_BYTES)?;
+    let leeway = config.auth_leeway.seconds() as u64;
+    match header.alg.as_str() {
+        "HS256" => verify(&config.issuers, token, leeway),
+        "RS256" => {
+            crate::jwks::verify(
+                &config.jwks_issuers,
+                Algorithm::RS256,
+                header.kid,
+                token,
+                leeway,
+            )
+            .await
         }
-        other => Err(AuthError::Invalid(format!(
-            "algorithm {other:?} is not accepted"
-        ))),
+        "ES256" => {
+            crate::jwks::verify(
+                &config.jwks_issuers,
+                Algorithm::ES256,
+                header.kid,
+                token,
+                leeway,
+            )
+            .await
+        }
+        _ => Err(Refusal::UnsupportedAlgorithm),
     }
 }
 
-/// Why `jsonwebtoken` refused a token, in words safe to show the caller.
-pub(crate) fn refusal(e: &jsonwebtoken::errors::Error) -> String {
-    use jsonwebtoken::errors::ErrorKind as K;
-    match e.kind() {
-        K::ExpiredSignature => "expired".to_string(),
-        K::InvalidSignature => "signature does not verify".to_string(),
-        K::InvalidAudience => "wrong audience".to_string(),
-        K::InvalidIssuer => "wrong issuer".to_string(),
-        K::InvalidSubject => "wrong subject".to_string(),
-        K::ImmatureSignature => "not yet valid".to_string(),
-        K::MissingRequiredClaim(c) => format!("missing claim `{c}`"),
-        K::Json(_) => "claims of the wrong shape".to_string(),
-        other => format!("{other:?}"),
+/// Verifies an HS256 `token` against the configured HS256 issuers, with the time rule's
+/// `leeway` in seconds.
+pub fn verify(issuers: &[Issuer], token: &str, leeway: u64) -> Result<Principal, Refusal> {
+    let header = crate::token::read_header(token, crate::jwks::MAX_TOKEN_BYTES)?;
+    if header.alg != "HS256" {
+        return Err(Refusal::UnsupportedAlgorithm);
     }
-}
-
-/// Verifies an HS256 `token` against the configured HS256 issuers.
-pub fn verify(issuers: &[Issuer], token: &str) -> Result<Principal, AuthError> {
-    let header = jsonwebtoken::decode_header(token)
-        .map_err(|e| AuthError::Invalid(format!("malformed: {e}")))?;
-    if header.alg != Algorithm::HS256 {
-        return Err(AuthError::Invalid(format!(
-            "algorithm {:?} is not accepted",
-            header.alg
-        )));
-    }
-    let kid = header
-        .kid
-        .ok_or_else(|| AuthError::Invalid("no `kid` in the header".into()))?;
+    let kid = header.kid.ok_or(Refusal::UnknownKey)?;
     let (issuer, secret) = issuers
         .iter()
         .find_map(|i| i.keys.iter().find(|(k, _)| *k == kid).map(|(_, s)| (i, s)))
-        .ok_or_else(|| AuthError::Invalid(format!("unknown kid `{kid}`")))?;
+        .ok_or(Refusal::UnknownKey)?;
     let key = DecodingKey::from_secret(secret.expose_secret().as_bytes())
-        .map_err(|_| AuthError::Invalid("key unusable".into()))?;
-    let mut v = Validation::new(Algorithm::HS256);
-    v.leeway = LEEWAY_SECONDS;
-    v.validate_nbf = true;
-    v.set_audience(&[&issuer.audience]);
-    v.set_issuer(&[&issuer.iss]);
-    v.set_required_spec_claims(&["exp", "sub", "iss", "aud"]);
-    let data = jsonwebtoken::decode::<Claims>(token, &key, &v)
-        .map_err(|e| AuthError::Invalid(refusal(&e)))?;
-    if data.claims.sub.trim().is_empty() {
-        return Err(AuthError::Invalid("empty `sub`".into()));
+        .map_err(|_| Refusal::UnknownKey)?;
+    let v = crate::token::validation(
+        Algorithm::HS256,
+        &issuer.iss,
+        Some(std::slice::from_ref(&issuer.audience)),
+    );
+    let claims =
+        jsonwebtoken::decode::<serde_json::Map<String, serde_json::Value>>(token, &key, &v)
+            .map_err(|e| crate::token::from_library(&e))?
+            .claims;
+    crate::token::required(&claims, "iss")?;
+    if !claims.contains_key("aud") {
+        return Err(Refusal::MissingClaim("aud"));
     }
+    crate::token::check_times(&claims, crate::token::now_seconds(), leeway, false)?;
+    let sub = crate::token::required(&claims, "sub")?;
+    if sub.trim().is_empty() {
+        return Err(Refusal::ClaimUnusable("sub"));
+    }
+    let scope = crate::token::string_claim(&claims, "scope")?.unwrap_or("");
     Ok(Principal {
-        subject: data.claims.sub,
-        scopes: data
-            .claims
-            .scope
+        subject: sub.to_string(),
+        scopes: scope
             // RFC 6749 §3.3: scopes are separated by the space character (%x20) only.
             .split(' ')
             .filter(|s| !s.is_empty())
@@ -293,7 +274,7 @@ mod tests {
     fn minted_tokens_verify_and_carry_scopes() {
         let i = issuer();
         let t = mint(&i, "alice", &["trigger:*".into(), "ops:read".into()], 60).unwrap();
-        let p = verify(&[i], &t).unwrap();
+        let p = verify(&[i], &t, 30).unwrap();
         assert_eq!(p.subject, "alice");
         assert!(p.has("trigger:ticket-retention"));
         assert!(p.has("ops:read"));
@@ -305,13 +286,13 @@ mod tests {
         let mut old_only = issuer();
         old_only.keys.remove(0);
         let t = mint(&old_only, "cron", &["consume".into()], 60).unwrap();
-        assert!(verify(&[issuer()], &t).is_ok());
+        assert!(verify(&[issuer()], &t, 30).is_ok());
         let mut forged = issuer();
         forged.keys = vec![("new".into(), SecretString::from("x".repeat(32)))];
         let t = mint(&forged, "mallory", &["ops:write".into()], 60).unwrap();
         assert!(matches!(
-            verify(&[issuer()], &t),
-            Err(AuthError::Invalid(_))
+            verify(&[issuer()], &t, 30),
+            Err(Refusal::BadSignature)
         ));
     }
 
@@ -319,7 +300,10 @@ mod tests {
     fn alg_none_is_refused() {
         // {"alg":"none","kid":"new"} . {"sub":"x","iss":"sweeper-test","aud":"sweeper","exp":9999999999}
         let t = "eyJhbGciOiJub25lIiwia2lkIjoibmV3In0.eyJzdWIiOiJ4IiwiaXNzIjoic3dlZXBlci10ZXN0IiwiYXVkIjoic3dlZXBlciIsImV4cCI6OTk5OTk5OTk5OX0.";
-        assert!(verify(&[issuer()], t).is_err());
+        assert_eq!(
+            verify(&[issuer()], t, 30).unwrap_err(),
+            Refusal::UnsupportedAlgorithm
+        );
     }
 }
 
@@ -348,7 +332,10 @@ mod claim_tests {
             serde_json::json!({"sub": "s", "iss": "i", "aud": "a", "exp": now + 600,
                                         "nbf": now + 300, "scope": "ops:read"}),
         );
-        assert!(verify(&[issuer()], &t).is_err());
+        assert_eq!(
+            verify(&[issuer()], &t, 30).unwrap_err(),
+            Refusal::NotYetValid
+        );
     }
 
     #[test]
@@ -358,7 +345,7 @@ mod claim_tests {
             serde_json::json!({"sub": "s", "iss": "i", "aud": "a", "exp": now + 600,
                                         "scope": "ops:read\u{00a0}trigger:*"}),
         );
-        let p = verify(&[issuer()], &t).unwrap();
+        let p = verify(&[issuer()], &t, 30).unwrap();
         assert!(!p.has("trigger:x"));
         assert!(!p.has("ops:read"));
     }

@@ -156,6 +156,10 @@ struct RawConfig {
     policy: Vec<PolicyConfig>,
 }
 
+fn default_leeway() -> DurationSpec {
+    DurationSpec::from_seconds(crate::token::DEFAULT_LEEWAY_SECONDS as i64)
+}
+
 fn default_listen() -> String {
     "127.0.0.1:8080".into()
 }
@@ -342,9 +346,14 @@ impl Default for LedgerConfig {
 }
 
 /// Token issuers (DESIGN §10).
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AuthConfig {
+    /// Clock skew the time rule allows every credential (HS256 and JWKS tokens, QStash
+    /// signatures): `exp` this much in the past, `nbf`/`iat` this much in the future. 0-5m;
+    /// default 30s. See [`crate::token`].
+    #[serde(default = "default_leeway")]
+    pub leeway: DurationSpec,
     /// HS256 issuers; each has one or more keys told apart by `kid`.
     #[serde(default)]
     pub issuer: Vec<IssuerConfig>,
@@ -355,6 +364,17 @@ pub struct AuthConfig {
     /// cannot send an Authorization header. Weaker than OIDC: URLs are often logged.
     #[serde(default)]
     pub query_token: Vec<crate::jwks::QueryTokenConfig>,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        Self {
+            leeway: default_leeway(),
+            issuer: Vec::new(),
+            jwks_issuer: Vec::new(),
+            query_token: Vec::new(),
+        }
+    }
 }
 
 /// One HS256 issuer: tokens whose `iss` is `iss` and whose `aud` contains `audience`.
@@ -419,6 +439,8 @@ pub struct Config {
     pub pubsub: Option<crate::pubsub::PubsubConfig>,
     /// The QStash transport and signature verification, with its secrets resolved.
     pub qstash: Option<crate::qstash::Qstash>,
+    /// `auth.leeway`: the clock skew of the one time rule for every credential.
+    pub auth_leeway: DurationSpec,
     /// Issuers with their resolved secrets.
     pub issuers: Vec<crate::auth::Issuer>,
     /// JWKS issuers with their key caches.
@@ -566,6 +588,12 @@ impl Config {
             }
         }
 
+        if raw.auth.leeway.seconds() > 300 {
+            errors.push(format!(
+                "auth.leeway ({}): at most 5m; a token's clock may be off by that much, no more",
+                raw.auth.leeway
+            ));
+        }
         let issuers = crate::auth::Issuer::from_config(&raw.auth, &mut errors);
         let jwks_issuers = crate::jwks::JwksIssuer::from_config(&raw.auth.jwks_issuer, &mut errors);
         let query_tokens = crate::jwks::QueryToken::from_config(&raw.auth.query_token, &mut errors);
@@ -706,6 +734,7 @@ impl Config {
             pubsub: raw.pubsub,
             qstash,
             issuers,
+            auth_leeway: raw.auth.leeway,
             jwks_issuers,
             query_tokens,
             dependencies,

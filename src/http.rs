@@ -17,8 +17,9 @@ use tower_http::trace::TraceLayer;
 use tracing::{error, info};
 
 use crate::app::AppState;
-use crate::auth::{self, AuthError, Principal};
+use crate::auth::{self, Principal};
 use crate::consume::{self, ConsumeOutcome, Envelope, Executor};
+use crate::token::Refusal;
 use crate::trigger::{self, TriggerError, TriggerOutcome, WindowHints};
 
 /// Largest `/consume` body, in bytes (the built-in envelope is well under 1 KiB).
@@ -159,6 +160,7 @@ pub struct Problem {
     slug: &'static str,
     detail: String,
     retry_after: Option<u64>,
+    members: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Problem {
@@ -169,7 +171,23 @@ impl Problem {
             slug,
             detail: detail.into(),
             retry_after: None,
+            members: serde_json::Map::new(),
         }
+    }
+    /// Adds an extension member (RFC 9457 §3.2), e.g. `reason` of a refused credential.
+    pub fn member(mut self, name: &str, value: impl Into<serde_json::Value>) -> Self {
+        self.members.insert(name.to_string(), value.into());
+        self
+    }
+    /// A 401 for a refused credential: type `unauthenticated`, the refusal's stable code as
+    /// `reason`, its detail prefixed by the credential's name when there is one.
+    pub fn unauthenticated(credential: Option<&str>, refusal: &Refusal) -> Self {
+        let detail = match credential {
+            Some(c) => format!("{c}: {}", refusal.detail()),
+            None => refusal.detail(),
+        };
+        Self::new(StatusCode::UNAUTHORIZED, "unauthenticated", detail)
+            .member("reason", refusal.code())
     }
     /// Adds `Retry-After: {seconds}` (RFC 9110 §10.2.3, delta-seconds form).
     pub fn retry_after(mut self, seconds: u64) -> Self {
@@ -199,12 +217,17 @@ impl Problem {
 
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
-        let body = json!({
-            "type": format!("urn:sweeper:problem:{}", self.slug),
-            "title": self.status.canonical_reason().unwrap_or("error"),
-            "status": self.status.as_u16(),
-            "detail": self.detail,
-        });
+        let mut body = self.members;
+        body.insert(
+            "type".into(),
+            format!("urn:sweeper:problem:{}", self.slug).into(),
+        );
+        body.insert(
+            "title".into(),
+            self.status.canonical_reason().unwrap_or("error").into(),
+        );
+        body.insert("status".into(), self.status.as_u16().into());
+        body.insert("detail".into(), self.detail.into());
         let mut resp = (self.status, Json(body)).into_response();
         let headers = resp.headers_mut();
         headers.insert(
@@ -299,10 +322,9 @@ impl Caller {
         match &self.1 {
             Some(claimed) if !crate::qstash::body_matches(claimed, body) => {
                 info!("Upstash-Signature names another body");
-                Err(Problem::new(
-                    StatusCode::UNAUTHORIZED,
-                    "unauthenticated",
-                    "invalid token: Upstash-Signature was issued for another body",
+                Err(Problem::unauthenticated(
+                    Some("Upstash-Signature"),
+                    &Refusal::BodyMismatch,
                 ))
             }
             _ => Ok(()),
@@ -318,57 +340,61 @@ impl FromRequestParts<AppState> for Caller {
             .headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                v.strip_prefix("Bearer ")
-                    .or_else(|| v.strip_prefix("bearer "))
-            })
-            .map(str::trim)
-            .filter(|t| !t.is_empty());
+            .and_then(crate::token::bearer);
         let signature = parts.headers.get(crate::qstash::SIGNATURE_HEADER);
         let path = parts.uri.path();
         // A QStash signature is accepted only where the handler checks the body against it.
         let signed_route =
             parts.method == Method::POST && (path == "/consume" || path.starts_with("/trigger/"));
-        let result = match (token, signature, &state.config.qstash) {
-            (Some(t), _, _) => auth::verify_any(&state.config, t).await.map(|p| (p, None)),
-            (None, Some(sig), Some(q)) if signed_route => sig
-                .to_str()
-                .map_err(|_| AuthError::Invalid("Upstash-Signature is not ASCII".into()))
-                .and_then(|sig| {
-                    let target = parts.uri.path_and_query().map_or(path, |pq| pq.as_str());
-                    q.verify(sig.trim(), target)
-                })
-                .map(|s| (s.principal, Some(s.body_hash))),
+        let leeway = state.config.auth_leeway.seconds() as u64;
+        let (credential, result) = match (token, signature, &state.config.qstash) {
+            (Some(t), _, _) => (
+                None,
+                auth::verify_any(&state.config, t).await.map(|p| (p, None)),
+            ),
+            (None, Some(sig), Some(q)) if signed_route => (
+                Some("Upstash-Signature"),
+                sig.to_str()
+                    .map_err(|_| Refusal::Malformed)
+                    .and_then(|sig| {
+                        let target = parts.uri.path_and_query().map_or(path, |pq| pq.as_str());
+                        q.verify(sig.trim(), target, leeway)
+                    })
+                    .map(|s| (s.principal, Some(s.body_hash))),
+            ),
             // Push systems that cannot send a header may present a configured secret as
             // `/consume?token=...` (scope `consume` only, DESIGN §10).
-            _ => match path {
-                "/consume" if !state.config.query_tokens.is_empty() => parts
-                    .uri
-                    .query()
-                    .and_then(|q| {
-                        url::form_urlencoded::parse(q.as_bytes())
-                            .find(|(k, _)| k == "token")
-                            .map(|(_, v)| v.into_owned())
-                    })
-                    .and_then(|t| crate::jwks::QueryToken::verify(&state.config.query_tokens, &t))
-                    .map(|p| (p, None))
-                    .ok_or(AuthError::Missing),
-                _ => Err(AuthError::Missing),
-            },
+            _ => (
+                None,
+                match path {
+                    "/consume" if !state.config.query_tokens.is_empty() => parts
+                        .uri
+                        .query()
+                        .and_then(|q| {
+                            url::form_urlencoded::parse(q.as_bytes())
+                                .find(|(k, _)| k == "token")
+                                .map(|(_, v)| v.into_owned())
+                        })
+                        .and_then(|t| {
+                            crate::jwks::QueryToken::verify(&state.config.query_tokens, &t)
+                        })
+                        .map(|p| (p, None))
+                        .ok_or(Refusal::Missing),
+                    _ => Err(Refusal::Missing),
+                },
+            ),
         };
         let result = result.and_then(|(p, body)| {
             // The subject becomes the actor of audit rows: PostgreSQL text refuses NUL.
             if p.subject.chars().any(char::is_control) || p.subject.len() > 512 {
-                Err(AuthError::Invalid(
-                    "`sub` is longer than 512 bytes or holds control characters".into(),
-                ))
+                Err(Refusal::ClaimUnusable("sub"))
             } else {
                 Ok((p, body))
             }
         });
-        result.map(|(p, body)| Caller(p, body)).map_err(|e| {
-            info!(reason = %e, "authentication failed");
-            Problem::new(StatusCode::UNAUTHORIZED, "unauthenticated", e.to_string())
+        result.map(|(p, body)| Caller(p, body)).map_err(|refusal| {
+            info!(reason = refusal.code(), "authentication failed");
+            Problem::unauthenticated(credential, &refusal)
         })
     }
 }

@@ -5,8 +5,8 @@
 //! A JWKS token is accepted when its header's algorithm is one the issuer pins, its `kid` names a
 //! key of the issuer's key set, the signature verifies, `iss` is the issuer, `aud` is a single
 //! string equal to one of the configured audiences (no normalisation: a trailing slash or a query
-//! string is another audience; an array is refused), `exp`/`nbf` hold with 30 s leeway, `iat` is
-//! not in the future beyond it, and — for Google — `email` is present and `email_verified` is
+//! string is another audience; an array is refused), the time rule of [`crate::token`] holds
+//! (the same for every issuer kind, with `auth.leeway`), and — for Google — `email` is present and `email_verified` is
 //! true. Scopes come from the issuer's `principals` map (the verified email for Google, else
 //! `sub`), never from the token.
 //!
@@ -19,11 +19,14 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use jsonwebtoken::jwk::JwkSet;
-use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use jsonwebtoken::{Algorithm, DecodingKey};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::auth::{AuthError, LEEWAY_SECONDS, Principal};
+use serde_json::{Map, Value};
+
+use crate::auth::Principal;
+use crate::token::Refusal;
 
 /// Longest token accepted, in bytes (Google ID tokens are about 1 KiB).
 pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
@@ -302,78 +305,47 @@ impl JwksIssuer {
     }
 }
 
-#[derive(Debug, Deserialize)]
-struct ExternalClaims {
-    sub: String,
-    #[allow(dead_code)]
-    iss: String,
-    /// A single string: an array is refused by deserialization.
-    #[allow(dead_code)]
-    aud: String,
-    #[serde(default)]
-    iat: Option<u64>,
-    #[serde(default)]
-    email: Option<String>,
-    #[serde(default)]
-    email_verified: Option<bool>,
-}
-
-/// Verifies an RS256/ES256 token against the JWKS issuers.
+/// Verifies an RS256/ES256 token against the JWKS issuers, with the time rule's `leeway` in
+/// seconds.
 pub async fn verify(
     issuers: &[JwksIssuer],
     alg: Algorithm,
     kid: Option<String>,
     token: &str,
-) -> Result<Principal, AuthError> {
-    let kid = kid.ok_or_else(|| AuthError::Invalid("no `kid` in the header".into()))?;
-    let mut candidates: Vec<&JwksIssuer> = Vec::new();
-    for i in issuers {
-        if i.algorithms.contains(&alg) {
-            candidates.push(i);
-        }
-    }
+    leeway: u64,
+) -> Result<Principal, Refusal> {
+    let candidates: Vec<&JwksIssuer> = issuers
+        .iter()
+        .filter(|i| i.algorithms.contains(&alg))
+        .collect();
     if candidates.is_empty() {
-        return Err(AuthError::Invalid(format!(
-            "algorithm {alg:?} is not accepted"
-        )));
+        return Err(Refusal::UnsupportedAlgorithm);
     }
+    let kid = kid.ok_or(Refusal::UnknownKey)?;
     for issuer in candidates {
         let Some(key) = issuer.key(&kid).await else {
             continue;
         };
-        let mut v = Validation::new(alg);
-        v.leeway = LEEWAY_SECONDS;
-        v.validate_nbf = true;
-        v.set_audience(&issuer.audiences);
-        v.set_issuer(&[&issuer.iss]);
-        v.set_required_spec_claims(&["exp", "sub", "iss", "aud"]);
-        let data = jsonwebtoken::decode::<ExternalClaims>(token, &key, &v).map_err(|e| {
-            AuthError::Invalid(match e.kind() {
-                jsonwebtoken::errors::ErrorKind::Json(_) => {
-                    "claims of the wrong shape (aud must be one string)".to_string()
-                }
-                _ => crate::auth::refusal(&e),
-            })
-        })?;
-        let c = data.claims;
-        let now = chrono::Utc::now().timestamp().max(0) as u64;
-        if c.iat.is_some_and(|iat| iat > now + LEEWAY_SECONDS) {
-            return Err(AuthError::Invalid("issued in the future (iat)".into()));
-        }
+        let v = crate::token::validation(alg, &issuer.iss, Some(&issuer.audiences));
+        let claims = jsonwebtoken::decode::<Map<String, Value>>(token, &key, &v)
+            .map_err(|e| crate::token::from_library(&e))?
+            .claims;
+        crate::token::required(&claims, "iss")?;
+        // One string: an array of audiences is refused (module docs).
+        crate::token::required(&claims, "aud")?;
+        crate::token::check_times(&claims, crate::token::now_seconds(), leeway, false)?;
+        let sub = crate::token::required(&claims, "sub")?;
         let principal = if issuer.google {
-            match (c.email, c.email_verified) {
-                (Some(e), Some(true)) if !e.is_empty() => e.to_lowercase(),
-                _ => {
-                    return Err(AuthError::Invalid(
-                        "a Google token needs `email` with `email_verified: true`".into(),
-                    ));
-                }
+            let email = crate::token::string_claim(&claims, "email")?;
+            match (email, claims.get("email_verified")) {
+                (Some(e), Some(Value::Bool(true))) if !e.is_empty() => e.to_lowercase(),
+                _ => return Err(Refusal::EmailNotVerified),
             }
         } else {
-            c.sub.clone()
+            sub.to_string()
         };
         if principal.trim().is_empty() {
-            return Err(AuthError::Invalid("empty principal".into()));
+            return Err(Refusal::ClaimUnusable("sub"));
         }
         let scopes = issuer
             .principals
@@ -385,5 +357,5 @@ pub async fn verify(
             scopes,
         });
     }
-    Err(AuthError::Invalid(format!("unknown kid `{kid}`")))
+    Err(Refusal::UnknownKey)
 }

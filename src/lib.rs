@@ -29,6 +29,7 @@ pub mod quickstart;
 pub mod relay;
 pub mod retry;
 pub mod tls;
+pub mod token;
 pub mod transport;
 pub mod trigger;
 pub mod window;

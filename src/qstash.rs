@@ -4,7 +4,8 @@
 //! key, or during a rotation the next one (Upstash docs, `qstash/features/security.mdx`; the
 //! official receiver, `upstash/qstash-js: src/receiver.ts`). It is accepted when its signature
 //! verifies with the UTF-8 bytes of either key, `iss` is `Upstash`, `sub` is exactly
-//! `public_url` + the request's path and query, `exp`/`nbf` hold (with [`crate::auth::LEEWAY_SECONDS`]),
+//! `public_url` + the request's path and query, the time rule of [`crate::token`] holds (`exp`
+//! and `nbf` required, `auth.leeway` as for bearer tokens),
 //! and its `body` claim equals base64url(SHA-256(raw body)) with `=` padding ignored on both sides.
 //! The body check needs the body, so it is the handler's first step
 //! ([`crate::http::Caller::verify_body`]). A QStash schedule may call `/trigger/{policy}` the
@@ -19,15 +20,18 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
-use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use jsonwebtoken::{Algorithm, DecodingKey};
 use secrecy::{ExposeSecret, SecretString};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::auth::{AuthError, Principal};
+use serde_json::{Map, Value};
+
+use crate::auth::Principal;
 use crate::config::DurationSpec;
 use crate::relay::{Outbound, PublishError};
 use crate::retry::parse_retry_after;
+use crate::token::Refusal;
 
 /// The `iss` of every QStash signature.
 pub const ISSUER: &str = "Upstash";
@@ -202,35 +206,29 @@ impl Qstash {
     }
 
     /// Verifies an `Upstash-Signature` for a request to `path_and_query` (as received, e.g.
-    /// `/consume`). Returns the caller and the body hash the signature names; the caller must
-    /// still compare it with the raw body ([`body_matches`]).
-    pub fn verify(&self, token: &str, path_and_query: &str) -> Result<Signed, AuthError> {
-        if token.len() > crate::jwks::MAX_TOKEN_BYTES {
-            return Err(AuthError::Invalid("signature too long".into()));
+    /// `/consume`), with the time rule's `leeway` in seconds (the same rule as bearer tokens:
+    /// `exp` and `nbf` required). Returns the caller and the body hash the signature names; the
+    /// caller must still compare it with the raw body ([`body_matches`]).
+    pub fn verify(
+        &self,
+        token: &str,
+        path_and_query: &str,
+        leeway: u64,
+    ) -> Result<Signed, Refusal> {
+        let header = crate::token::read_header(token, crate::jwks::MAX_TOKEN_BYTES)?;
+        if header.alg != "HS256" {
+            return Err(Refusal::UnsupportedAlgorithm);
         }
-        let header = jsonwebtoken::decode_header(token)
-            .map_err(|e| AuthError::Invalid(format!("malformed signature: {e}")))?;
-        if header.alg != Algorithm::HS256 {
-            return Err(AuthError::Invalid(format!(
-                "signature algorithm {:?} is not accepted",
-                header.alg
-            )));
-        }
-        let mut v = Validation::new(Algorithm::HS256);
-        v.leeway = crate::auth::LEEWAY_SECONDS;
-        v.validate_nbf = true;
-        v.validate_aud = false;
-        v.set_issuer(&[ISSUER]);
+        let mut v = crate::token::validation(Algorithm::HS256, ISSUER, None);
         v.sub = Some(format!("{}{path_and_query}", self.config.public_url));
-        v.set_required_spec_claims(&["exp", "nbf", "iss", "sub"]);
         let decode = |key: &SecretString| {
             let key = DecodingKey::from_secret(key.expose_secret().as_bytes())
                 .map_err(|_| jsonwebtoken::errors::ErrorKind::InvalidKeyFormat)?;
-            jsonwebtoken::decode::<SignatureClaims>(token, &key, &v)
+            jsonwebtoken::decode::<Map<String, Value>>(token, &key, &v)
         };
         // The current key first; the next one only when the current's signature fails
         // (a rotation in progress), as the official receiver does.
-        let data = match (decode(&self.current_key), &self.next_key) {
+        let claims = match (decode(&self.current_key), &self.next_key) {
             (Err(e), Some(next))
                 if matches!(e.kind(), jsonwebtoken::errors::ErrorKind::InvalidSignature) =>
             {
@@ -238,13 +236,12 @@ impl Qstash {
             }
             (r, _) => r,
         }
-        .map_err(|e| {
-            AuthError::Invalid(format!("Upstash-Signature: {}", crate::auth::refusal(&e)))
-        })?;
-        let body_hash = data
-            .claims
-            .body
-            .ok_or_else(|| AuthError::Invalid("Upstash-Signature: missing claim `body`".into()))?;
+        .map_err(|e| crate::token::from_library(&e))?
+        .claims;
+        crate::token::required(&claims, "iss")?;
+        crate::token::required(&claims, "sub")?;
+        crate::token::check_times(&claims, crate::token::now_seconds(), leeway, true)?;
+        let body_hash = crate::token::required(&claims, "body")?.to_string();
         Ok(Signed {
             principal: Principal {
                 subject: self.config.subject.clone(),
@@ -253,12 +250,6 @@ impl Qstash {
             body_hash,
         })
     }
-}
-
-#[derive(Deserialize)]
-struct SignatureClaims {
-    #[serde(default)]
-    body: Option<String>,
 }
 
 /// A verified signature whose body hash is still to be compared.

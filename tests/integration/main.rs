@@ -14,4 +14,5 @@ mod planning;
 mod pubsub;
 mod qstash;
 mod standin;
+mod tokens;
 mod trigger;

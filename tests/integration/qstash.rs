@@ -470,6 +470,19 @@ async fn signatures_are_verified_over_key_issuer_subject_time_and_the_exact_body
             "body",
         ),
         ("no nbf", current_key(), json!({"nbf": null}), "nbf"),
+        // The one time rule of every credential: iat past the leeway in the future.
+        (
+            "issued in the future",
+            current_key(),
+            json!({"iat": now + 300, "exp": now + 600}),
+            "issued in the future",
+        ),
+        (
+            "nbf past every date",
+            current_key(),
+            json!({"nbf": 1e30}),
+            "claim `nbf` unusable",
+        ),
     ];
     for (what, key, claims, why) in &refused {
         let (status, problem) = deliver(&app, key, consume, &body, claims.clone()).await;
