@@ -41,18 +41,46 @@ pub struct AppState {
 /// Opens a pool on `config.database_url` with the configured size and acquire timeout.
 ///
 /// Every connection gets `idle_in_transaction_session_timeout` (a stuck transaction cannot pin
-/// locks for ever) and `application_name = sweeper`.
+/// locks for ever), `lock_timeout` and `statement_timeout` (`database.*`: no statement waits
+/// without bound for what another session holds, so shutdown and the background loops stay
+/// bounded too) and `application_name = sweeper`.
 pub async fn connect(config: &Config) -> anyhow::Result<PgPool> {
-    let opts = PgConnectOptions::from_str(config.database_url.expose_secret())
-        .context("database_url is not a valid PostgreSQL URL")?
-        .application_name("sweeper")
-        .options([("idle_in_transaction_session_timeout", "60s")]);
+    let lock_timeout = format!("{}s", config.database.lock_timeout.seconds());
+    let statement_timeout = format!("{}s", config.database.statement_timeout.seconds());
+    let opts = connect_options(config)?.options([
+        ("idle_in_transaction_session_timeout", "60s"),
+        ("lock_timeout", lock_timeout.as_str()),
+        ("statement_timeout", statement_timeout.as_str()),
+    ]);
     PgPoolOptions::new()
         .max_connections(config.database.max_connections)
         .acquire_timeout(config.database.acquire_timeout.std())
         .connect_with(opts)
         .await
         .context("cannot connect to the database (database_url)")
+}
+
+fn connect_options(config: &Config) -> anyhow::Result<PgConnectOptions> {
+    Ok(
+        PgConnectOptions::from_str(config.database_url.expose_secret())
+            .context("database_url is not a valid PostgreSQL URL")?
+            .application_name("sweeper"),
+    )
+}
+
+/// Applies pending migrations on a connection of its own, without the pool's lock and statement
+/// timeouts: a migration may wait for another replica's migration lock, or rewrite a table.
+pub async fn migrate(config: &Config) -> anyhow::Result<()> {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect_with(&connect_options(config)?)
+        .await
+        .context("cannot connect to the database (database_url)")?;
+    ledger::MIGRATOR
+        .run(&mut conn)
+        .await
+        .context("applying migrations")?;
+    let _ = conn.close().await;
+    Ok(())
 }
 
 /// A built application: its listener is bound (port 0 picks a free port) and its policies are
@@ -70,13 +98,10 @@ impl Application {
     pub async fn build(config: Config) -> anyhow::Result<Application> {
         // Install the process recorder now: counters incremented before it exists are lost.
         crate::metrics::handle();
-        let pool = connect(&config).await?;
         if config.migrate_on_start {
-            ledger::MIGRATOR
-                .run(&pool)
-                .await
-                .context("applying migrations")?;
+            migrate(&config).await?;
         }
+        let pool = connect(&config).await?;
         let findings = policy_check::check_policies(&pool, &config.policies).await?;
         let mut errors = Vec::new();
         for f in &findings {
@@ -268,10 +293,36 @@ impl Application {
                 first_error.get_or_insert(e);
             }
         }
-        if let Err(e) = crate::ledger::release_job_leases(&state.pool, state.replica_id).await {
+        release_leases(&state).await;
+        // A connection still checked out (by a task outside the JoinSet) would make close()
+        // wait for ever; the process is exiting, and PostgreSQL ends abandoned sessions.
+        if tokio::time::timeout(POOL_CLOSE_WAIT, state.pool.close())
+            .await
+            .is_err()
+        {
+            warn!("database connections still in use; exiting without them");
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Longest the lease release at shutdown may take, after the drain; a lease it cannot release in
+/// time (another session holds the row, or the whole table) simply expires.
+pub const LEASE_RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// Longest the pool may take to close at exit.
+const POOL_CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Gives back this replica's job leases and the leases of its unfinished commands, so another
+/// replica takes over at once; bounded by [`LEASE_RELEASE_WAIT`] whatever other sessions hold.
+async fn release_leases(state: &AppState) {
+    let release = async {
+        if let Err(e) = ledger::release_job_leases(&state.pool, state.replica_id).await {
             warn!(error = %e, "could not release job leases; they expire on their own");
         }
-        match crate::transport::release_own_leases(&state).await {
+        match crate::transport::release_own_leases(state).await {
             Ok(0) => {}
             Ok(n) => info!(
                 released = n,
@@ -281,18 +332,14 @@ impl Application {
                 warn!(error = %f.message, "could not release leases; they expire on their own")
             }
         }
-        // A connection still checked out (by a task outside the JoinSet) would make close()
-        // wait for ever; the process is exiting, and PostgreSQL ends abandoned sessions.
-        if tokio::time::timeout(std::time::Duration::from_secs(5), state.pool.close())
-            .await
-            .is_err()
-        {
-            warn!("database connections still in use after 5 s; exiting without them");
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+    };
+    if tokio::time::timeout(LEASE_RELEASE_WAIT, release)
+        .await
+        .is_err()
+    {
+        warn!(
+            "releasing leases took too long (another session holds them); they expire on their own"
+        );
     }
 }
 

@@ -140,11 +140,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 Ok(c) => c,
                 Err(code) => return Ok(code),
             };
-            let pool = app::connect(&config).await?;
-            crate::ledger::MIGRATOR
-                .run(&pool)
-                .await
-                .context("applying migrations")?;
+            app::migrate(&config).await?;
             println!("migrations applied");
             Ok(ExitCode::SUCCESS)
         }

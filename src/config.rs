@@ -176,6 +176,14 @@ pub struct DatabaseConfig {
     pub max_connections: u32,
     /// How long a request waits for a pooled connection before it is answered 503.
     pub acquire_timeout: DurationSpec,
+    /// `lock_timeout` of every session sweeper opens: no statement (planning, relay,
+    /// housekeeping, the ops endpoints, the lease release at shutdown) waits longer than this for
+    /// a lock another session holds. A command's own transaction uses `consume.lock_timeout`.
+    pub lock_timeout: DurationSpec,
+    /// `statement_timeout` of every session sweeper opens (a command's transaction uses
+    /// `consume.statement_timeout`). Must be shorter than `planning.lease`. Migrations run on a
+    /// connection of their own without either bound.
+    pub statement_timeout: DurationSpec,
 }
 
 impl Default for DatabaseConfig {
@@ -183,6 +191,8 @@ impl Default for DatabaseConfig {
         Self {
             max_connections: 10,
             acquire_timeout: DurationSpec::from_seconds(5),
+            lock_timeout: DurationSpec::from_seconds(5),
+            statement_timeout: DurationSpec::from_seconds(30),
         }
     }
 }
@@ -577,6 +587,8 @@ impl Config {
             ("queue.poll_interval", raw.queue.poll_interval),
             ("planning.lease", raw.planning.lease),
             ("database.acquire_timeout", raw.database.acquire_timeout),
+            ("database.lock_timeout", raw.database.lock_timeout),
+            ("database.statement_timeout", raw.database.statement_timeout),
             ("queue.drain", raw.queue.drain),
             (
                 "ledger.housekeeping_interval",
@@ -588,6 +600,13 @@ impl Config {
             }
         }
 
+        if raw.database.statement_timeout >= raw.planning.lease {
+            errors.push(format!(
+                "database.statement_timeout ({}) must be shorter than planning.lease ({}): a \
+                 planning page must not outlive its lease",
+                raw.database.statement_timeout, raw.planning.lease
+            ));
+        }
         if raw.auth.leeway.seconds() > 300 {
             errors.push(format!(
                 "auth.leeway ({}): at most 5m; a token's clock may be off by that much, no more",

@@ -14,6 +14,7 @@ mod emulator;
 mod ext_common;
 mod external;
 mod pubsub;
+mod shutdown;
 #[allow(dead_code)]
 #[path = "../integration/standin.rs"]
 mod standin;
