@@ -233,6 +233,7 @@ async fn physical(db: &str, batch: usize, conns: usize) -> f64 {
     let app = sweeper::app::Application::build(config).await.unwrap();
     let state = app.state();
     let principal = sweeper::auth::Principal {
+        credential: sweeper::auth::Credential::Bearer,
         subject: "bench".into(),
         scopes: ["ops:write".to_string()].into_iter().collect(),
     };

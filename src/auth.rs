@@ -130,6 +130,31 @@ pub struct Principal {
     pub subject: String,
     /// Its scopes.
     pub scopes: HashSet<String>,
+    /// How it authenticated.
+    pub credential: Credential,
+}
+
+/// The kind of credential a caller presented. Push systems authenticate with OIDC tokens
+/// (Pub/Sub push), query tokens (push systems without headers) or QStash signatures; a delivery
+/// so authenticated is answered by DESIGN §5's push column whatever its body holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Credential {
+    /// An HS256 token of `[[auth.issuer]]` (crons, curl, on-call).
+    Bearer,
+    /// An RS256/ES256 token of `[[auth.jwks_issuer]]` (Google OIDC from Pub/Sub push and
+    /// Cloud Scheduler).
+    Oidc,
+    /// A `[[auth.query_token]]` secret in `/consume?token=`.
+    QueryToken,
+    /// An `Upstash-Signature`.
+    QstashSignature,
+}
+
+impl Credential {
+    /// Whether a `/consume` delivery with this credential comes from a push system.
+    pub fn is_push(self) -> bool {
+        !matches!(self, Credential::Bearer)
+    }
 }
 
 impl Principal {
@@ -217,6 +242,7 @@ pub fn verify(issuers: &[Issuer], token: &str, leeway: u64) -> Result<Principal,
     }
     let scope = crate::token::string_claim(&claims, "scope")?.unwrap_or("");
     Ok(Principal {
+        credential: Credential::Bearer,
         subject: sub.to_string(),
         scopes: scope
             // RFC 6749 §3.3: scopes are separated by the space character (%x20) only.

@@ -181,8 +181,8 @@ pub struct DatabaseConfig {
     /// a lock another session holds. A command's own transaction uses `consume.lock_timeout`.
     pub lock_timeout: DurationSpec,
     /// `statement_timeout` of every session sweeper opens (a command's transaction uses
-    /// `consume.statement_timeout`). Must be shorter than `planning.lease`. Migrations run on a
-    /// connection of their own without either bound.
+    /// `consume.statement_timeout`). Migrations run on a connection of their own without either
+    /// bound.
     pub statement_timeout: DurationSpec,
 }
 
@@ -600,13 +600,6 @@ impl Config {
             }
         }
 
-        if raw.database.statement_timeout >= raw.planning.lease {
-            errors.push(format!(
-                "database.statement_timeout ({}) must be shorter than planning.lease ({}): a \
-                 planning page must not outlive its lease",
-                raw.database.statement_timeout, raw.planning.lease
-            ));
-        }
         if raw.auth.leeway.seconds() > 300 {
             errors.push(format!(
                 "auth.leeway ({}): at most 5m; a token's clock may be off by that much, no more",

@@ -1113,14 +1113,18 @@ pub const RAW_BODY_LIMIT: usize = 8 * 1024;
 /// raw body and the SHA-256 of the whole body become a dead letter, so the queue can be
 /// acknowledged instead of redelivering a poison message for ever. The same body delivered again
 /// counts on the same open dead letter. Returns its id.
+///
+/// `body` is the body as read (only its first [`RAW_BODY_LIMIT`] bytes are kept), `size` and
+/// `sha256` (hex) those of the whole body.
 pub async fn quarantine_envelope(
     state: &AppState,
     body: &[u8],
+    size: usize,
+    sha256: &str,
     error: &str,
     subject: &str,
 ) -> Result<i64, Failure> {
-    use sha2::{Digest, Sha256};
-    let hash = hex::encode(Sha256::digest(body));
+    let hash = sha256.to_string();
     let cut = &body[..body.len().min(RAW_BODY_LIMIT)];
     let raw = String::from_utf8_lossy(cut).replace('\0', "\u{FFFD}");
     let reason = crate::http::printable(
@@ -1129,8 +1133,9 @@ pub async fn quarantine_envelope(
     );
     let id: i64 = sqlx::query_scalar(
         "insert into sweeper.dead_letters
-             (kind, reason, class, raw_body, raw_sha256, first_failure_at, last_failure_at)
-         values ('envelope', $1, 'permanent', $2, $3, sweeper.now(), sweeper.now())
+             (kind, reason, class, raw_body, raw_sha256, raw_size, first_failure_at,
+              last_failure_at)
+         values ('envelope', $1, 'permanent', $2, $3, $4, sweeper.now(), sweeper.now())
          on conflict (raw_sha256) where kind = 'envelope' and status = 'open'
          do update set last_failure_at = excluded.last_failure_at,
                        failures = sweeper.dead_letters.failures + 1
@@ -1139,6 +1144,7 @@ pub async fn quarantine_envelope(
     .bind(reason)
     .bind(raw)
     .bind(hash)
+    .bind(size as i64)
     .fetch_one(&state.pool)
     .await
     .map_err(|e| Failure::from_db(&e))?;

@@ -30,6 +30,8 @@ pub struct DeadLetter {
     pub raw_body: Option<String>,
     /// For an envelope: SHA-256 of the whole body, hex.
     pub raw_sha256: Option<String>,
+    /// For an envelope: the size of the whole body, in bytes.
+    pub raw_size: Option<i64>,
     /// First failure.
     pub first_failure_at: DateTime<Utc>,
     /// Last failure.
@@ -51,7 +53,7 @@ pub struct DeadLetter {
 }
 
 const COLUMNS: &str = "dead_letter_id, kind, run_id, policy, command_id, item_key, reason, class,
-    attempts, raw_body, raw_sha256, first_failure_at, last_failure_at, failures, status,
+    attempts, raw_body, raw_sha256, raw_size, first_failure_at, last_failure_at, failures, status,
     resolved_at, resolved_by, resolution_reason, created_at,
     extract(epoch from sweeper.now() - created_at)::float8 as age_seconds";
 

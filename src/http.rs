@@ -16,6 +16,7 @@ use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetReques
 use tower_http::trace::TraceLayer;
 use tracing::{error, info};
 
+use crate::answer::{Answer, answer};
 use crate::app::AppState;
 use crate::auth::{self, Principal};
 use crate::consume::{self, ConsumeOutcome, Envelope, Executor};
@@ -58,27 +59,27 @@ fn handler_for(method: &str, path: &str, state: &AppState) -> MethodRouter<AppSt
             let slots = Arc::new(tokio::sync::Semaphore::new(
                 state.config.consume.max_in_flight as usize,
             ));
-            post(consume_handler)
-                .layer::<_, std::convert::Infallible>(DefaultBodyLimit::max(CONSUME_BODY_LIMIT))
-                .layer::<_, std::convert::Infallible>(
-                    tower::ServiceBuilder::new()
-                        .layer(axum::error_handling::HandleErrorLayer::new(
-                            move |_: tower::BoxError| async move {
-                                crate::metrics::consume_shed();
-                                Problem::new(
-                                    StatusCode::SERVICE_UNAVAILABLE,
-                                    "overloaded",
-                                    "this replica is handling consume.max_in_flight deliveries; \
+            // The body is read by the handler itself, against a limit that depends on the
+            // credential (see `read_body`).
+            post(consume_handler).layer::<_, std::convert::Infallible>(
+                tower::ServiceBuilder::new()
+                    .layer(axum::error_handling::HandleErrorLayer::new(
+                        move |_: tower::BoxError| async move {
+                            crate::metrics::consume_shed();
+                            Problem::new(
+                                StatusCode::SERVICE_UNAVAILABLE,
+                                "overloaded",
+                                "this replica is handling consume.max_in_flight deliveries; \
                                      nothing was recorded, retry later",
-                                )
-                                .retry_after(retry_after)
-                            },
-                        ))
-                        .layer(tower::load_shed::LoadShedLayer::new())
-                        .layer(tower::limit::GlobalConcurrencyLimitLayer::with_semaphore(
-                            slots,
-                        )),
-                )
+                            )
+                            .retry_after(retry_after)
+                        },
+                    ))
+                    .layer(tower::load_shed::LoadShedLayer::new())
+                    .layer(tower::limit::GlobalConcurrencyLimitLayer::with_semaphore(
+                        slots,
+                    )),
+            )
         }
         ("GET", "/runs") => get(crate::ops::list_runs),
         ("GET", "/runs/{run_id}") => get(crate::ops::get_run),
@@ -105,7 +106,17 @@ pub fn router(state: AppState) -> Router {
     let retry_after = state.config.consume.retry_after.seconds() as u64;
     let mut r = Router::new();
     for (method, path) in ROUTES {
-        r = r.route(path, handler_for(method, path, &state));
+        let h = handler_for(method, path, &state);
+        // A declared Content-Length over the limit is answered 413 at once, before any body
+        // arrives (tower-http's limit reads the header); /consume decides its own limit.
+        let h = if *path == "/consume" {
+            h
+        } else {
+            h.layer(tower_http::limit::RequestBodyLimitLayer::new(
+                SMALL_BODY_LIMIT,
+            ))
+        };
+        r = r.route(path, h);
     }
     r.fallback(|| async {
         Problem::new(
@@ -319,8 +330,14 @@ impl Caller {
     /// For a caller authenticated by `Upstash-Signature`: fails with 401 unless the signature's
     /// `body` claim is the hash of exactly these bytes. Other callers pass.
     pub fn verify_body(&self, body: &[u8]) -> Result<(), Problem> {
+        use sha2::Digest;
+        self.verify_digest(&sha2::Sha256::digest(body).into())
+    }
+
+    /// [`Caller::verify_body`] for a body whose SHA-256 is already known.
+    pub fn verify_digest(&self, sha256: &[u8; 32]) -> Result<(), Problem> {
         match &self.1 {
-            Some(claimed) if !crate::qstash::body_matches(claimed, body) => {
+            Some(claimed) if !crate::qstash::digest_matches(claimed, sha256) => {
                 info!("Upstash-Signature names another body");
                 Err(Problem::unauthenticated(
                     Some("Upstash-Signature"),
@@ -462,42 +479,147 @@ async fn trigger_handler(
     Ok(resp)
 }
 
+/// Largest `/consume` body accepted from an authenticated push system, in bytes. A push body
+/// over [`CONSUME_BODY_LIMIT`] can never succeed, and a push system redelivers what it is not
+/// acknowledged: such a body is read as a stream up to this cap (hashed, its first 8 KiB kept),
+/// quarantined as an envelope and answered 200 (DESIGN §5). Past the cap: 413.
+pub const PUSH_BODY_HARD_CAP: usize = 10 * 1024 * 1024;
+
+/// A `/consume` body as read: all of it when it is within [`CONSUME_BODY_LIMIT`], else its first
+/// [`consume::RAW_BODY_LIMIT`] bytes; its size and SHA-256 always cover every byte.
+struct ReadBody {
+    bytes: Vec<u8>,
+    size: usize,
+    sha256: [u8; 32],
+}
+
+fn too_large(limit: usize) -> Problem {
+    Problem::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "body-too-large",
+        format!("the body is larger than {limit} bytes; nothing was recorded"),
+    )
+}
+
+/// Reads `body` up to `cap` bytes, hashing all of it. A declared `Content-Length` over `cap` is
+/// refused before any byte is read.
+async fn read_body(
+    headers: &HeaderMap,
+    body: axum::body::Body,
+    cap: usize,
+) -> Result<ReadBody, Problem> {
+    use axum::body::HttpBody;
+    use sha2::Digest;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > cap as u64) {
+        return Err(too_large(cap));
+    }
+    let mut body = std::pin::pin!(body);
+    let mut hasher = sha2::Sha256::new();
+    let mut bytes = Vec::new();
+    let mut size = 0usize;
+    while let Some(frame) = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
+        let frame = frame.map_err(|e| {
+            info!(error = %e, "the request body could not be read");
+            Problem::new(
+                StatusCode::BAD_REQUEST,
+                "bad-request",
+                "the request body could not be read (the client stopped sending, or its framing is invalid)",
+            )
+        })?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        size += data.len();
+        if size > cap {
+            return Err(too_large(cap));
+        }
+        hasher.update(&data);
+        let room = (CONSUME_BODY_LIMIT + 1).saturating_sub(bytes.len());
+        bytes.extend_from_slice(&data[..data.len().min(room)]);
+    }
+    if size > CONSUME_BODY_LIMIT {
+        bytes.truncate(consume::RAW_BODY_LIMIT);
+    }
+    Ok(ReadBody {
+        bytes,
+        size,
+        sha256: hasher.finalize().into(),
+    })
+}
+
+/// Acknowledges a body that can never succeed from an authenticated sender, after quarantining
+/// it (DESIGN §5: a push system would redeliver it for ever).
+async fn quarantine_and_ack(
+    state: &AppState,
+    body: &ReadBody,
+    why: &str,
+    caller: &Caller,
+) -> Result<Response, Problem> {
+    let retry_after = state.config.consume.retry_after.seconds() as u64;
+    let id = consume::quarantine_envelope(
+        state,
+        &body.bytes,
+        body.size,
+        &hex::encode(body.sha256),
+        why,
+        &caller.0.subject,
+    )
+    .await
+    .map_err(|f| Problem::unavailable(f.message, retry_after))?;
+    info!(dead_letter_id = id, size = body.size, error = %why, "unusable envelope quarantined");
+    Ok((
+        StatusCode::OK,
+        Json(json!({"result": "quarantined_envelope", "dead_letter_id": id, "error": why})),
+    )
+        .into_response())
+}
+
 async fn consume_handler(
     State(state): State<AppState>,
     caller: Caller,
     headers: HeaderMap,
-    body: axum::body::Bytes,
+    body: axum::body::Body,
 ) -> Result<Response, Problem> {
-    caller.verify_body(&body)?;
+    // Whether this is an authenticated push is decided by the credential, before the body is
+    // read: it decides the body limit and DESIGN §5's column.
+    let push_credential = caller.0.credential.is_push();
+    let cap = if push_credential {
+        PUSH_BODY_HARD_CAP
+    } else {
+        CONSUME_BODY_LIMIT
+    };
     caller.require("consume")?;
+    let body = read_body(&headers, body, cap).await?;
+    caller.verify_digest(&body.sha256)?;
+    if body.size > CONSUME_BODY_LIMIT {
+        let why = format!(
+            "the body is {} bytes, over the {CONSUME_BODY_LIMIT}-byte limit of an envelope",
+            body.size
+        );
+        return quarantine_and_ack(&state, &body, &why, &caller).await;
+    }
     let retry_after = state.config.consume.retry_after.seconds() as u64;
     // A Pub/Sub push (wrapped or unwrapped) or a QStash delivery is answered by DESIGN §5's
     // push column.
-    let push = crate::pubsub::parse_push(&headers, &body);
-    if let Some(p) = &push {
+    let pubsub = crate::pubsub::parse_push(&headers, &body.bytes);
+    if let Some(p) = &pubsub {
         info!(message_id = ?p.message_id, delivery_attempt = ?p.delivery_attempt, "Pub/Sub push");
     }
-    let qstash = caller.1.is_some();
-    if qstash {
+    if caller.0.credential == crate::auth::Credential::QstashSignature {
         let header = |h: &str| headers.get(h).and_then(|v| v.to_str().ok());
         info!(message_id = ?header("upstash-message-id"), retried = ?header("upstash-retried"),
               "QStash delivery");
     }
-    let envelope = match delivered_envelope(push.as_ref(), &body) {
+    let push = push_credential || pubsub.is_some();
+    let envelope = match delivered_envelope(pubsub.as_ref(), &body.bytes) {
         Ok(e) => e,
-        Err(why) => {
-            // A poison message from an authenticated sender: quarantine it and acknowledge, so
-            // the queue does not redeliver it for ever (DESIGN §5).
-            let id = consume::quarantine_envelope(&state, &body, &why, &caller.0.subject)
-                .await
-                .map_err(|f| Problem::unavailable(f.message, retry_after))?;
-            info!(dead_letter_id = id, error = %why, "unparseable envelope quarantined");
-            return Ok((
-                StatusCode::OK,
-                Json(json!({"result": "quarantined_envelope", "dead_letter_id": id, "error": why})),
-            )
-                .into_response());
-        }
+        // A poison message from an authenticated sender: quarantine it and acknowledge, so
+        // the queue does not redeliver it for ever (DESIGN §5).
+        Err(why) => return quarantine_and_ack(&state, &body, &why, &caller).await,
     };
     let outcome = consume::execute(
         &state,
@@ -507,55 +629,40 @@ async fn consume_handler(
     )
     .await
     .map_err(|f| Problem::unavailable(f.message, retry_after))?;
-    let body = match outcome {
-        ConsumeOutcome::Executed {
+    if let ConsumeOutcome::Unknown { command_id } = &outcome {
+        info!(
             command_id,
-            counts,
-            run_status,
-        } => {
-            json!({"command_id": command_id, "result": "executed", "counts": counts, "run_status": run_status})
-        }
-        ConsumeOutcome::Duplicate { command_id, state } => {
-            json!({"command_id": command_id, "result": "duplicate", "state": state})
-        }
-        ConsumeOutcome::Quarantined { command_id, error } => {
-            json!({"command_id": command_id, "result": "quarantined", "error": error})
-        }
-        ConsumeOutcome::UnknownOfTerminalRun { command_id } => {
-            json!({"command_id": command_id, "result": "unknown_command_of_terminal_run"})
-        }
-        ConsumeOutcome::NotNow {
-            reason,
+            push, "delivery of a command the ledger does not know"
+        );
+        crate::metrics::consume_unknown_command();
+    }
+    match answer(&envelope.command_id, outcome, push) {
+        Answer::Ok(body) => Ok((StatusCode::OK, Json(body)).into_response()),
+        Answer::Republish {
+            body,
             retry_after_seconds,
-        } if push.is_some() || qstash => {
+        } => {
             // Pub/Sub ignores Retry-After and slows the whole subscription after nacks; QStash
             // spends one of its few retries on every non-2xx: commit "publish again when due",
             // then acknowledge.
             crate::relay::request_republish(&state, &envelope.command_id, retry_after_seconds)
                 .await
                 .map_err(|f| Problem::unavailable(f.message, retry_after))?;
-            json!({"command_id": envelope.command_id, "result": "not_now", "reason": reason,
-                   "republish_in_seconds": retry_after_seconds})
+            Ok((StatusCode::OK, Json(body)).into_response())
         }
-        ConsumeOutcome::NotNow {
+        Answer::NotNow {
             reason,
             retry_after_seconds,
-        } => {
-            return Err(
-                Problem::new(StatusCode::SERVICE_UNAVAILABLE, "not-now", reason)
-                    .retry_after(retry_after_seconds),
-            );
-        }
-        ConsumeOutcome::Unknown { command_id } => {
-            return Err(Problem::new(
-                StatusCode::NOT_FOUND,
-                "unknown-command",
-                format!("no command `{command_id}` in the ledger"),
-            ));
-        }
-        ConsumeOutcome::Stale => unreachable!("deliveries hold no claim"),
-    };
-    Ok((StatusCode::OK, Json(body)).into_response())
+        } => Err(
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, "not-now", reason)
+                .retry_after(retry_after_seconds),
+        ),
+        Answer::UnknownCommand { command_id } => Err(Problem::new(
+            StatusCode::NOT_FOUND,
+            "unknown-command",
+            format!("no command `{command_id}` in the ledger"),
+        )),
+    }
 }
 
 /// The envelope a `/consume` body carries: from the Pub/Sub push `push` when the body is one

@@ -129,6 +129,7 @@ impl QueryToken {
                     == 0
             })
             .map(|t| Principal {
+                credential: crate::auth::Credential::QueryToken,
                 subject: t.subject.clone(),
                 scopes: HashSet::from(["consume".to_string()]),
             })
@@ -353,6 +354,7 @@ pub async fn verify(
             .cloned()
             .unwrap_or_default();
         return Ok(Principal {
+            credential: crate::auth::Credential::Oidc,
             subject: principal,
             scopes,
         });

@@ -4,6 +4,7 @@
 #![warn(missing_docs)]
 
 pub mod action;
+pub mod answer;
 pub mod app;
 pub mod audit;
 pub mod auth;

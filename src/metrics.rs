@@ -69,6 +69,13 @@ pub fn consume_shed() {
     counter!("sweeper_consume_shed_total").increment(1);
 }
 
+/// Counts a `/consume` delivery of a command the ledger does not know (and whose run is not
+/// terminal): `sweeper_consume_unknown_commands_total`. A push is acknowledged, a generic
+/// envelope answered 404; either way an operator may want to know.
+pub fn consume_unknown_command() {
+    counter!("sweeper_consume_unknown_commands_total").increment(1);
+}
+
 /// Reads the ledger-wide values and renders everything in Prometheus text format.
 ///
 /// The ledger-wide values go through a recorder local to this scrape, so concurrent scrapes

@@ -244,6 +244,7 @@ impl Qstash {
         let body_hash = crate::token::required(&claims, "body")?.to_string();
         Ok(Signed {
             principal: Principal {
+                credential: crate::auth::Credential::QstashSignature,
                 subject: self.config.subject.clone(),
                 scopes: self.config.scopes.iter().cloned().collect(),
             },
@@ -264,8 +265,12 @@ pub struct Signed {
 /// Whether `claimed` (the signature's `body` claim) is base64url(SHA-256(`body`)), ignoring
 /// `=` padding on both sides (QStash's documented example is padded; the receiver strips it).
 pub fn body_matches(claimed: &str, body: &[u8]) -> bool {
-    let actual = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(Sha256::digest(body));
-    claimed.trim_end_matches('=') == actual
+    digest_matches(claimed, &Sha256::digest(body).into())
+}
+
+/// [`body_matches`] for a body whose SHA-256 is already known (read as a stream).
+pub fn digest_matches(claimed: &str, sha256: &[u8; 32]) -> bool {
+    claimed.trim_end_matches('=') == base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(sha256)
 }
 
 /// Publishes commands to QStash.

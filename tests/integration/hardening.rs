@@ -276,6 +276,7 @@ async fn any_bytes_to_consume_get_a_documented_answer_and_leave_the_ledger_consi
                         "quarantined",
                         "quarantined_envelope",
                         "unknown_command_of_terminal_run",
+                        "unknown_command",
                         "not_now"
                     ]
                     .contains(&result),

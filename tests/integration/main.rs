@@ -12,6 +12,7 @@ mod hardening;
 mod jwks;
 mod planning;
 mod pubsub;
+mod push_bodies;
 mod qstash;
 mod standin;
 mod tokens;
