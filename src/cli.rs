@@ -150,11 +150,6 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 Ok(c) => c,
                 Err(code) => return Ok(code),
             };
-            println!(
-                "{}: configuration is valid ({} policies)",
-                path.display(),
-                config.policies.len()
-            );
             for q in &config.query_tokens {
                 println!(
                     "warning: auth.query_token[{}]: a token in /consume's query string is weaker \
@@ -163,20 +158,44 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     q.subject
                 );
             }
-            let pool = app::connect(&config).await?;
-            let findings = crate::policy_check::check_policies(&pool, &config.policies).await?;
-            let errors = findings
-                .iter()
-                .filter(|f| f.level == crate::policy_check::Level::Error)
-                .count();
+            // The verdict comes last, after every finding, so the last line tells.
+            let checked = async {
+                let pool = app::connect(&config).await?;
+                let findings = crate::policy_check::check_policies(&pool, &config.policies).await;
+                pool.close().await;
+                anyhow::Ok(findings?)
+            };
+            let findings = match checked.await {
+                Ok(f) => f,
+                Err(e) => {
+                    println!("error: {e:#}");
+                    println!(
+                        "{}: the configuration parses, but it could not be checked against the \
+                         database; the server would refuse to start",
+                        path.display()
+                    );
+                    return Ok(ExitCode::FAILURE);
+                }
+            };
+            let count = |level| findings.iter().filter(|f| f.level == level).count();
+            let errors = count(crate::policy_check::Level::Error);
+            let warnings = count(crate::policy_check::Level::Warning);
             for f in &findings {
                 println!("{f}");
             }
             if errors > 0 {
-                println!("{errors} error(s): the server would refuse to start");
+                println!(
+                    "{}: {errors} error(s): the server would refuse to start",
+                    path.display()
+                );
                 Ok(ExitCode::FAILURE)
             } else {
-                println!("database checks passed");
+                println!(
+                    "{}: configuration is valid ({} policies, {warnings} warning(s)); database \
+                     checks passed",
+                    path.display(),
+                    config.policies.len()
+                );
                 Ok(ExitCode::SUCCESS)
             }
         }

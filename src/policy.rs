@@ -655,13 +655,16 @@ pub struct ColumnInfo {
     pub type_sql: String,
     /// `pg_type.typname` (e.g. `int8`, `timestamptz`).
     pub type_name: String,
+    /// Whether the column is declared NOT NULL.
+    pub not_null: bool,
 }
 
 impl TableInfo {
     /// Reads `table`'s columns; `Ok(None)` when the table does not exist.
     pub async fn load(pool: &PgPool, table: &TableName) -> sqlx::Result<Option<TableInfo>> {
-        let rows: Vec<(String, String, String)> = sqlx::query_as(
-            "select a.attname::text, format_type(a.atttypid, a.atttypmod), t.typname::text
+        let rows: Vec<(String, String, String, bool)> = sqlx::query_as(
+            "select a.attname::text, format_type(a.atttypid, a.atttypmod), t.typname::text,
+                    a.attnotnull
                from pg_attribute a join pg_type t on t.oid = a.atttypid
               where a.attrelid = to_regclass($1) and a.attnum > 0 and not a.attisdropped",
         )
@@ -674,12 +677,13 @@ impl TableInfo {
         Ok(Some(TableInfo {
             columns: rows
                 .into_iter()
-                .map(|(name, type_sql, type_name)| {
+                .map(|(name, type_sql, type_name, not_null)| {
                     (
                         name,
                         ColumnInfo {
                             type_sql,
                             type_name,
+                            not_null,
                         },
                     )
                 })

@@ -53,7 +53,31 @@ pub async fn check_policies(pool: &PgPool, policies: &[Policy]) -> sqlx::Result<
     Ok(out)
 }
 
+/// Findings that need no database: a retention shorter than the schedule's period.
+pub fn check_schedule(p: &Policy) -> Option<Finding> {
+    let period = p.schedule.shortest_period_seconds();
+    let retain = p.spec.retain_for_seconds;
+    (retain < period).then(|| Finding {
+        level: Level::Warning,
+        policy: p.name.to_string(),
+        message: {
+            let (r, per) = (
+                crate::config::DurationSpec::from_seconds(retain),
+                crate::config::DurationSpec::from_seconds(period),
+            );
+            format!(
+                "retain_for ({r}) is shorter than the schedule's period ({per}): each run deletes \
+                 every record older than its window minus {r}, so a record is kept anywhere from \
+                 {r} to {per} + {r} depending on when in the period it was written; retention is \
+                 really decided by the schedule. Make sure that is meant, or set retain_for to \
+                 at least {per}"
+            )
+        },
+    })
+}
+
 async fn check_policy(pool: &PgPool, p: &Policy, out: &mut Vec<Finding>) -> sqlx::Result<()> {
+    out.extend(check_schedule(p));
     let mut say = |level, message: String| {
         out.push(Finding {
             level,
@@ -134,6 +158,17 @@ async fn check_policy(pool: &PgPool, p: &Policy, out: &mut Vec<Finding>) -> sqlx
             .bind(t.key.as_str())
             .fetch_one(pool)
             .await?;
+            if col(t.key.as_str()).is_some_and(|c| !c.not_null) {
+                say(
+                    Level::Warning,
+                    format!(
+                        "target.key: column {} admits NULL; a row whose key is NULL can never be \
+                         named by a command, so it is kept and reported on every run as held \
+                         `null_key` (declare the column NOT NULL)",
+                        t.key.as_str()
+                    ),
+                );
+            }
             if !unique {
                 say(
                     Level::Error,
@@ -221,6 +256,16 @@ async fn check_policy(pool: &PgPool, p: &Policy, out: &mut Vec<Finding>) -> sqlx
                 c.type_sql
             ),
         ),
+    }
+    if col(t.timestamp.as_str()).is_some_and(|c| !c.not_null) {
+        say(
+            Level::Warning,
+            format!(
+                "target.timestamp: column {} admits NULL; a row whose timestamp is NULL is never \
+                 eligible, so it is kept and reported on every run as held `null_timestamp`",
+                t.timestamp.as_str()
+            ),
+        );
     }
     if col(t.timestamp.as_str()).is_some() {
         let indexed: bool = sqlx::query_scalar(

@@ -511,3 +511,90 @@ async fn check_config_names_the_table_privileges_the_database_role_lacks() {
         .await
         .unwrap();
 }
+
+/// Nullable key and timestamp columns, and a retention shorter than the schedule's period, are
+/// warned about by name; the verdict is the last line, after every finding (also when the
+/// database cannot be reached).
+#[tokio::test]
+async fn check_config_warns_of_nullable_columns_and_short_retention_and_ends_with_its_verdict() {
+    let db = TestDb::create().await;
+    let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(
+        "create schema app;
+         create table app.nk (k text unique, at timestamptz not null);
+         create index on app.nk (at);
+         create table app.nt (id bigint primary key, at timestamptz);
+         create index on app.nt (at)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let policies = r#"
+[[policy]]
+name = "nullable-key"
+schedule = { cron = "0 2 * * *" }
+target = { table = "app.nk", key = "k", timestamp = "at" }
+retain_for = "90d"
+
+[[policy]]
+name = "nullable-timestamp"
+schedule = { cron = "0 2 * * *" }
+target = { table = "app.nt", key = "id", timestamp = "at" }
+retain_for = "1s"
+"#;
+    let path = write_config(&config_toml(&db.url, 0, "", policies));
+    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    for expected in [
+        "warning: policy[nullable-key]: target.key: column k admits NULL",
+        "warning: policy[nullable-timestamp]: target.timestamp: column at admits NULL",
+        "warning: policy[nullable-timestamp]: retain_for (1s) is shorter than the schedule's period (1d)",
+    ] {
+        assert!(
+            stdout.contains(expected),
+            "missing `{expected}` in:\n{stdout}"
+        );
+    }
+    assert!(
+        !stdout.contains("policy[nullable-key]: retain_for"),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("policy[nullable-key]: target.timestamp"),
+        "{stdout}"
+    );
+    let last = stdout.lines().last().unwrap();
+    assert!(
+        last.contains("configuration is valid (2 policies, 3 warning(s))"),
+        "{stdout}"
+    );
+
+    // A database error comes before the verdict, never after a "valid".
+    let nowhere = write_config(&config_toml(
+        "postgres://127.0.0.1:1/nowhere",
+        0,
+        "",
+        policies,
+    ));
+    let out = sweeper(&["check-config", "--config", nowhere.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(!stdout.contains("is valid"), "{stdout}");
+    assert!(
+        stdout.lines().next().unwrap().starts_with("error: "),
+        "{stdout}"
+    );
+    assert!(
+        stdout
+            .lines()
+            .last()
+            .unwrap()
+            .contains("the server would refuse to start"),
+        "{stdout}"
+    );
+}
