@@ -814,6 +814,9 @@ pub async fn record_closure_check(
     let mut q: QueryBuilder<Postgres> = QueryBuilder::new("select count(*) from (select 1 from ");
     q.push(rules.table_sql());
     q.push(" where ");
+    // Rows without a key are held (`null_key`, counted at planning), not remaining.
+    rules.push_has_key(&mut q);
+    q.push(" and ");
     rules.push_eligible(&mut q);
     q.push(" limit ");
     q.push_bind(cap);

@@ -109,6 +109,16 @@ pub async fn render(pool: &PgPool) -> sqlx::Result<String> {
     )
     .fetch_one(pool)
     .await?;
+    // What the latest planned run of each policy held, per reason (`null_timestamp`,
+    // `null_key`, exclusions): rows that stay, run after run.
+    let held: Vec<(String, String, i64)> = sqlx::query_as(
+        "select r.policy, h.key, h.value::bigint
+           from (select distinct on (policy) policy, held_at_planning from sweeper.runs
+                  where planning_done and not dry_run order by policy, window_at desc) r,
+                jsonb_each_text(r.held_at_planning) h",
+    )
+    .fetch_all(pool)
+    .await?;
     let last: Vec<(String, f64)> = sqlx::query_as(
         "select policy, extract(epoch from max(completed_at))::float8 from sweeper.runs
           where status = 'completed' and not dry_run group by policy",
@@ -145,6 +155,10 @@ pub async fn render(pool: &PgPool) -> sqlx::Result<String> {
                 .map(|(_, n)| *n)
                 .unwrap_or(0);
             gauge!("sweeper_runs", "status" => s).set(n as f64);
+        }
+        for (policy, reason, n) in &held {
+            gauge!("sweeper_held_at_planning", "policy" => policy.clone(), "reason" => reason.clone())
+                .set(*n as f64);
         }
         for (policy, at) in &last {
             gauge!("sweeper_last_successful_run_timestamp_seconds", "policy" => policy.clone())

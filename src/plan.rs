@@ -144,15 +144,17 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new("");
     if !fixed_width {
         q.push(
-            "select item_key, old_enough, reason, scanned from (
+            "select item_key, old_enough, null_timestamp, reason, scanned from (
                  select p.*, sum(octet_length(p.item_key)) over (order by p.sort_key) as key_bytes,
                         count(*) over () as scanned
                    from (",
         );
     }
     rules.push_classify_select(&mut q);
+    q.push(" where ");
+    rules.push_has_key(&mut q);
     if let Some(c) = &cursor {
-        q.push(format!(" where {} > cast(", rules.key_sql()));
+        q.push(format!(" and {} > cast(", rules.key_sql()));
         q.push_bind(c.clone());
         q.push(format!(" as {})", rules.key_type()));
     }
@@ -192,11 +194,17 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         Some(i) => Some(rows[i].get("item_key")),
         None => cursor.clone(),
     };
+    // Held rows per reason: older than the cutoff but excluded, or never eligible because their
+    // timestamp is NULL (`null_timestamp`: counted exactly, since the key-order walk visits
+    // every row with a key).
     let mut held: BTreeMap<String, i64> = BTreeMap::new();
     if let Some(last) = last_row {
         for r in &rows[..=last] {
             let old_enough: bool = r.get("old_enough");
-            if let (true, Some(reason)) = (old_enough, r.get::<Option<String>, _>("reason")) {
+            if r.get::<bool, _>("null_timestamp") {
+                *held.entry(NULL_TIMESTAMP.to_string()).or_default() += 1;
+            } else if let (true, Some(reason)) = (old_enough, r.get::<Option<String>, _>("reason"))
+            {
                 *held.entry(reason).or_default() += 1;
             }
         }
@@ -217,6 +225,14 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     let n_commands = batches.len() as i32;
     let n_items = take as i64;
     let done = end_of_table && take == eligible.len();
+    if done {
+        let null_keys = count_null_keys(&mut tx, &rules, state.config.planning.closure_check_cap)
+            .await
+            .map_err(db)?;
+        if null_keys > 0 {
+            held.insert(NULL_KEY.to_string(), null_keys);
+        }
+    }
 
     if n_commands > 0 {
         sqlx::query(
@@ -309,6 +325,28 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     } else {
         Ok(PlanStep::Page)
     }
+}
+
+/// The held reason of rows whose timestamp is NULL: never eligible (DESIGN §2.3), kept.
+pub const NULL_TIMESTAMP: &str = "null_timestamp";
+/// The held reason of rows whose key is NULL (a nullable key column): no command can name them.
+pub const NULL_KEY: &str = "null_key";
+
+/// Counts, up to `cap`, the rows that would be eligible but have a NULL key (a unique index
+/// admits any number of NULLs). Uses the key's index.
+async fn count_null_keys(
+    conn: &mut sqlx::PgConnection,
+    rules: &RuleSet,
+    cap: i64,
+) -> sqlx::Result<i64> {
+    let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new("select count(*) from (select 1 from ");
+    q.push(rules.table_sql());
+    q.push(format!(" where {} is null and ", rules.key_sql()));
+    rules.push_eligible(&mut q);
+    q.push(" limit ");
+    q.push_bind(cap);
+    q.push(") capped");
+    q.build_query_scalar().fetch_one(conn).await
 }
 
 /// Runs planning jobs until `shutdown`; nudged by triggers, and polling as a fallback.

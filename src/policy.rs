@@ -877,7 +877,8 @@ impl RuleSet {
 
     /// Starts the classifying scan used by planning and by execution:
     /// `select key as sort_key, key::text as item_key, <old enough> as old_enough,
-    /// <first exclusion> as reason from <table>`; the caller adds its `where`.
+    /// <timestamp> is null as null_timestamp, <first exclusion> as reason from <table>`; the
+    /// caller adds its `where`.
     pub fn classify_select(&self) -> QueryBuilder<'static, Postgres> {
         let mut q = QueryBuilder::new("");
         self.push_classify_select(&mut q);
@@ -893,6 +894,8 @@ impl RuleSet {
         q.push("::text as item_key, ");
         self.push_old_enough(q);
         q.push(" as old_enough, ");
+        self.push_timestamp(q);
+        q.push(" is null as null_timestamp, ");
         self.push_excluded_reason(q);
         q.push(" as reason from ");
         q.push(self.table_sql());
@@ -905,6 +908,12 @@ impl RuleSet {
         q.push(" and ");
         self.push_excluded_reason(q);
         q.push(" is null)");
+    }
+
+    /// Pushes `key is not null`: a row without a key cannot be named by a command (it is counted
+    /// as held `null_key` instead).
+    pub fn push_has_key(&self, q: &mut QueryBuilder<'_, Postgres>) {
+        q.push(format!("{} is not null", self.key_sql()));
     }
 
     /// Pushes `key = any(cast($keys as keytype[]))`.

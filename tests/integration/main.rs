@@ -17,3 +17,4 @@ mod qstash;
 mod standin;
 mod tokens;
 mod trigger;
+mod visibility;
