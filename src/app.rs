@@ -96,8 +96,15 @@ impl Application {
     /// (an error in any policy fails the start, with the same messages as `check-config`),
     /// registers policy versions, and binds the listener.
     pub async fn build(config: Config) -> anyhow::Result<Application> {
-        // Install the process recorder now: counters incremented before it exists are lost.
-        crate::metrics::handle();
+        // Install the process recorder now (counters incremented before it exists are lost),
+        // with every counter at 0.
+        crate::metrics::register(
+            &config
+                .dependencies
+                .iter()
+                .map(|d| d.name.clone())
+                .collect::<Vec<_>>(),
+        );
         if config.migrate_on_start {
             migrate(&config).await?;
         }

@@ -17,6 +17,66 @@ use crate::retry::FailureClass;
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
+/// Every series `GET /metrics` exports (the README lists the same), each present from start-up:
+/// process counters at 0 for every label value known then (attempt outcomes and classes, the
+/// configured dependencies), ledger-wide values for every state, status and configured policy.
+/// Only `sweeper_held_at_planning` has a series per reason a run actually held.
+pub const SERIES: &[&str] = &[
+    "sweeper_dead_letters_open",
+    "sweeper_dead_letters_oldest_open_age_seconds",
+    "sweeper_quarantined_total",
+    "sweeper_attempts_total",
+    "sweeper_commands",
+    "sweeper_oldest_due_command_age_seconds",
+    "sweeper_runs",
+    "sweeper_planning_jobs_failing",
+    "sweeper_last_successful_run_timestamp_seconds",
+    "sweeper_held_at_planning",
+    "sweeper_consume_shed_total",
+    "sweeper_consume_unknown_commands_total",
+    "sweeper_dependency_calls_total",
+    "sweeper_dependency_pauses_total",
+];
+
+/// (outcome, class) of `sweeper_attempts_total` that can occur.
+const ATTEMPT_LABELS: &[(&str, &str)] = &[
+    ("succeeded", "none"),
+    ("failed", "transient"),
+    ("failed", "permanent"),
+    ("snoozed", "throttled"),
+    ("quarantined", "transient"),
+    ("quarantined", "throttled"),
+    ("quarantined", "permanent"),
+];
+
+/// Results of `sweeper_dependency_calls_total`.
+const CALL_RESULTS: &[&str] = &[
+    "done",
+    "already_absent",
+    "transient",
+    "throttled",
+    "permanent",
+];
+
+/// Registers every process counter at 0 (see [`SERIES`]), so alerts can be written before the
+/// first incident: a counter that appears only when it first moves cannot be told from a
+/// scrape that lost it.
+pub fn register(dependencies: &[String]) {
+    handle();
+    for (outcome, class) in ATTEMPT_LABELS {
+        counter!("sweeper_attempts_total", "outcome" => *outcome, "class" => *class).increment(0);
+    }
+    counter!("sweeper_consume_shed_total").increment(0);
+    counter!("sweeper_consume_unknown_commands_total").increment(0);
+    for d in dependencies {
+        counter!("sweeper_dependency_pauses_total", "dependency" => d.clone()).increment(0);
+        for r in CALL_RESULTS {
+            counter!("sweeper_dependency_calls_total", "dependency" => d.clone(), "result" => *r)
+                .increment(0);
+        }
+    }
+}
+
 /// Installs the process-wide recorder once and returns its handle.
 pub fn handle() -> &'static PrometheusHandle {
     HANDLE.get_or_init(|| {
@@ -80,7 +140,10 @@ pub fn consume_unknown_command() {
 ///
 /// The ledger-wide values go through a recorder local to this scrape, so concurrent scrapes
 /// (or several applications in one test process) cannot mix their numbers.
-pub async fn render(pool: &PgPool) -> sqlx::Result<String> {
+///
+/// `policies` are the configured policies: each has a
+/// `sweeper_last_successful_run_timestamp_seconds`, 0 until its first successful run.
+pub async fn render(pool: &PgPool, policies: &[&str]) -> sqlx::Result<String> {
     let (open, oldest_open, quarantined_total): (i64, Option<f64>, i64) = sqlx::query_as(
         "select count(*) filter (where status = 'open'),
                 extract(epoch from sweeper.now() - min(created_at) filter (where status = 'open'))::float8,
@@ -160,9 +223,14 @@ pub async fn render(pool: &PgPool) -> sqlx::Result<String> {
             gauge!("sweeper_held_at_planning", "policy" => policy.clone(), "reason" => reason.clone())
                 .set(*n as f64);
         }
-        for (policy, at) in &last {
-            gauge!("sweeper_last_successful_run_timestamp_seconds", "policy" => policy.clone())
-                .set(*at);
+        for policy in policies {
+            let at = last
+                .iter()
+                .find(|(p, _)| p == policy)
+                .map(|(_, at)| *at)
+                .unwrap_or(0.0);
+            gauge!("sweeper_last_successful_run_timestamp_seconds", "policy" => policy.to_string())
+                .set(at);
         }
     });
     let process = handle();

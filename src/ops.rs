@@ -262,7 +262,13 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
 
 /// `GET /metrics`: Prometheus text (no token: scrape it from inside the cluster).
 pub async fn metrics(State(state): State<AppState>) -> Response {
-    match crate::metrics::render(&state.pool).await {
+    let policies: Vec<&str> = state
+        .config
+        .policies
+        .iter()
+        .map(|p| p.name.as_str())
+        .collect();
+    match crate::metrics::render(&state.pool, &policies).await {
         Ok(text) => (
             StatusCode::OK,
             [(

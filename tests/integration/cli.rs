@@ -235,13 +235,22 @@ async fn the_token_command_mints_tokens_the_server_accepts() {
 
 /// Starts `sweeper serve` as a child process with `tz` as its time zone; returns it and its URL.
 async fn serve_process(db_url: &str, tz: &str) -> (std::process::Child, String) {
+    serve_process_with(db_url, tz, &ticket_policy(10)).await
+}
+
+/// [`serve_process`] with other policies (and dependencies).
+async fn serve_process_with(
+    db_url: &str,
+    tz: &str,
+    policies: &str,
+) -> (std::process::Child, String) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let text = config_toml(db_url, 2, "", &ticket_policy(10))
-        .replace("127.0.0.1:0", &format!("127.0.0.1:{port}"));
+    let text =
+        config_toml(db_url, 2, "", policies).replace("127.0.0.1:0", &format!("127.0.0.1:{port}"));
     let path = write_config(&text);
     let child = Command::new(BIN)
         .args(["serve", "--config", path.to_str().unwrap()])
@@ -597,4 +606,52 @@ retain_for = "1s"
             .contains("the server would refuse to start"),
         "{stdout}"
     );
+}
+
+/// Every documented series is in the first scrape of a fresh process, before anything happened
+/// (an alert cannot be written against a series that appears only once it moves).
+#[tokio::test]
+async fn every_documented_series_is_exported_from_start_up() {
+    let db = TestDb::create().await;
+    let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(TICKETS).execute(&pool).await.unwrap();
+    // One held row, so the latest run's held figures exist too.
+    let policies = format!(
+        "{}\n[[dependency]]\nname = \"payments\"\nbase_url = \"https://api.payments.example\"\n",
+        ticket_policy(10)
+    );
+    let (mut child, base) = serve_process_with(&db.url, "UTC", &policies).await;
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    for series in sweeper::metrics::SERIES {
+        assert!(readme.contains(series), "README does not document {series}");
+        if *series == "sweeper_held_at_planning" {
+            continue; // one series per reason a run held: none yet
+        }
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with(&format!("{series}{{"))
+                    || l.starts_with(&format!("{series} "))),
+            "{series} missing from the first scrape:\n{text}"
+        );
+    }
+    for expected in [
+        "sweeper_consume_shed_total 0",
+        "sweeper_attempts_total{outcome=\"quarantined\",class=\"permanent\"} 0",
+        "sweeper_dependency_calls_total{dependency=\"payments\",result=\"throttled\"} 0",
+        "sweeper_last_successful_run_timestamp_seconds{policy=\"ticket-retention\"} 0",
+    ] {
+        assert!(
+            text.lines().any(|l| l == expected),
+            "no `{expected}` in:\n{text}"
+        );
+    }
 }
