@@ -343,6 +343,10 @@ pub struct LedgerConfig {
     pub purge_batch: i64,
     /// How often housekeeping runs.
     pub housekeeping_interval: DurationSpec,
+    /// Work held longer than this (a command or planning job whose target's schema does not
+    /// match, or whose policy changed its target) is *overdue*: `held.overdue` on the run and
+    /// `sweeper_held_overdue`, so an alert fires though held work spends no budget.
+    pub hold_alert_after: DurationSpec,
 }
 
 impl Default for LedgerConfig {
@@ -351,6 +355,7 @@ impl Default for LedgerConfig {
             command_retention: DurationSpec::from_seconds(30 * 86_400),
             purge_batch: 1_000,
             housekeeping_interval: DurationSpec::from_seconds(60),
+            hold_alert_after: DurationSpec::from_seconds(15 * 60),
         }
     }
 }
@@ -594,6 +599,7 @@ impl Config {
                 "ledger.housekeeping_interval",
                 raw.ledger.housekeeping_interval,
             ),
+            ("ledger.hold_alert_after", raw.ledger.hold_alert_after),
         ] {
             if d.seconds() < 1 {
                 errors.push(format!("{name}: must be at least 1s"));
@@ -757,6 +763,11 @@ impl Config {
     /// The policy named `name`, if configured.
     pub fn policy(&self, name: &str) -> Option<&Policy> {
         self.policies.iter().find(|p| p.name.as_str() == name)
+    }
+
+    /// The policy a command id (`{policy}:{window}:{batch_no}`) belongs to, if configured.
+    pub fn policy_by_command(&self, command_id: &str) -> Option<&Policy> {
+        self.policy(command_id.split(':').next()?)
     }
 }
 

@@ -18,7 +18,7 @@ use tracing::{info, warn};
 use crate::app::AppState;
 use crate::ledger;
 use crate::policy::RuleSet;
-use crate::retry::{Failure, FailureClass};
+use crate::retry::{Failure, FailureClass, HoldKind};
 
 /// The built-in envelope: identity only, never data (DESIGN §2.12).
 ///
@@ -702,15 +702,9 @@ async fn load(
         .await
         .map_err(AttemptError::Failed)?;
     let run_id: String = row.get("run_id");
-    let rules = match RuleSet::effective(&pinned, current.as_deref(), cutoff, window, &table) {
-        Ok(r) => r.with_effects(&policy, &run_id),
-        Err(held) => {
-            return Ok(Step::Done(ConsumeOutcome::NotNow {
-                reason: format!("held: {held}"),
-                retry_after_seconds: 60,
-            }));
-        }
-    };
+    let rules = RuleSet::effective(&pinned, current.as_deref(), cutoff, window, &table)
+        .map_err(|held| AttemptError::Failed(held.into_failure()))?
+        .with_effects(&policy, &run_id);
     Ok(Step::Run(Box::new(Loaded {
         run_id,
         policy,
@@ -916,9 +910,11 @@ pub(crate) async fn record_failure(
             retry_after_seconds: state.config.consume.retry_after.seconds() as u64,
         });
     }
-    if f.class == FailureClass::Permanent && f.message.contains("SQLSTATE 42") {
-        // A schema error: read the catalog afresh next time.
-        state.catalog.forget_all();
+    if f.class == FailureClass::Held(HoldKind::Schema)
+        && let Some(p) = state.config.policy_by_command(command_id)
+    {
+        // The target's schema does not match: read its columns afresh at the next try.
+        state.catalog.forget(&p.spec.target.table);
     }
     let mut tx = state.pool.begin().await.map_err(db)?;
     let row = sqlx::query(
@@ -977,6 +973,39 @@ pub(crate) async fn record_failure(
         Executor::Delivery => attempts + 1,
         Executor::Claimed(n) => n,
     };
+    if let FailureClass::Held(kind) = f.class {
+        // Not a failure: no attempt, no budget, never a quarantine (DESIGN §14).
+        // As for a snooze: the attempt this try ran as is given back.
+        let attempts_after = this_attempt - 1;
+        let recheck = hold_recheck_seconds(state);
+        sqlx::query(
+            "update sweeper.commands
+                set state = 'pending', attempts = $2, lease_until = null, lease_owner = null,
+                    calling_since = null,
+                    next_attempt_at = sweeper.now() + make_interval(secs => $3),
+                    held_kind = $4, held_reason = $5,
+                    held_since = coalesce(held_since, sweeper.now()),
+                    age_credit_seconds = age_credit_seconds
+                        + coalesce(extract(epoch from sweeper.now() - held_seen_at), 0),
+                    held_seen_at = sweeper.now(),
+                    last_error = $5, last_error_class = null
+              where command_id = $1",
+        )
+        .bind(command_id)
+        .bind(attempts_after)
+        .bind(recheck as f64)
+        .bind(kind.as_str())
+        .bind(&f.message)
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        info!(command_id, kind = kind.as_str(), reason = %f.message, "command held");
+        return Ok(ConsumeOutcome::NotNow {
+            reason: format!("held ({}): {}", kind.as_str(), f.message),
+            retry_after_seconds: recheck,
+        });
+    }
     let attempts_after = if snooze {
         this_attempt - 1
     } else {
@@ -998,6 +1027,7 @@ pub(crate) async fn record_failure(
             "with c as (
                  update sweeper.commands
                     set state = 'quarantined', attempts = $2, finished_at = sweeper.now(), calling_since = null,
+                        held_kind = null, held_reason = null, held_since = null, held_seen_at = null,
                         lease_until = null, lease_owner = null, last_error = $3, last_error_class = $4
                   where command_id = $1
               returning due_since),
@@ -1070,7 +1100,8 @@ pub(crate) async fn record_failure(
              update sweeper.commands
                 set state = 'pending', attempts = $2, lease_until = null, lease_owner = null, calling_since = null,
                     next_attempt_at = sweeper.now() + make_interval(secs => $3),
-                    last_error = $4, last_error_class = $5
+                    last_error = $4, last_error_class = $5,
+                    held_kind = null, held_reason = null, held_since = null, held_seen_at = null
               where command_id = $1)
          insert into sweeper.attempts
              (command_id, attempt_no, started_at, ended_at, outcome, class, error, delay_seconds)
@@ -1107,6 +1138,12 @@ pub(crate) async fn record_failure(
         },
         retry_after_seconds: delay.ceil() as u64,
     })
+}
+
+/// Seconds between two checks of held work: `consume.retry_after`, at least 5 s (every check
+/// is a claim, a catalog read and a rollback; a push command is republished each time).
+pub fn hold_recheck_seconds(state: &AppState) -> u64 {
+    (state.config.consume.retry_after.seconds() as u64).max(5)
 }
 
 /// The most of an unparseable body kept in its dead letter, in bytes.

@@ -204,7 +204,8 @@ pub async fn redrive(
                         publish_due = transport <> 'builtin',
                         due_since = sweeper.now(), age_credit_seconds = 0,
                         publish_generation = publish_generation + 1, finished_at = null,
-                        lease_until = null, lease_owner = null
+                        lease_until = null, lease_owner = null, held_kind = null,
+                        held_reason = null, held_since = null, held_seen_at = null
                   where command_id = $1 and state = 'quarantined'",
             )
             .bind(&command_id)
@@ -238,7 +239,8 @@ pub async fn redrive(
                         due_since = sweeper.now(), age_credit_seconds = 0,
                         publish_generation = sweeper.commands.publish_generation + 1,
                         finished_at = null, lease_until = null, lease_owner = null,
-                        last_error = null, last_error_class = null
+                        last_error = null, last_error_class = null, held_kind = null,
+                        held_reason = null, held_since = null, held_seen_at = null
                  returning command_id",
             )
             .bind(&run_id)

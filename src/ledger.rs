@@ -162,6 +162,42 @@ pub async fn list_runs(
         .await
 }
 
+/// What holds a run's work, if anything: its oldest hold (planning job or non-terminal command),
+/// as `{kind, detail, since, held_commands, planning_held, overdue}`; `overdue` when it is
+/// older than `alert_after_seconds`.
+pub async fn run_hold(
+    pool: &PgPool,
+    run_id: &str,
+    alert_after_seconds: i64,
+) -> sqlx::Result<Option<serde_json::Value>> {
+    let row: Option<(String, String, DateTime<Utc>, i64, bool, bool)> = sqlx::query_as(
+        "with h as (
+             select held_kind, held_reason, held_since, false as planning
+               from sweeper.commands
+              where run_id = $1 and held_since is not null and state in ('pending', 'leased')
+             union all
+             select held_kind, held_reason, held_since, true
+               from sweeper.planning_jobs
+              where run_id = $1 and held_since is not null and not done)
+         select held_kind, held_reason, held_since,
+                (select count(*) from h where not planning),
+                (select bool_or(planning) from h),
+                held_since < sweeper.now() - make_interval(secs => $2)
+           from h order by held_since limit 1",
+    )
+    .bind(run_id)
+    .bind(alert_after_seconds as f64)
+    .fetch_optional(pool)
+    .await?;
+    Ok(
+        row.map(|(kind, detail, since, commands, planning, overdue)| {
+            serde_json::json!({"kind": kind, "detail": detail, "since": since,
+                           "held_commands": commands, "planning_held": planning,
+                           "overdue": overdue})
+        }),
+    )
+}
+
 /// Commands of a run per state (`pending`, `leased`, `succeeded`, `quarantined`, `cancelled`).
 pub async fn command_states(pool: &PgPool, run_id: &str) -> sqlx::Result<BTreeMap<String, i64>> {
     let rows: Vec<(String, i64)> = sqlx::query_as(

@@ -32,6 +32,9 @@ pub const SERIES: &[&str] = &[
     "sweeper_planning_jobs_failing",
     "sweeper_last_successful_run_timestamp_seconds",
     "sweeper_held_at_planning",
+    "sweeper_held",
+    "sweeper_held_overdue",
+    "sweeper_held_oldest_age_seconds",
     "sweeper_consume_shed_total",
     "sweeper_consume_unknown_commands_total",
     "sweeper_dependency_calls_total",
@@ -143,7 +146,13 @@ pub fn consume_unknown_command() {
 ///
 /// `policies` are the configured policies: each has a
 /// `sweeper_last_successful_run_timestamp_seconds`, 0 until its first successful run.
-pub async fn render(pool: &PgPool, policies: &[&str]) -> sqlx::Result<String> {
+///
+/// `hold_alert_after` (seconds) makes held work overdue (`sweeper_held_overdue`).
+pub async fn render(
+    pool: &PgPool,
+    policies: &[&str],
+    hold_alert_after: i64,
+) -> sqlx::Result<String> {
     let (open, oldest_open, quarantined_total): (i64, Option<f64>, i64) = sqlx::query_as(
         "select count(*) filter (where status = 'open'),
                 extract(epoch from sweeper.now() - min(created_at) filter (where status = 'open'))::float8,
@@ -180,6 +189,21 @@ pub async fn render(pool: &PgPool, policies: &[&str]) -> sqlx::Result<String> {
                   where planning_done and not dry_run order by policy, window_at desc) r,
                 jsonb_each_text(r.held_at_planning) h",
     )
+    .fetch_all(pool)
+    .await?;
+    // Held work: non-terminal commands and planning jobs waiting for the schema or an operator.
+    let held_work: Vec<(String, i64, i64, Option<f64>)> = sqlx::query_as(
+        "select held_kind, count(*),
+                count(*) filter (where held_since < sweeper.now() - make_interval(secs => $1)),
+                extract(epoch from sweeper.now() - min(held_since))::float8
+           from (select held_kind, held_since from sweeper.commands
+                  where held_since is not null and state in ('pending', 'leased')
+                 union all
+                 select held_kind, held_since from sweeper.planning_jobs
+                  where held_since is not null and not done) h
+          group by held_kind",
+    )
+    .bind(hold_alert_after as f64)
     .fetch_all(pool)
     .await?;
     let last: Vec<(String, f64)> = sqlx::query_as(
@@ -219,6 +243,18 @@ pub async fn render(pool: &PgPool, policies: &[&str]) -> sqlx::Result<String> {
                 .unwrap_or(0);
             gauge!("sweeper_runs", "status" => s).set(n as f64);
         }
+        let mut oldest_held: f64 = 0.0;
+        for kind in [
+            crate::retry::HoldKind::Schema,
+            crate::retry::HoldKind::PolicyChanged,
+        ] {
+            let k = kind.as_str();
+            let row = held_work.iter().find(|(hk, ..)| hk == k);
+            gauge!("sweeper_held", "kind" => k).set(row.map_or(0, |r| r.1) as f64);
+            gauge!("sweeper_held_overdue", "kind" => k).set(row.map_or(0, |r| r.2) as f64);
+            oldest_held = oldest_held.max(row.and_then(|r| r.3).unwrap_or(0.0));
+        }
+        gauge!("sweeper_held_oldest_age_seconds").set(oldest_held);
         for (policy, reason, n) in &held {
             gauge!("sweeper_held_at_planning", "policy" => policy.clone(), "reason" => reason.clone())
                 .set(*n as f64);

@@ -100,6 +100,12 @@ pub async fn get_run(
     .bind(&run_id)
     .fetch_optional(&state.pool)
     .await?;
+    let held = ledger::run_hold(
+        &state.pool,
+        &run_id,
+        state.config.ledger.hold_alert_after.seconds(),
+    )
+    .await?;
     let verdict = replay_verdict(&state, &run_id).await?;
     let open = crate::dead_letter::list(
         &state.pool,
@@ -114,6 +120,7 @@ pub async fn get_run(
     .await?;
     let mut body = serde_json::to_value(&run).map_err(Problem::internal)?;
     body["commands"] = json!(commands);
+    body["held"] = held.unwrap_or(serde_json::Value::Null);
     body["planning"] = match planning {
         Some((pages_done, done, failures, last_error, last_error_at)) => json!({
             "pages_done": pages_done, "done": done, "consecutive_failures": failures,
@@ -268,7 +275,13 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         .iter()
         .map(|p| p.name.as_str())
         .collect();
-    match crate::metrics::render(&state.pool, &policies).await {
+    match crate::metrics::render(
+        &state.pool,
+        &policies,
+        state.config.ledger.hold_alert_after.seconds(),
+    )
+    .await
+    {
         Ok(text) => (
             StatusCode::OK,
             [(

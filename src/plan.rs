@@ -71,6 +71,10 @@ pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
                 state.wake_workers.notify_waiters();
                 return Ok(step);
             }
+            Err(f) if matches!(f.class, crate::retry::FailureClass::Held(_)) => {
+                hold_job(state, &run_id, token, &f).await;
+                return Err(f);
+            }
             Err(f) => {
                 // Recorded on the job (shown on the run and in /metrics). A transient failure (a
                 // lost connection, a lock timeout) also gives the lease back so the next round
@@ -93,6 +97,38 @@ pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
             }
         }
     }
+}
+
+/// Records that planning `run_id` is held (its target's schema does not match, or the policy
+/// changed its target): not a failure, so `failures` stays; the job is tried again after
+/// [`crate::consume::hold_recheck_seconds`], with the table's columns read afresh.
+async fn hold_job(state: &AppState, run_id: &str, token: Uuid, f: &Failure) {
+    let crate::retry::FailureClass::Held(kind) = f.class else {
+        return;
+    };
+    if kind == crate::retry::HoldKind::Schema
+        && let Some(p) = state.config.policy_by_command(run_id)
+    {
+        state.catalog.forget(&p.spec.target.table);
+    }
+    let recheck = crate::consume::hold_recheck_seconds(state);
+    let r = sqlx::query(
+        "update sweeper.planning_jobs
+            set held_kind = $3, held_reason = $4, held_since = coalesce(held_since, sweeper.now()),
+                lease_until = sweeper.now() + make_interval(secs => $5)
+          where run_id = $1 and lease_token = $2",
+    )
+    .bind(run_id)
+    .bind(token)
+    .bind(kind.as_str())
+    .bind(&f.message)
+    .bind(recheck as f64)
+    .execute(&state.pool)
+    .await;
+    if let Err(e) = r {
+        warn!(run_id, error = %e, "could not record that planning is held");
+    }
+    info!(run_id, kind = kind.as_str(), reason = %f.message, "planning held");
 }
 
 /// Plans one page of `run_id` if `token` still holds the job's lease.
@@ -127,7 +163,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         .map_err(db)?;
     let table = state.catalog.get(&state.pool, &pinned.target.table).await?;
     let rules = RuleSet::effective(&pinned, current.as_ref(), cutoff, window, &table)
-        .map_err(|h| Failure::permanent(h.0))?
+        .map_err(|h| h.into_failure())?
         .with_effects(&policy, run_id);
     let batch_size = state
         .config
@@ -264,7 +300,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     sqlx::query(
         "update sweeper.planning_jobs
             set cursor_key = $2, next_batch_no = next_batch_no + $3, pages_done = pages_done + 1,
-                failures = 0,
+                failures = 0, held_kind = null, held_reason = null, held_since = null,
                 done = $4, lease_until = (select sweeper.now()) + make_interval(secs => $5)
           where run_id = $1",
     )

@@ -717,10 +717,32 @@ pub struct RuleSet {
     column_types: HashMap<String, String>,
 }
 
-/// Why a rule set could not be built: the command must wait for an operator.
+/// Why a rule set could not be built: the work waits (is *held*) until the database or the
+/// policy is put right.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("{0}")]
-pub struct Held(pub String);
+#[error("{detail}")]
+pub struct Held {
+    /// What holds it.
+    pub kind: HoldKind,
+    /// Why, for operators.
+    pub detail: String,
+}
+
+pub use crate::retry::HoldKind;
+
+impl Held {
+    fn schema(detail: String) -> Self {
+        Held {
+            kind: HoldKind::Schema,
+            detail,
+        }
+    }
+
+    /// As a failure of class `held`.
+    pub fn into_failure(self) -> crate::retry::Failure {
+        crate::retry::Failure::held(self.kind, self.detail)
+    }
+}
 
 impl RuleSet {
     /// The stricter of the pinned and the current version (DESIGN §2.10): exclusions are the
@@ -737,11 +759,12 @@ impl RuleSet {
         let mut cutoff = run_cutoff;
         if let Some(cur) = current {
             if cur.target != pinned.target || cur.action != pinned.action {
-                return Err(Held(
-                    "the policy's current version changes its target, timestamp or action; \
-                     an operator must decide what happens to this run"
+                return Err(Held {
+                    kind: HoldKind::PolicyChanged,
+                    detail: "the policy's current version changes its target, timestamp or \
+                             action; an operator must decide what happens to this run"
                         .into(),
-                ));
+                });
             }
             for e in &cur.exclude {
                 if !exclude.contains(e) {
@@ -752,14 +775,19 @@ impl RuleSet {
             cutoff = cutoff.min(current_cutoff);
         }
         let mut column_types = HashMap::new();
-        let key_type = table.type_of(&pinned.target.key).map_err(Held)?.to_string();
-        table.type_of(&pinned.target.timestamp).map_err(Held)?;
+        let key_type = table
+            .type_of(&pinned.target.key)
+            .map_err(Held::schema)?
+            .to_string();
+        table
+            .type_of(&pinned.target.timestamp)
+            .map_err(Held::schema)?;
         for e in &exclude {
-            let t = table.type_of(&e.column).map_err(Held)?;
+            let t = table.type_of(&e.column).map_err(Held::schema)?;
             column_types.insert(e.column.as_str().to_string(), t.to_string());
         }
         for c in pinned.action.columns() {
-            table.type_of(c).map_err(Held)?;
+            table.type_of(c).map_err(Held::schema)?;
         }
         Ok(RuleSet {
             target: pinned.target.clone(),
@@ -978,38 +1006,48 @@ mod tests {
     }
 }
 
-/// A per-process cache of [`TableInfo`], filled on first use of each table.
+/// Longest a cached view of a table's columns is used before the catalog is read again, so a
+/// schema change that raised no error (a column retyped, or restored) is seen within this.
+pub const CATALOG_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// A per-process cache of [`TableInfo`], filled on first use of each table, read again after
+/// [`CATALOG_MAX_AGE`] or when work on the table is held for its schema.
 #[derive(Debug, Default)]
 pub struct Catalog {
-    tables: std::sync::Mutex<HashMap<TableName, std::sync::Arc<TableInfo>>>,
+    tables: std::sync::Mutex<HashMap<TableName, (std::time::Instant, std::sync::Arc<TableInfo>)>>,
 }
 
 impl Catalog {
-    /// The columns of `table`; a missing table is a permanent failure.
+    /// The columns of `table`; a missing table holds the work (class `held`).
     pub async fn get(
         &self,
         pool: &PgPool,
         table: &TableName,
     ) -> Result<std::sync::Arc<TableInfo>, crate::retry::Failure> {
-        if let Some(t) = self.tables.lock().expect("catalog lock").get(table) {
+        if let Some((at, t)) = self.tables.lock().expect("catalog lock").get(table)
+            && at.elapsed() < CATALOG_MAX_AGE
+        {
             return Ok(t.clone());
         }
         let info = TableInfo::load(pool, table)
             .await
             .map_err(|e| crate::retry::Failure::from_db(&e))?
             .ok_or_else(|| {
-                crate::retry::Failure::permanent(format!("table {table} does not exist"))
+                crate::retry::Failure::held(
+                    HoldKind::Schema,
+                    format!("table {table} does not exist"),
+                )
             })?;
         let info = std::sync::Arc::new(info);
         self.tables
             .lock()
             .expect("catalog lock")
-            .insert(table.clone(), info.clone());
+            .insert(table.clone(), (std::time::Instant::now(), info.clone()));
         Ok(info)
     }
 
-    /// Forgets every table, so the next use reads the catalog again (after a schema error).
-    pub fn forget_all(&self) {
-        self.tables.lock().expect("catalog lock").clear();
+    /// Forgets `table`, so its next use reads the catalog again (after a schema error).
+    pub fn forget(&self, table: &TableName) {
+        self.tables.lock().expect("catalog lock").remove(table);
     }
 }

@@ -16,6 +16,33 @@ pub enum FailureClass {
     },
     /// Another attempt cannot help: quarantine now.
     Permanent,
+    /// Not the command's fault, and not for an attempt to fix: the target cannot be acted on as
+    /// configured right now. The work is *held* (DESIGN §14): no attempt and no budget spent,
+    /// never quarantined, re-checked every `consume.retry_after`.
+    Held(HoldKind),
+}
+
+/// What holds work that cannot run as configured (shown as `held.kind` on a run).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldKind {
+    /// The target's schema does not match the policy: SQLSTATE class 42 (a dropped or renamed
+    /// column, 42703, or table, 42P01; a revoked privilege, 42501), or a configured column the
+    /// catalog lacks. Re-checked with the table's columns read afresh, so the work proceeds on
+    /// its own once the schema is right again.
+    Schema,
+    /// The policy's current version changes the target, timestamp or action of a run pinned
+    /// to another version: an operator decides (cancel the run, or restore the policy).
+    PolicyChanged,
+}
+
+impl HoldKind {
+    /// `schema` or `policy_changed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HoldKind::Schema => "schema",
+            HoldKind::PolicyChanged => "policy_changed",
+        }
+    }
 }
 
 impl FailureClass {
@@ -25,6 +52,7 @@ impl FailureClass {
             FailureClass::Transient => "transient",
             FailureClass::Throttled { .. } => "throttled",
             FailureClass::Permanent => "permanent",
+            FailureClass::Held(_) => "held",
         }
     }
 }
@@ -55,6 +83,10 @@ impl Failure {
     pub fn permanent(message: impl Into<String>) -> Self {
         Self::new(FailureClass::Permanent, message)
     }
+    /// Work held, for `kind`.
+    pub fn held(kind: HoldKind, message: impl Into<String>) -> Self {
+        Self::new(FailureClass::Held(kind), message)
+    }
     fn new(class: FailureClass, message: impl Into<String>) -> Self {
         let mut message: String = message.into();
         if message.chars().count() > MAX_ERROR_CHARS {
@@ -67,8 +99,10 @@ impl Failure {
     ///
     /// Transient: lock and statement timeouts (SQLSTATE 55P03, 57014), serialization failures
     /// and deadlocks (40001, 40P01), connection and resource errors (class 08, 53, 57P0x), pool
-    /// timeouts and I/O. Permanent: integrity violations (class 23, e.g. a referencing foreign
-    /// key), errors raised by triggers (P0001), and schema errors (class 42: a dropped column).
+    /// timeouts and I/O. Held: schema errors (class 42: a dropped or renamed column or table, a
+    /// revoked privilege), which an operator fixes in the database, not in sweeper. Permanent:
+    /// integrity violations (class 23, e.g. a referencing foreign key), errors raised by triggers
+    /// (P0001), and the rest.
     pub fn from_db(e: &sqlx::Error) -> Self {
         match e {
             sqlx::Error::Database(db) => {
@@ -80,6 +114,8 @@ impl Failure {
                 let message = format!("{} (SQLSTATE {code})", db.message());
                 if transient {
                     Self::transient(message)
+                } else if code.starts_with("42") {
+                    Self::held(HoldKind::Schema, message)
                 } else {
                     Self::permanent(message)
                 }

@@ -210,13 +210,18 @@ pub fn config_toml(db_url: &str, workers: usize, extra: &str, policies: &str) ->
         .map(|l| format!("{l}\n"))
         .collect();
     let listen = own_listen.unwrap_or_else(|| "listen = \"127.0.0.1:0\"".into());
+    // An `extra` with a `[database]` table of its own sets the pool size there.
+    let database = if extra.contains("[database]") {
+        ""
+    } else {
+        "[database]\nmax_connections = 8"
+    };
     format!(
         r#"
 database_url = "{db_url}"
 {listen}
 migrate_on_start = true
-[database]
-max_connections = 8
+{database}
 [queue]
 workers = {workers}
 poll_interval = "1s"

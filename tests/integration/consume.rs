@@ -57,7 +57,7 @@ async fn rows_that_change_after_planning_are_rechecked_at_delete_time() {
     assert_eq!(run["eligible_planned"], 6, "{run}");
     assert_eq!(
         run["held_at_planning"],
-        serde_json::json!({"unknown:legal_hold": 1, "unknown:status": 1})
+        serde_json::json!({"unknown:legal_hold": 1, "unknown:status": 1, "null_timestamp": 1})
     );
 
     sqlx::query("update demo.tickets set legal_hold = true where id = 2")

@@ -14,6 +14,7 @@ mod planning;
 mod pubsub;
 mod push_bodies;
 mod qstash;
+mod schema_blip;
 mod standin;
 mod tokens;
 mod trigger;
