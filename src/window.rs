@@ -170,6 +170,19 @@ mod tests {
     }
 
     #[test]
+    fn a_repeated_hour_has_one_tick() {
+        // 01:30 happens twice in New York on 2025-11-02 (EDT, then EST): one window, the first.
+        let s = Schedule::new("30 1 * * *", "America/New_York").unwrap();
+        let ticks = s.ticks_on_local_date(NaiveDate::from_ymd_opt(2025, 11, 2).unwrap());
+        assert_eq!(ticks, vec![at("2025-11-02T05:30:00Z")]);
+        assert!(!s.is_tick(at("2025-11-02T06:30:00Z")));
+        assert_eq!(
+            s.latest_tick_at_or_before(at("2025-11-02T12:00:00Z")),
+            Some(at("2025-11-02T05:30:00Z"))
+        );
+    }
+
+    #[test]
     fn bad_expressions_and_zones_are_named() {
         assert!(
             Schedule::new("0 2 * *", "UTC")
