@@ -34,6 +34,18 @@ fn bad_query(e: impl std::fmt::Display) -> Problem {
     Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.to_string())
 }
 
+/// A `?policy=` filter must be a possible policy name (400 otherwise, as `openapi.yaml`'s
+/// pattern says): a name no policy can have would silently match nothing.
+fn policy_filter(policy: Option<&str>) -> Result<(), Problem> {
+    match policy {
+        Some(p) if crate::policy::PolicyName::parse(p).is_err() => Err(bad_query(
+            "policy must be a policy name: 1-63 characters of a-z, 0-9, `-` and `_`, starting \
+             with a letter or digit",
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// `GET /runs?policy=&status=&limit=` (scope `ops:read`): newest windows first, at most `limit`
 /// (default 50, at most 500).
 pub async fn list_runs(
@@ -43,6 +55,7 @@ pub async fn list_runs(
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
     let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
+    policy_filter(q.policy.as_deref())?;
     if let Some(s) = &q.status
         && !RUN_STATUSES.contains(&s.as_str())
     {
@@ -311,8 +324,26 @@ struct BulkRedriveBody {
     run_id: Option<String>,
     #[serde(default)]
     class: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "json_integer")]
     limit: Option<i64>,
+}
+
+/// An optional JSON Schema `integer`: any number with a zero fractional part (`514` and
+/// `514.0` alike; JSON Schema draft 2020-12 §6.1.1), within i64.
+fn json_integer<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+    use serde::de::Error;
+    match Option::<serde_json::Number>::deserialize(d)? {
+        None => Ok(None),
+        Some(n) => n
+            .as_i64()
+            .or_else(|| {
+                n.as_f64()
+                    .filter(|f| f.fract() == 0.0 && f.abs() < 9.2e18)
+                    .map(|f| f as i64)
+            })
+            .map(Some)
+            .ok_or_else(|| D::Error::custom(format!("`limit`: {n} is not an integer"))),
+    }
 }
 
 trait HasReason {
@@ -371,6 +402,7 @@ pub async fn list_dead_letters(
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
     let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
+    policy_filter(q.policy.as_deref())?;
     if let Some(c) = &q.class
         && !CLASSES.contains(&c.as_str())
     {
