@@ -197,7 +197,8 @@ def run_schemathesis(port, base, selection):
         "--request-timeout", "20", *selection,
     ]
     print("+", " ".join(cmd[1:]), flush=True)
-    return subprocess.run(cmd, env=env, timeout=900).returncode
+    # In the scratch directory: schemathesis keeps a cache (`.schemathesis/`) where it runs.
+    return subprocess.run(cmd, env=env, timeout=900, cwd=WORK).returncode
 
 
 def main():
