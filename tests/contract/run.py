@@ -222,6 +222,7 @@ def main():
             stop(proc)
     for name in (DB, TEMPLATE):
         psql(f"drop database if exists {name} with (force)")
+    shutil.rmtree(WORK, ignore_errors=True)
     if failed:
         sys.exit("schemathesis findings in: " + ", ".join(failed))
     print("schemathesis: no findings")
