@@ -26,6 +26,9 @@ pub struct AppState {
     pub config: Arc<Config>,
     /// Column types of target tables.
     pub catalog: Arc<Catalog>,
+    /// Per policy, the column types of its table when this replica checked it at start-up
+    /// (rules hold work on a column whose type changed since).
+    pub checked_types: Arc<std::collections::HashMap<String, crate::policy::CheckedTypes>>,
     /// Policy specs by version.
     pub specs: Arc<ledger::SpecCache>,
     /// Wakes idle built-in workers (new commands were planned).
@@ -125,6 +128,12 @@ impl Application {
             );
         }
         ledger::register_policy_versions(&pool, &config.policies).await?;
+        let mut checked_types = std::collections::HashMap::new();
+        for p in &config.policies {
+            if let Some(t) = crate::policy::TableInfo::load(&pool, &p.spec.target.table).await? {
+                checked_types.insert(p.name.to_string(), t.types());
+            }
+        }
         // One crypto provider for every rustls user (aws-lc-rs, crates.md §0).
         let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
         let tls = match &config.tls {
@@ -153,6 +162,7 @@ impl Application {
                 pool,
                 config: Arc::new(config),
                 catalog: Arc::new(Catalog::default()),
+                checked_types: Arc::new(checked_types),
                 specs: Arc::new(ledger::SpecCache::default()),
                 wake_workers: Arc::new(Notify::new()),
                 wake_planner: Arc::new(Notify::new()),

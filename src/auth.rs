@@ -232,9 +232,8 @@ pub fn verify(issuers: &[Issuer], token: &str, leeway: u64) -> Result<Principal,
             .map_err(|e| crate::token::from_library(&e))?
             .claims;
     crate::token::required(&claims, "iss")?;
-    if !claims.contains_key("aud") {
-        return Err(Refusal::MissingClaim("aud"));
-    }
+    // One string or an array of strings; the library compared the value.
+    crate::token::audience_shape(&claims)?;
     crate::token::check_times(&claims, crate::token::now_seconds(), leeway, false)?;
     let sub = crate::token::required(&claims, "sub")?;
     if sub.trim().is_empty() {

@@ -146,9 +146,19 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::CheckConfig { config } => {
             let path = config;
-            let config = match load(&path) {
+            let config = match Config::load(&path) {
                 Ok(c) => c,
-                Err(code) => return Ok(code),
+                Err(e) => {
+                    // The verdict is the last line, here too.
+                    eprintln!("{}: {e}", path.display());
+                    eprintln!(
+                        "{}: {} problem(s): the configuration is invalid; the server would refuse \
+                         to start",
+                        path.display(),
+                        e.0.len()
+                    );
+                    return Ok(ExitCode::from(2));
+                }
             };
             for q in &config.query_tokens {
                 println!(

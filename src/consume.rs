@@ -484,7 +484,8 @@ async fn attempt(
          c as (
              update sweeper.commands
                 set state = 'succeeded', attempts = attempts + $2, finished_at = sweeper.now(),
-                    lease_until = null, lease_owner = null, last_error = null, last_error_class = null
+                    lease_until = null, lease_owner = null, last_error = null, last_error_class = null,
+                    held_kind = null, held_reason = null, held_since = null, held_seen_at = null
               where command_id = $1
           returning attempts, redrive_of),
          a as (
@@ -562,7 +563,7 @@ async fn load(
         .map(|p| (p.name.as_str(), p.max_concurrent_commands as i32))
         .unzip();
     let row = sqlx::query(
-        "select c.state, c.item_keys, c.attempts, c.run_id,
+        "select c.state, c.item_keys, c.attempts, c.run_id, c.held_kind, c.held_reason,
                 greatest(0, extract(epoch from c.next_attempt_at - (select sweeper.now())))::float8
                     as due_in_seconds,
                 c.redrive_of, r.policy, r.policy_version, r.window_at, r.cutoff, r.dry_run,
@@ -632,6 +633,17 @@ async fn load(
         return Ok(Step::Done(ConsumeOutcome::Stale));
     }
     let due_in: f64 = row.get("due_in_seconds");
+    if due_in > 0.0
+        && let (Some(kind), Some(why)) = (
+            row.get::<Option<String>, _>("held_kind"),
+            row.get::<Option<String>, _>("held_reason"),
+        )
+    {
+        return Ok(Step::Done(ConsumeOutcome::NotNow {
+            reason: format!("held ({kind}): {why}; checked again in {}s", due_in.ceil()),
+            retry_after_seconds: due_in.ceil() as u64,
+        }));
+    }
     if due_in > 0.0 {
         return Ok(Step::Done(ConsumeOutcome::NotNow {
             reason: format!(
@@ -702,9 +714,16 @@ async fn load(
         .await
         .map_err(AttemptError::Failed)?;
     let run_id: String = row.get("run_id");
-    let rules = RuleSet::effective(&pinned, current.as_deref(), cutoff, window, &table)
-        .map_err(|held| AttemptError::Failed(held.into_failure()))?
-        .with_effects(&policy, &run_id);
+    let rules = RuleSet::effective(
+        &pinned,
+        current.as_deref(),
+        cutoff,
+        window,
+        &table,
+        state.checked_types.get(&policy),
+    )
+    .map_err(|held| AttemptError::Failed(held.into_failure()))?
+    .with_effects(&policy, &run_id);
     Ok(Step::Run(Box::new(Loaded {
         run_id,
         policy,

@@ -560,7 +560,8 @@ async fn close(
                  update sweeper.commands
                     set state = 'succeeded', finished_at = sweeper.now(), lease_until = null,
                         lease_owner = null, last_error = null, last_error_class = null,
-                        calling_since = null
+                        calling_since = null, held_kind = null, held_reason = null,
+                        held_since = null, held_seen_at = null
                   where command_id = $1
               returning attempts, redrive_of),
              a as (

@@ -297,6 +297,11 @@ pub async fn problem_for_plain_errors(resp: Response) -> Response {
     };
     let detail = if status.is_server_error() {
         "an internal error occurred; the request id identifies it in the logs".to_string()
+    } else if status == StatusCode::PAYLOAD_TOO_LARGE {
+        format!(
+            "the body is larger than this endpoint accepts ({SMALL_BODY_LIMIT} bytes); nothing \
+             was recorded"
+        )
     } else {
         String::from_utf8_lossy(&text).chars().take(500).collect()
     };
@@ -392,11 +397,13 @@ impl FromRequestParts<AppState> for Caller {
                                 .find(|(k, _)| k == "token")
                                 .map(|(_, v)| v.into_owned())
                         })
-                        .and_then(|t| {
+                        .map_or(Err(Refusal::Missing), |t| {
+                            // A token that is no configured one is an unknown key, not a
+                            // missing credential.
                             crate::jwks::QueryToken::verify(&state.config.query_tokens, &t)
-                        })
-                        .map(|p| (p, None))
-                        .ok_or(Refusal::Missing),
+                                .map(|p| (p, None))
+                                .ok_or(Refusal::UnknownKey)
+                        }),
                     _ => Err(Refusal::Missing),
                 },
             ),

@@ -162,9 +162,16 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         .await
         .map_err(db)?;
     let table = state.catalog.get(&state.pool, &pinned.target.table).await?;
-    let rules = RuleSet::effective(&pinned, current.as_ref(), cutoff, window, &table)
-        .map_err(|h| h.into_failure())?
-        .with_effects(&policy, run_id);
+    let rules = RuleSet::effective(
+        &pinned,
+        current.as_ref(),
+        cutoff,
+        window,
+        &table,
+        state.checked_types.get(&policy),
+    )
+    .map_err(|h| h.into_failure())?
+    .with_effects(&policy, run_id);
     let batch_size = state
         .config
         .policy(&policy)

@@ -257,6 +257,22 @@ pub struct Policy {
     pub retry: RetryPolicy,
     /// Cap on commands executing at once, across replicas.
     pub max_concurrent_commands: u32,
+    /// The kinds of TOML literal each exclusion's values were written as, in `spec.exclude`
+    /// order (not part of the version: the values are compared as text cast to the column's
+    /// type, and check-config refuses a boolean or number written for a text column, where the
+    /// cast would silently change what matches).
+    pub exclusion_literals: Vec<Vec<Literal>>,
+}
+
+/// How an exclusion value was written in TOML.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Literal {
+    /// `true` / `false`.
+    Bool,
+    /// An integer or a float.
+    Number,
+    /// A string.
+    Text,
 }
 
 /// A scalar value in TOML (`equals = true`, `in = ["open", "pending_export"]`).
@@ -274,6 +290,14 @@ pub enum Scalar {
 }
 
 impl Scalar {
+    fn literal(&self) -> Literal {
+        match self {
+            Scalar::Bool(_) => Literal::Bool,
+            Scalar::Int(_) | Scalar::Float(_) => Literal::Number,
+            Scalar::Text(_) => Literal::Text,
+        }
+    }
+
     fn to_text(&self) -> String {
         match self {
             Scalar::Bool(b) => b.to_string(),
@@ -530,9 +554,19 @@ impl Policy {
             errors.push("max_concurrent_commands: must be between 1 and 1000".into());
         }
         let mut exclude = Vec::new();
+        let mut exclusion_literals = Vec::new();
         for (i, e) in c.exclude.iter().enumerate() {
             match exclusion_from_config(e) {
-                Ok(x) => exclude.push(x),
+                Ok(x) => {
+                    exclude.push(x);
+                    exclusion_literals.push(
+                        e.equals
+                            .iter()
+                            .chain(e.in_.iter().flatten())
+                            .map(Scalar::literal)
+                            .collect(),
+                    );
+                }
                 Err(msg) => errors.push(format!("exclude[{i}]: {msg}")),
             }
         }
@@ -591,6 +625,7 @@ impl Policy {
             version,
             retry,
             max_concurrent_commands,
+            exclusion_literals,
         })
     }
 
@@ -646,6 +681,20 @@ fn exclusion_from_config(e: &ExclusionConfig) -> Result<Exclusion, String> {
 pub struct TableInfo {
     /// Column name → (`format_type` text, `typname`, is it NOT NULL).
     pub columns: HashMap<String, ColumnInfo>,
+}
+
+/// Column name → type (`format_type`, e.g. `boolean`) of a policy's table as this replica
+/// checked it at start-up; rules built later hold the work when a column's type differs.
+pub type CheckedTypes = HashMap<String, String>;
+
+impl TableInfo {
+    /// Every column's type, as [`CheckedTypes`].
+    pub fn types(&self) -> CheckedTypes {
+        self.columns
+            .iter()
+            .map(|(n, c)| (n.clone(), c.type_sql.clone()))
+            .collect()
+    }
 }
 
 /// One column.
@@ -754,6 +803,7 @@ impl RuleSet {
         run_cutoff: chrono::DateTime<chrono::Utc>,
         window: chrono::DateTime<chrono::Utc>,
         table: &TableInfo,
+        checked: Option<&CheckedTypes>,
     ) -> Result<RuleSet, Held> {
         let mut exclude = pinned.exclude.clone();
         let mut cutoff = run_cutoff;
@@ -774,20 +824,30 @@ impl RuleSet {
             let current_cutoff = window - chrono::TimeDelta::seconds(cur.retain_for_seconds);
             cutoff = cutoff.min(current_cutoff);
         }
+        // Every column the rules use must exist, with the type this replica checked the policy
+        // against: a retyped column can change what a value matches (`'true'` cast to text
+        // never equals `'t'`), so it holds the work instead of deleting under other rules.
+        let type_of = |c: &Ident| -> Result<&str, Held> {
+            let t = table.type_of(c).map_err(Held::schema)?;
+            match checked.and_then(|m| m.get(c.as_str())) {
+                Some(was) if was != t => Err(Held::schema(format!(
+                    "column `{}` is {t} now; this replica checked the policy against {was}: \
+                     restore the type, or check the policy (sweeper check-config) and restart \
+                     the replicas to accept it",
+                    c.as_str()
+                ))),
+                _ => Ok(t),
+            }
+        };
         let mut column_types = HashMap::new();
-        let key_type = table
-            .type_of(&pinned.target.key)
-            .map_err(Held::schema)?
-            .to_string();
-        table
-            .type_of(&pinned.target.timestamp)
-            .map_err(Held::schema)?;
+        let key_type = type_of(&pinned.target.key)?.to_string();
+        type_of(&pinned.target.timestamp)?;
         for e in &exclude {
-            let t = table.type_of(&e.column).map_err(Held::schema)?;
+            let t = type_of(&e.column)?;
             column_types.insert(e.column.as_str().to_string(), t.to_string());
         }
         for c in pinned.action.columns() {
-            table.type_of(c).map_err(Held::schema)?;
+            type_of(c)?;
         }
         Ok(RuleSet {
             target: pinned.target.clone(),

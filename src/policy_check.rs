@@ -53,9 +53,10 @@ pub async fn check_policies(pool: &PgPool, policies: &[Policy]) -> sqlx::Result<
     Ok(out)
 }
 
-/// Findings that need no database: a retention shorter than the schedule's period.
+/// Findings that need no database: a retention shorter than the schedule's period (its
+/// longest gap between two ticks: a weekday schedule's period is its weekend).
 pub fn check_schedule(p: &Policy) -> Option<Finding> {
-    let period = p.schedule.shortest_period_seconds();
+    let period = p.schedule.longest_period_seconds();
     let retain = p.spec.retain_for_seconds;
     (retain < period).then(|| Finding {
         level: Level::Warning,
@@ -303,6 +304,36 @@ async fn check_policy(pool: &PgPool, p: &Policy, out: &mut Vec<Finding>) -> sqlx
             );
             continue;
         };
+        // A boolean or a number written for a column of another kind would be cast to that
+        // type as text and match something else than meant (`true` against a text column is
+        // the string 'true', never 't').
+        for lit in p.exclusion_literals.get(i).into_iter().flatten() {
+            let textual = matches!(
+                c.type_name.as_str(),
+                "text" | "varchar" | "bpchar" | "name" | "citext"
+            );
+            let mismatch = match lit {
+                crate::policy::Literal::Bool => c.type_name != "bool",
+                crate::policy::Literal::Number => textual || c.type_name == "bool",
+                crate::policy::Literal::Text => false,
+            };
+            if mismatch {
+                say(
+                    Level::Error,
+                    format!(
+                        "exclude[{i}]: a {} value is given for column {}, which is {}: write the \
+                         value as a string exactly as the column holds it",
+                        match lit {
+                            crate::policy::Literal::Bool => "boolean",
+                            crate::policy::Literal::Number => "number",
+                            crate::policy::Literal::Text => "string",
+                        },
+                        e.column.as_str(),
+                        c.type_sql
+                    ),
+                );
+            }
+        }
         let values: Vec<String> = match &e.test {
             ExclusionTest::Equals { value } => vec![value.clone()],
             ExclusionTest::In { values } => values.clone(),

@@ -287,6 +287,18 @@ pub fn required<'a>(
     string_claim(claims, name)?.ok_or(Refusal::MissingClaim(name))
 }
 
+/// Checks the shape of `aud` (RFC 7519 §4.1.3): one string, or an array of strings. `null`, an
+/// empty array or any other type is unusable (the library treats `null` as absent and would
+/// skip its audience check); its value is compared by the library.
+pub fn audience_shape(claims: &Map<String, Value>) -> Result<(), Refusal> {
+    match claims.get("aud") {
+        None => Err(Refusal::MissingClaim("aud")),
+        Some(Value::String(_)) => Ok(()),
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_string) => Ok(()),
+        Some(_) => Err(Refusal::ClaimUnusable("aud")),
+    }
+}
+
 /// The presented credential of an `Authorization` header: the token of the `Bearer` scheme,
 /// matched case-insensitively (RFC 9110 §11.1), after one or more spaces. `None` for another
 /// scheme or an empty token.

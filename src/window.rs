@@ -82,21 +82,32 @@ impl Schedule {
         self.latest_tick_at_or_before(t) == Some(t)
     }
 
-    /// The shortest gap between consecutive ticks over the next year from a fixed reference,
+    /// The shortest gap between consecutive ticks over about a year from a fixed reference,
     /// in seconds. Used to check that the early tolerance is shorter than the period.
     pub fn shortest_period_seconds(&self) -> i64 {
-        let mut t = Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).unwrap();
-        let mut shortest = i64::MAX;
-        for _ in 0..400 {
-            let Some(next) = self.next_tick_after(t) else {
-                break;
-            };
-            if let Some(after) = self.next_tick_after(next) {
-                shortest = shortest.min((after - next).num_seconds());
-            }
-            t = next;
-        }
-        shortest
+        self.gaps().min().unwrap_or(i64::MAX)
+    }
+
+    /// The longest gap between consecutive ticks over about a year from a fixed reference, in
+    /// seconds (a weekday schedule's weekend, a monthly schedule's 31-day month, a daily
+    /// schedule's 25-hour autumn day). Used to warn of a retention shorter than the period.
+    pub fn longest_period_seconds(&self) -> i64 {
+        self.gaps().max().unwrap_or(0)
+    }
+
+    /// Gaps between consecutive ticks, in seconds: the first 400 ticks after 2026-01-01, or
+    /// those of the 13 months after it, whichever ends first.
+    fn gaps(&self) -> impl Iterator<Item = i64> + '_ {
+        let start = Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).unwrap();
+        let end = Utc.with_ymd_and_hms(2027, 2, 1, 0, 0, 0).unwrap();
+        let mut t = self.next_tick_after(start);
+        std::iter::from_fn(move || {
+            let now = t?;
+            let next = self.next_tick_after(now)?;
+            t = (next < end).then_some(next);
+            Some((next - now).num_seconds())
+        })
+        .take(400)
     }
 
     /// The ticks falling on `date` in the schedule's zone (used for `?window=YYYY-MM-DD`).
@@ -167,6 +178,18 @@ mod tests {
             s.latest_tick_at_or_before(at("2025-03-09T12:00:00Z")),
             Some(at("2025-03-09T07:00:00Z"))
         );
+    }
+
+    #[test]
+    fn longest_periods_cover_weekends_long_months_and_autumn_days() {
+        let weekdays = Schedule::new("0 2 * * 1-5", "UTC").unwrap();
+        assert_eq!(weekdays.shortest_period_seconds(), 86_400);
+        assert_eq!(weekdays.longest_period_seconds(), 3 * 86_400);
+        let monthly = Schedule::new("0 2 1 * *", "UTC").unwrap();
+        assert_eq!(monthly.longest_period_seconds(), 31 * 86_400);
+        let berlin = Schedule::new("0 2 * * *", "Europe/Berlin").unwrap();
+        assert_eq!(berlin.shortest_period_seconds(), 23 * 3_600);
+        assert_eq!(berlin.longest_period_seconds(), 25 * 3_600);
     }
 
     #[test]

@@ -132,6 +132,13 @@ retain_for = "90d"
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         assert_eq!(out.status.code(), Some(2), "{stderr}");
         assert!(!stderr.contains("secret ="), "secrets never printed");
+        assert!(
+            stderr
+                .lines()
+                .last()
+                .is_some_and(|l| l.ends_with("the server would refuse to start")),
+            "the verdict is the last line: {stderr}"
+        );
         stderr
     };
     // Type errors stop at the first one, with its key.
@@ -533,7 +540,10 @@ async fn check_config_warns_of_nullable_columns_and_short_retention_and_ends_wit
          create table app.nk (k text unique, at timestamptz not null);
          create index on app.nk (at);
          create table app.nt (id bigint primary key, at timestamptz);
-         create index on app.nt (at)",
+         create index on app.nt (at);
+         create table app.flags (id bigint primary key, at timestamptz not null, keep text,
+                                 n text);
+         create index on app.flags (at)",
     )
     .execute(&pool)
     .await
@@ -580,6 +590,31 @@ retain_for = "1s"
         last.contains("configuration is valid (2 policies, 3 warning(s))"),
         "{stdout}"
     );
+
+    // A boolean or a number for a text column would be compared as the text 'true' or '1'.
+    let typed = r#"
+[[policy]]
+name = "flags"
+schedule = { cron = "0 2 * * *" }
+target = { table = "app.flags", key = "id", timestamp = "at" }
+retain_for = "90d"
+exclude = [ { column = "keep", equals = true }, { column = "n", in = ["a", 1] } ]
+"#;
+    let path = write_config(&config_toml(&db.url, 0, "", typed));
+    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    for expected in [
+        "error: policy[flags]: exclude[0]: a boolean value is given for column keep, which is text",
+        "error: policy[flags]: exclude[1]: a number value is given for column n, which is text",
+    ] {
+        assert!(
+            stdout.contains(expected),
+            "missing `{expected}` in:\n{stdout}"
+        );
+    }
 
     // A database error comes before the verdict, never after a "valid".
     let nowhere = write_config(&config_toml(

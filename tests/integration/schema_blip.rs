@@ -71,6 +71,16 @@ async fn a_renamed_column_holds_commands_and_planning_until_it_is_back() {
             "{body}"
         );
     }
+    // Delivered again before its next check: still says why it waits.
+    let (status, body) = deliver(&app, &commands[0]).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("held (schema):"),
+        "{body}"
+    );
     // Planning of another run meets the same blip: held too, not failing.
     let (status, second) = app.trigger("t", "?window=2026-08-31").await;
     assert_eq!(status, 202, "{second}");
@@ -173,4 +183,80 @@ async fn a_dropped_column_holds_planning_and_the_background_loops_resume_on_thei
     let done = app.wait_terminal(&run_id).await;
     assert_eq!(done["status"], "completed", "{done}");
     assert_eq!(done["deleted"], 30, "{done}");
+}
+
+/// A retyped exclusion column could change what the exclusion matches (`true` cast to text is
+/// 'true', never 't'): it holds the work, whatever the new type, until the type is back.
+#[tokio::test]
+async fn a_retyped_exclusion_column_holds_the_work_and_deletes_nothing_it_protected() {
+    let app = TestApp::spawn(Spawn {
+        setup_sql: TABLE,
+        policies: POLICY.into(),
+        now: Some(at("2026-09-01T02:01:00Z")),
+        ..Default::default()
+    })
+    .await;
+    sqlx::query(
+        "insert into app.t select g, '2026-01-01Z', g in (1, 2, 12) from generate_series(1, 30) g",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let (status, run) = app.trigger("t", "").await;
+    assert_eq!(status, 202, "{run}");
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    app.wait_planned(&run_id).await;
+    let commands = app.command_ids(&run_id).await;
+    // Rows put on hold after planning, then the column retyped under the policy.
+    sqlx::query("update app.t set keep = true where id in (3, 4)")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    for retype in [
+        "alter table app.t alter column keep type text using case when keep then 't' else 'f' end",
+        "alter table app.t alter column keep type integer using case when keep = 't' then 1 else 0 end",
+    ] {
+        sqlx::query(retype).execute(&app.pool).await.unwrap();
+        for _ in 0..2 {
+            for c in &commands {
+                let (status, body) = deliver(&app, c).await;
+                assert_eq!(status, 503, "{retype}: {body}");
+                assert!(
+                    body["detail"]
+                        .as_str()
+                        .unwrap()
+                        .starts_with("held (schema):"),
+                    "{retype}: {body}"
+                );
+            }
+            advance(&app, 10).await;
+        }
+    }
+    let (left, dead): (i64, i64) = sqlx::query_as(
+        "select (select count(*) from app.t), (select count(*) from sweeper.dead_letters)",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (left, dead),
+        (30, 0),
+        "nothing deleted, nothing quarantined"
+    );
+    sqlx::query("alter table app.t alter column keep type boolean using keep = 1")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    advance(&app, 10).await;
+    for c in &commands {
+        let (status, body) = deliver(&app, c).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let done = app.wait_terminal(&run_id).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let kept: Vec<i64> = sqlx::query_scalar("select id from app.t order by id")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(kept, vec![1, 2, 3, 4, 12]);
 }

@@ -22,6 +22,11 @@ fn hs256(claims: Value) -> String {
             c[k] = v.clone();
         }
     }
+    signed(&c)
+}
+
+/// `claims` exactly as given, signed with the test issuer's key `k2`.
+fn signed(c: &Value) -> String {
     let mut h = Header::new(Algorithm::HS256);
     h.kid = Some("k2".into());
     jsonwebtoken::encode(
@@ -217,6 +222,16 @@ async fn refusals_are_in_our_own_words_with_a_stable_reason() {
             format!("Bearer {}", hs256(json!({"aud": null}))),
             "missing-claim",
             "missing claim `aud`",
+        ),
+        (
+            "aud null",
+            format!(
+                "Bearer {}",
+                signed(&json!({"sub": "x", "iss": "sweeper-test", "aud": null,
+                               "exp": now() as i64 + 600, "scope": "ops:read"}))
+            ),
+            "claim-unusable",
+            "claim `aud` unusable",
         ),
         (
             "wrong audience",
