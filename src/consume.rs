@@ -18,7 +18,7 @@ use tracing::{info, warn};
 use crate::app::AppState;
 use crate::ledger;
 use crate::policy::RuleSet;
-use crate::retry::{Failure, FailureClass, HoldKind};
+use crate::retry::{Decision, Failure, FailureClass, HoldKind};
 
 /// The built-in envelope: identity only, never data (DESIGN §2.12).
 ///
@@ -981,139 +981,192 @@ pub(crate) async fn record_failure(
             retry_after_seconds: due_in.ceil() as u64,
         });
     }
-    let retry = state
+    let budget = state
         .config
         .policy(&policy)
         .map(|p| p.retry)
-        .unwrap_or_default();
-    let snooze = matches!(f.class, FailureClass::Throttled { .. });
-    // The attempt number this try ran as; a snooze gives its claimed attempt back.
+        .unwrap_or_default()
+        .budget();
+    // The attempt number this try ran as (a snooze or a hold gives it back).
     let this_attempt = match executor {
         Executor::Delivery => attempts + 1,
         Executor::Claimed(n) => n,
     };
-    if let FailureClass::Held(kind) = f.class {
-        // Not a failure: no attempt, no budget, never a quarantine (DESIGN §14).
-        // As for a snooze: the attempt this try ran as is given back.
-        let attempts_after = this_attempt - 1;
-        let recheck = hold_recheck_seconds(state);
-        sqlx::query(
-            "update sweeper.commands
-                set state = 'pending', attempts = $2, lease_until = null, lease_owner = null,
-                    calling_since = null,
-                    next_attempt_at = sweeper.now() + make_interval(secs => $3),
-                    held_kind = $4, held_reason = $5,
-                    held_since = coalesce(held_since, sweeper.now()),
-                    age_credit_seconds = age_credit_seconds
-                        + coalesce(extract(epoch from sweeper.now() - held_seen_at), 0),
-                    held_seen_at = sweeper.now(),
-                    last_error = $5, last_error_class = null
-              where command_id = $1",
-        )
-        .bind(command_id)
-        .bind(attempts_after)
-        .bind(recheck as f64)
-        .bind(kind.as_str())
-        .bind(&f.message)
-        .execute(&mut *tx)
-        .await
-        .map_err(db)?;
-        tx.commit().await.map_err(db)?;
-        info!(command_id, kind = kind.as_str(), reason = %f.message, "command held");
-        return Ok(ConsumeOutcome::NotNow {
-            reason: format!("held ({}): {}", kind.as_str(), f.message),
-            retry_after_seconds: recheck,
-        });
-    }
-    let attempts_after = if snooze {
-        this_attempt - 1
-    } else {
-        this_attempt
-    };
-    let age_spent = age_seconds > retry.max_age.seconds() as f64;
-    let quarantine = f.class == FailureClass::Permanent
-        || age_spent
-        || (!snooze && attempts_after >= retry.max_attempts as i32);
     let elapsed = started.elapsed().as_secs_f64();
-
-    if quarantine {
-        let reason = if age_spent && f.class != FailureClass::Permanent {
-            format!("max_age {} spent: {}", retry.max_age, f.message)
-        } else {
-            f.message.clone()
-        };
-        sqlx::query(
-            "with c as (
-                 update sweeper.commands
-                    set state = 'quarantined', attempts = $2, finished_at = sweeper.now(), calling_since = null,
-                        held_kind = null, held_reason = null, held_since = null, held_seen_at = null,
-                        lease_until = null, lease_owner = null, last_error = $3, last_error_class = $4
-                  where command_id = $1
-              returning due_since),
-             a as (
-                 insert into sweeper.attempts
-                     (command_id, attempt_no, started_at, ended_at, outcome, class, error)
-                 values ($1, $2, sweeper.now() - make_interval(secs => $5), sweeper.now(),
-                         'quarantined', $4, $3)
-                 returning attempt_no, started_at, ended_at, outcome, class, error, delay_seconds),
-             history as (
-                 select coalesce(jsonb_agg(h order by h.started_at), '[]'::jsonb) as attempts
-                   from (select attempt_no, started_at, ended_at, outcome, class, error, delay_seconds
-                           from sweeper.attempts where command_id = $1
-                         union all select * from a) h)
-             insert into sweeper.dead_letters
-                 (kind, run_id, policy, command_id, reason, class, attempts, first_failure_at,
-                  last_failure_at)
-             select 'command', $6, $7, $1, $3, $4, history.attempts,
-                    coalesce((select min(started_at) from sweeper.attempts
-                               where command_id = $1 and outcome <> 'succeeded'), sweeper.now()),
-                    sweeper.now()
-               from history
-             on conflict (command_id) where kind = 'command' and status in ('open', 'redriven')
-             do update set status = 'open', reason = excluded.reason, class = excluded.class,
-                           attempts = excluded.attempts, last_failure_at = excluded.last_failure_at,
-                           failures = sweeper.dead_letters.failures + 1",
-        )
-        .bind(command_id)
-        .bind(attempts_after)
-        .bind(&reason)
-        .bind(f.class.as_str())
-        .bind(elapsed)
-        .bind(&run_id)
-        .bind(&policy)
-        .execute(&mut *tx)
-        .await
-        .map_err(db)?;
-        finish_in_run(
-            &mut tx,
-            &run_id,
-            true,
-            &Counts::default(),
-            true,
-            false,
-            None,
-            state.config.planning.closure_check_cap,
-        )
-        .await
-        .map_err(db)?;
-        tx.commit().await.map_err(db)?;
-        crate::metrics::quarantined(f.class);
-        warn!(command_id, class = f.class.as_str(), error = %reason, attempts = attempts_after, "command quarantined");
-        return Ok(ConsumeOutcome::Quarantined {
-            command_id: command_id.to_string(),
-            error: reason,
-        });
-    }
-
-    let delay = match f.class {
-        FailureClass::Throttled { until } => {
-            (until - Utc::now()).num_milliseconds().max(1_000) as f64 / 1000.0
+    let decision = crate::retry::decide(
+        &f,
+        this_attempt,
+        age_seconds,
+        &budget,
+        Utc::now(),
+        &mut rand::rng(),
+    );
+    match decision {
+        Decision::Hold { kind, attempts } => {
+            hold_command(state, tx, command_id, kind, attempts, &f.message).await
         }
-        _ => retry
-            .backoff()
-            .delay_seconds(attempts_after.max(0) as u32, &mut rand::rng())
-            .max(1.0),
-    };
+        Decision::Quarantine { attempts, reason } => {
+            let failed = Failed {
+                command_id,
+                run_id: &run_id,
+                policy: &policy,
+                attempts,
+                elapsed,
+            };
+            quarantine_command(state, tx, failed, f.class, reason).await
+        }
+        Decision::Retry {
+            attempts,
+            delay_seconds,
+            snooze,
+        } => {
+            let failed = Failed {
+                command_id,
+                run_id: &run_id,
+                policy: &policy,
+                attempts,
+                elapsed,
+            };
+            schedule_retry(tx, failed, &f, delay_seconds, snooze).await
+        }
+    }
+}
+
+/// The command a failed try was of, with the attempt count to record.
+struct Failed<'a> {
+    command_id: &'a str,
+    run_id: &'a str,
+    policy: &'a str,
+    attempts: i32,
+    /// Seconds the try took.
+    elapsed: f64,
+}
+
+/// Holds a command (DESIGN §14): pending again, its attempt given back, checked again after
+/// [`hold_recheck_seconds`]; the time since the last check is credited to its age budget.
+async fn hold_command(
+    state: &AppState,
+    mut tx: Transaction<'_, Postgres>,
+    command_id: &str,
+    kind: HoldKind,
+    attempts: i32,
+    why: &str,
+) -> Result<ConsumeOutcome, Failure> {
+    let db = |e: sqlx::Error| Failure::from_db(&e);
+    let recheck = hold_recheck_seconds(state);
+    sqlx::query(
+        "update sweeper.commands
+            set state = 'pending', attempts = $2, lease_until = null, lease_owner = null,
+                calling_since = null,
+                next_attempt_at = sweeper.now() + make_interval(secs => $3),
+                held_kind = $4, held_reason = $5,
+                held_since = coalesce(held_since, sweeper.now()),
+                age_credit_seconds = age_credit_seconds
+                    + coalesce(extract(epoch from sweeper.now() - held_seen_at), 0),
+                held_seen_at = sweeper.now(),
+                last_error = $5, last_error_class = null
+          where command_id = $1",
+    )
+    .bind(command_id)
+    .bind(attempts)
+    .bind(recheck as f64)
+    .bind(kind.as_str())
+    .bind(why)
+    .execute(&mut *tx)
+    .await
+    .map_err(db)?;
+    tx.commit().await.map_err(db)?;
+    info!(command_id, kind = kind.as_str(), reason = %why, "command held");
+    Ok(ConsumeOutcome::NotNow {
+        reason: format!("held ({}): {why}", kind.as_str()),
+        retry_after_seconds: recheck,
+    })
+}
+
+/// Quarantines a command: its state, the attempt, a dead letter with its history, and the run's
+/// counts, in the caller's transaction (whose row lock on the command it relies on).
+async fn quarantine_command(
+    state: &AppState,
+    mut tx: Transaction<'_, Postgres>,
+    c: Failed<'_>,
+    class: FailureClass,
+    reason: String,
+) -> Result<ConsumeOutcome, Failure> {
+    let db = |e: sqlx::Error| Failure::from_db(&e);
+    sqlx::query(
+        "with c as (
+             update sweeper.commands
+                set state = 'quarantined', attempts = $2, finished_at = sweeper.now(), calling_since = null,
+                    held_kind = null, held_reason = null, held_since = null, held_seen_at = null,
+                    lease_until = null, lease_owner = null, last_error = $3, last_error_class = $4
+              where command_id = $1
+          returning due_since),
+         a as (
+             insert into sweeper.attempts
+                 (command_id, attempt_no, started_at, ended_at, outcome, class, error)
+             values ($1, $2, sweeper.now() - make_interval(secs => $5), sweeper.now(),
+                     'quarantined', $4, $3)
+             returning attempt_no, started_at, ended_at, outcome, class, error, delay_seconds),
+         history as (
+             select coalesce(jsonb_agg(h order by h.started_at), '[]'::jsonb) as attempts
+               from (select attempt_no, started_at, ended_at, outcome, class, error, delay_seconds
+                       from sweeper.attempts where command_id = $1
+                     union all select * from a) h)
+         insert into sweeper.dead_letters
+             (kind, run_id, policy, command_id, reason, class, attempts, first_failure_at,
+              last_failure_at)
+         select 'command', $6, $7, $1, $3, $4, history.attempts,
+                coalesce((select min(started_at) from sweeper.attempts
+                           where command_id = $1 and outcome <> 'succeeded'), sweeper.now()),
+                sweeper.now()
+           from history
+         on conflict (command_id) where kind = 'command' and status in ('open', 'redriven')
+         do update set status = 'open', reason = excluded.reason, class = excluded.class,
+                       attempts = excluded.attempts, last_failure_at = excluded.last_failure_at,
+                       failures = sweeper.dead_letters.failures + 1",
+    )
+    .bind(c.command_id)
+    .bind(c.attempts)
+    .bind(&reason)
+    .bind(class.as_str())
+    .bind(c.elapsed)
+    .bind(c.run_id)
+    .bind(c.policy)
+    .execute(&mut *tx)
+    .await
+    .map_err(db)?;
+    finish_in_run(
+        &mut tx,
+        c.run_id,
+        true,
+        &Counts::default(),
+        true,
+        false,
+        None,
+        state.config.planning.closure_check_cap,
+    )
+    .await
+    .map_err(db)?;
+    tx.commit().await.map_err(db)?;
+    crate::metrics::quarantined(class);
+    warn!(command_id = c.command_id, class = class.as_str(), error = %reason,
+          attempts = c.attempts, "command quarantined");
+    Ok(ConsumeOutcome::Quarantined {
+        command_id: c.command_id.to_string(),
+        error: reason,
+    })
+}
+
+/// Schedules the next attempt of a command after a failed try or a snooze, recording the
+/// attempt with its delay, in the caller's transaction.
+async fn schedule_retry(
+    mut tx: Transaction<'_, Postgres>,
+    c: Failed<'_>,
+    f: &Failure,
+    delay: f64,
+    snooze: bool,
+) -> Result<ConsumeOutcome, Failure> {
+    let db = |e: sqlx::Error| Failure::from_db(&e);
     sqlx::query(
         "with c as (
              update sweeper.commands
@@ -1126,20 +1179,20 @@ pub(crate) async fn record_failure(
              (command_id, attempt_no, started_at, ended_at, outcome, class, error, delay_seconds)
          values ($1, $2, sweeper.now() - make_interval(secs => $6), sweeper.now(), $7, $5, $4, $3)",
     )
-    .bind(command_id)
-    .bind(attempts_after)
+    .bind(c.command_id)
+    .bind(c.attempts)
     .bind(delay)
     .bind(&f.message)
     .bind(f.class.as_str())
-    .bind(elapsed)
+    .bind(c.elapsed)
     .bind(if snooze { "snoozed" } else { "failed" })
     .execute(&mut *tx)
     .await
     .map_err(db)?;
     tx.commit().await.map_err(db)?;
     crate::metrics::attempt_failed(f.class);
-    warn!(command_id, class = f.class.as_str(), error = %f.message, attempt = attempts_after,
-          retry_in_seconds = delay, "not done; next attempt scheduled");
+    warn!(command_id = c.command_id, class = f.class.as_str(), error = %f.message,
+          attempt = c.attempts, retry_in_seconds = delay, "not done; next attempt scheduled");
     // The answer names the class, never the error text (which may quote customer data); the
     // ledger keeps the text for operators.
     Ok(ConsumeOutcome::NotNow {
@@ -1150,7 +1203,8 @@ pub(crate) async fn record_failure(
             )
         } else {
             format!(
-                "attempt {attempts_after} failed ({}); the next attempt is due in {}s",
+                "attempt {} failed ({}); the next attempt is due in {}s",
+                c.attempts,
                 f.class.as_str(),
                 delay.ceil()
             )

@@ -389,6 +389,15 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// The budget these settings give a command.
+    pub fn budget(&self) -> crate::retry::Budget {
+        crate::retry::Budget {
+            max_attempts: self.max_attempts,
+            max_age_seconds: self.max_age.seconds(),
+            backoff: self.backoff(),
+        }
+    }
+
     /// The backoff these settings describe.
     pub fn backoff(&self) -> crate::retry::Backoff {
         crate::retry::Backoff {

@@ -130,6 +130,101 @@ impl Failure {
     }
 }
 
+/// A command's budget: how many attempts and how much age it may spend before quarantine.
+#[derive(Debug, Clone, Copy)]
+pub struct Budget {
+    /// Attempts before quarantine.
+    pub max_attempts: u32,
+    /// Seconds of age (since it first became due, minus time credited while suspended or
+    /// held) before quarantine.
+    pub max_age_seconds: i64,
+    /// The retry delay.
+    pub backoff: Backoff,
+}
+
+/// What the ledger does with a try that failed (DESIGN §2.7, §14), decided from the failure,
+/// the attempt it ran as and the command's budget alone.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    /// Held: the attempt is given back (`attempts`), nothing is spent, never a quarantine.
+    Hold {
+        /// What holds it.
+        kind: HoldKind,
+        /// The attempt count to record.
+        attempts: i32,
+    },
+    /// Quarantine now, with this reason.
+    Quarantine {
+        /// The attempt count to record.
+        attempts: i32,
+        /// Why: the failure's message, prefixed when it was the age budget that ran out.
+        reason: String,
+    },
+    /// Try again after `delay_seconds` (at least 1); a snooze gives its attempt back.
+    Retry {
+        /// The attempt count to record.
+        attempts: i32,
+        /// Seconds until the next attempt.
+        delay_seconds: f64,
+        /// Whether it was a snooze (throttled: no attempt spent).
+        snooze: bool,
+    },
+}
+
+/// Decides what happens after `f` ended the try that ran as attempt `this_attempt` of a
+/// command `age_seconds` old. Permanent failures and spent budgets quarantine; a snooze spends
+/// no attempt (but its age counts); a hold spends nothing. `now` measures a throttle's `until`;
+/// `rng` jitters the backoff.
+pub fn decide(
+    f: &Failure,
+    this_attempt: i32,
+    age_seconds: f64,
+    budget: &Budget,
+    now: DateTime<Utc>,
+    rng: &mut impl Rng,
+) -> Decision {
+    if let FailureClass::Held(kind) = f.class {
+        return Decision::Hold {
+            kind,
+            attempts: this_attempt - 1,
+        };
+    }
+    let snooze = matches!(f.class, FailureClass::Throttled { .. });
+    let attempts = if snooze {
+        this_attempt - 1
+    } else {
+        this_attempt
+    };
+    let age_spent = age_seconds > budget.max_age_seconds as f64;
+    let permanent = f.class == FailureClass::Permanent;
+    if permanent || age_spent || (!snooze && attempts >= budget.max_attempts as i32) {
+        let reason = if age_spent && !permanent {
+            format!(
+                "max_age {} spent: {}",
+                crate::config::DurationSpec::from_seconds(budget.max_age_seconds),
+                f.message
+            )
+        } else {
+            f.message.clone()
+        };
+        return Decision::Quarantine { attempts, reason };
+    }
+    let delay_seconds = match f.class {
+        FailureClass::Throttled { until } => {
+            (until - now).num_milliseconds().max(1_000) as f64 / 1000.0
+        }
+        _ => budget
+            .backoff
+            .delay_seconds(attempts.max(0) as u32, rng)
+            .max(1.0),
+    };
+    Decision::Retry {
+        attempts,
+        delay_seconds,
+        snooze,
+    }
+}
+
 /// Backoff settings in seconds.
 #[derive(Debug, Clone, Copy)]
 pub struct Backoff {
@@ -192,6 +287,90 @@ pub fn parse_retry_after(
 mod tests {
     use super::*;
     use rand::SeedableRng;
+
+    fn budget() -> Budget {
+        Budget {
+            max_attempts: 3,
+            max_age_seconds: 3_600,
+            backoff: Backoff {
+                base_seconds: 1.0,
+                cap_seconds: 60.0,
+            },
+        }
+    }
+
+    fn decide_at(f: Failure, attempt: i32, age: f64) -> Decision {
+        let now = Utc::now();
+        decide(
+            &f,
+            attempt,
+            age,
+            &budget(),
+            now,
+            &mut rand::rngs::StdRng::seed_from_u64(1),
+        )
+    }
+
+    #[test]
+    fn transient_failures_retry_until_max_attempts_then_quarantine() {
+        match decide_at(Failure::transient("x"), 1, 10.0) {
+            Decision::Retry {
+                attempts: 1,
+                delay_seconds,
+                snooze: false,
+            } => assert!((1.0..=2.0).contains(&delay_seconds), "{delay_seconds}"),
+            d => panic!("{d:?}"),
+        }
+        assert_eq!(
+            decide_at(Failure::transient("x"), 3, 10.0),
+            Decision::Quarantine {
+                attempts: 3,
+                reason: "x".into()
+            }
+        );
+    }
+
+    #[test]
+    fn permanent_failures_quarantine_at_once() {
+        assert_eq!(
+            decide_at(Failure::permanent("fk"), 1, 0.0),
+            Decision::Quarantine {
+                attempts: 1,
+                reason: "fk".into()
+            }
+        );
+    }
+
+    #[test]
+    fn snoozes_give_their_attempt_back_but_age_still_counts() {
+        let until = Utc::now() + chrono::TimeDelta::seconds(30);
+        match decide_at(Failure::throttled(until, "429"), 3, 10.0) {
+            Decision::Retry {
+                attempts: 2,
+                delay_seconds,
+                snooze: true,
+            } => assert!((28.0..=30.0).contains(&delay_seconds), "{delay_seconds}"),
+            d => panic!("{d:?}"),
+        }
+        assert_eq!(
+            decide_at(Failure::throttled(until, "429"), 3, 3_601.0),
+            Decision::Quarantine {
+                attempts: 2,
+                reason: "max_age 1h spent: 429".into()
+            }
+        );
+    }
+
+    #[test]
+    fn held_work_spends_nothing_and_is_never_quarantined() {
+        assert_eq!(
+            decide_at(Failure::held(HoldKind::Schema, "column"), 9, 1e9),
+            Decision::Hold {
+                kind: HoldKind::Schema,
+                attempts: 8
+            }
+        );
+    }
 
     #[test]
     fn delay_stays_within_the_capped_exponential() {
