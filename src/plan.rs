@@ -225,14 +225,13 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
             eligible.push((i, r.get("item_key")));
         }
     }
-    // Cut the page after the last full batch, so commands are full-sized; take everything at the
-    // end of the table, or when the page holds less than one batch (progress is guaranteed).
-    let full = eligible.len() / batch_size * batch_size;
-    let (take, last_row) = if end_of_table || cut_by_bytes || full == 0 {
-        (eligible.len(), rows.len().checked_sub(1))
-    } else {
-        (full, Some(eligible[full - 1].0))
-    };
+    let rows_of_eligible: Vec<usize> = eligible.iter().map(|(i, _)| *i).collect();
+    let (take, last_row) = page_cut(
+        &rows_of_eligible,
+        rows.len(),
+        batch_size,
+        end_of_table || cut_by_bytes,
+    );
     let new_cursor: Option<String> = match last_row {
         Some(i) => Some(rows[i].get("item_key")),
         None => cursor.clone(),
@@ -252,19 +251,8 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
             }
         }
     }
-    // Commands of at most `batch_size` keys and COMMAND_KEY_BYTES of keys (at least one key).
-    let mut batches: Vec<Vec<String>> = Vec::new();
-    let mut bytes = 0;
-    for (_, key) in &eligible[..take] {
-        let full_count = batches.last().is_none_or(|b| b.len() >= batch_size);
-        let full_bytes = bytes + key.len() > COMMAND_KEY_BYTES;
-        if full_count || (full_bytes && !batches.last().is_none_or(|b| b.is_empty())) {
-            batches.push(Vec::new());
-            bytes = 0;
-        }
-        bytes += key.len();
-        batches.last_mut().expect("pushed above").push(key.clone());
-    }
+    let keys: Vec<String> = eligible[..take].iter().map(|(_, k)| k.clone()).collect();
+    let batches = cut_batches(keys, batch_size, COMMAND_KEY_BYTES);
     let n_commands = batches.len() as i32;
     let n_items = take as i64;
     let done = end_of_table && take == eligible.len();
@@ -370,6 +358,44 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     }
 }
 
+/// Where a planning page ends: `(eligible keys taken, index of the last row consumed)`.
+///
+/// `eligible_rows` are the indices (among the page's `rows` rows) of the eligible ones. The page
+/// is cut after its last full batch, so commands are full-sized across pages; everything is
+/// taken when `take_all` (the end of the table, or a page cut by its byte budget) or when the
+/// page holds less than one batch (so every page makes progress). `None` for an empty page.
+pub fn page_cut(
+    eligible_rows: &[usize],
+    rows: usize,
+    batch_size: usize,
+    take_all: bool,
+) -> (usize, Option<usize>) {
+    let full = eligible_rows.len() / batch_size * batch_size;
+    if take_all || full == 0 {
+        (eligible_rows.len(), rows.checked_sub(1))
+    } else {
+        (full, Some(eligible_rows[full - 1]))
+    }
+}
+
+/// Cuts `keys` into commands of at most `batch_size` keys and `max_bytes` bytes of keys, in
+/// order; a key longer than `max_bytes` gets a command of its own.
+pub fn cut_batches(keys: Vec<String>, batch_size: usize, max_bytes: usize) -> Vec<Vec<String>> {
+    let mut batches: Vec<Vec<String>> = Vec::new();
+    let mut bytes = 0;
+    for key in keys {
+        let full_count = batches.last().is_none_or(|b| b.len() >= batch_size);
+        let full_bytes = bytes + key.len() > max_bytes;
+        if full_count || (full_bytes && !batches.last().is_none_or(|b| b.is_empty())) {
+            batches.push(Vec::new());
+            bytes = 0;
+        }
+        bytes += key.len();
+        batches.last_mut().expect("pushed above").push(key);
+    }
+    batches
+}
+
 /// The held reason of rows whose timestamp is NULL: never eligible (DESIGN §2.3), kept.
 pub const NULL_TIMESTAMP: &str = "null_timestamp";
 /// The held reason of rows whose key is NULL (a nullable key column): no command can name them.
@@ -408,5 +434,35 @@ pub async fn planner_loop(state: AppState, shutdown: tokio_util::sync::Cancellat
             _ = notified => {}
             _ = tokio::time::sleep(state.config.queue.poll_interval.std()) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_ends_after_its_last_full_batch_unless_it_must_take_everything() {
+        // 7 eligible rows among 10, batches of 3: take 6, up to the 6th eligible row.
+        let rows = [0, 1, 3, 4, 6, 7, 9];
+        assert_eq!(page_cut(&rows, 10, 3, false), (6, Some(7)));
+        assert_eq!(page_cut(&rows, 10, 3, true), (7, Some(9)));
+        // Less than one batch: take it, so the page still makes progress.
+        assert_eq!(page_cut(&rows[..2], 10, 3, false), (2, Some(9)));
+        assert_eq!(page_cut(&[], 0, 3, false), (0, None));
+    }
+
+    #[test]
+    fn batches_are_bounded_by_count_and_by_bytes() {
+        let keys = |n: usize, len: usize| (0..n).map(|i| format!("{i:0len$}")).collect::<Vec<_>>();
+        let b = cut_batches(keys(7, 1), 3, 1024);
+        assert_eq!(b.iter().map(Vec::len).collect::<Vec<_>>(), vec![3, 3, 1]);
+        // 4-byte keys, 10 bytes a command: two keys each.
+        let b = cut_batches(keys(5, 4), 100, 10);
+        assert_eq!(b.iter().map(Vec::len).collect::<Vec<_>>(), vec![2, 2, 1]);
+        // A key over the byte budget still gets a command.
+        let b = cut_batches(vec!["x".repeat(20), "y".into()], 100, 10);
+        assert_eq!(b.iter().map(Vec::len).collect::<Vec<_>>(), vec![1, 1]);
+        assert!(cut_batches(Vec::new(), 3, 10).is_empty());
     }
 }
