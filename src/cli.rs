@@ -160,7 +160,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     return Ok(ExitCode::from(2));
                 }
             };
-            for q in &config.query_tokens {
+            for q in &config.credentials.query_tokens {
                 println!(
                     "warning: auth.query_token[{}]: a token in /consume's query string is weaker \
                      than OIDC (URLs are often logged by proxies and platforms); use it only \
@@ -222,8 +222,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             };
             let ttl: DurationSpec = ttl.parse().map_err(anyhow::Error::msg)?;
             let issuer = match &issuer {
-                Some(iss) => config.issuers.iter().find(|i| &i.iss == iss),
-                None => config.issuers.first(),
+                Some(iss) => config.credentials.issuers.iter().find(|i| &i.iss == iss),
+                None => config.credentials.issuers.first(),
             }
             .context("no such issuer in the configuration ([[auth.issuer]])")?;
             let scopes: Vec<String> = scopes

@@ -157,7 +157,7 @@ struct RawConfig {
 }
 
 fn default_leeway() -> DurationSpec {
-    DurationSpec::from_seconds(crate::token::DEFAULT_LEEWAY_SECONDS as i64)
+    DurationSpec::from_seconds(crate::auth::token::DEFAULT_LEEWAY_SECONDS as i64)
 }
 
 fn default_listen() -> String {
@@ -374,11 +374,11 @@ pub struct AuthConfig {
     pub issuer: Vec<IssuerConfig>,
     /// RS256/ES256 issuers verified against a JWKS (Google OIDC and others).
     #[serde(default)]
-    pub jwks_issuer: Vec<crate::jwks::JwksIssuerConfig>,
+    pub jwks_issuer: Vec<crate::auth::jwks::JwksIssuerConfig>,
     /// Secrets accepted as `/consume?token=...` (scope `consume` only) for push systems that
     /// cannot send an Authorization header. Weaker than OIDC: URLs are often logged.
     #[serde(default)]
-    pub query_token: Vec<crate::jwks::QueryTokenConfig>,
+    pub query_token: Vec<crate::auth::query_token::QueryTokenConfig>,
 }
 
 impl Default for AuthConfig {
@@ -454,14 +454,8 @@ pub struct Config {
     pub pubsub: Option<crate::pubsub::PubsubConfig>,
     /// The QStash transport and signature verification, with its secrets resolved.
     pub qstash: Option<crate::qstash::Qstash>,
-    /// `auth.leeway`: the clock skew of the one time rule for every credential.
-    pub auth_leeway: DurationSpec,
-    /// Issuers with their resolved secrets.
-    pub issuers: Vec<crate::auth::Issuer>,
-    /// JWKS issuers with their key caches.
-    pub jwks_issuers: Vec<crate::jwks::JwksIssuer>,
-    /// Query-string tokens for `/consume`.
-    pub query_tokens: Vec<crate::jwks::QueryToken>,
+    /// Every way to authenticate, with secrets resolved.
+    pub credentials: crate::auth::Credentials,
     /// The downstream dependencies, validated (DESIGN §9).
     pub dependencies: Vec<crate::dependency::Dependency>,
     /// The policies, validated.
@@ -606,15 +600,7 @@ impl Config {
             }
         }
 
-        if raw.auth.leeway.seconds() > 300 {
-            errors.push(format!(
-                "auth.leeway ({}): at most 5m; a token's clock may be off by that much, no more",
-                raw.auth.leeway
-            ));
-        }
-        let issuers = crate::auth::Issuer::from_config(&raw.auth, &mut errors);
-        let jwks_issuers = crate::jwks::JwksIssuer::from_config(&raw.auth.jwks_issuer, &mut errors);
-        let query_tokens = crate::jwks::QueryToken::from_config(&raw.auth.query_token, &mut errors);
+        let credentials = crate::auth::Credentials::from_config(&raw.auth, &mut errors);
 
         let mut dependencies: Vec<crate::dependency::Dependency> = Vec::new();
         for (i, d) in raw.dependency.into_iter().enumerate() {
@@ -751,10 +737,7 @@ impl Config {
             tls: raw.tls,
             pubsub: raw.pubsub,
             qstash,
-            issuers,
-            auth_leeway: raw.auth.leeway,
-            jwks_issuers,
-            query_tokens,
+            credentials,
             dependencies,
             policies,
         })

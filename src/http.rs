@@ -20,7 +20,7 @@ use crate::answer::{Answer, answer};
 use crate::app::AppState;
 use crate::auth::{self, Principal};
 use crate::consume::{self, ConsumeOutcome, Envelope, Executor};
-use crate::token::Refusal;
+use crate::auth::token::Refusal;
 use crate::trigger::{self, TriggerError, TriggerOutcome, WindowHints};
 
 /// Largest `/consume` body, in bytes (the built-in envelope is well under 1 KiB).
@@ -362,17 +362,17 @@ impl FromRequestParts<AppState> for Caller {
             .headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(crate::token::bearer);
+            .and_then(crate::auth::token::bearer);
         let signature = parts.headers.get(crate::qstash::SIGNATURE_HEADER);
         let path = parts.uri.path();
         // A QStash signature is accepted only where the handler checks the body against it.
         let signed_route =
             parts.method == Method::POST && (path == "/consume" || path.starts_with("/trigger/"));
-        let leeway = state.config.auth_leeway.seconds() as u64;
+        let leeway = state.config.credentials.leeway_seconds;
         let (credential, result) = match (token, signature, &state.config.qstash) {
             (Some(t), _, _) => (
                 None,
-                auth::verify_any(&state.config, t).await.map(|p| (p, None)),
+                auth::verify_any(&state.config.credentials, t).await.map(|p| (p, None)),
             ),
             (None, Some(sig), Some(q)) if signed_route => (
                 Some("Upstash-Signature"),
@@ -389,7 +389,7 @@ impl FromRequestParts<AppState> for Caller {
             _ => (
                 None,
                 match path {
-                    "/consume" if !state.config.query_tokens.is_empty() => parts
+                    "/consume" if !state.config.credentials.query_tokens.is_empty() => parts
                         .uri
                         .query()
                         .and_then(|q| {
@@ -400,7 +400,7 @@ impl FromRequestParts<AppState> for Caller {
                         .map_or(Err(Refusal::Missing), |t| {
                             // A token that is no configured one is an unknown key, not a
                             // missing credential.
-                            crate::jwks::QueryToken::verify(&state.config.query_tokens, &t)
+                            crate::auth::query_token::QueryToken::verify(&state.config.credentials.query_tokens, &t)
                                 .map(|p| (p, None))
                                 .ok_or(Refusal::UnknownKey)
                         }),

@@ -31,7 +31,7 @@ use crate::auth::Principal;
 use crate::config::DurationSpec;
 use crate::relay::{Outbound, PublishError};
 use crate::retry::parse_retry_after;
-use crate::token::Refusal;
+use crate::auth::token::Refusal;
 
 /// The `iss` of every QStash signature.
 pub const ISSUER: &str = "Upstash";
@@ -215,11 +215,11 @@ impl Qstash {
         path_and_query: &str,
         leeway: u64,
     ) -> Result<Signed, Refusal> {
-        let header = crate::token::read_header(token, crate::jwks::MAX_TOKEN_BYTES)?;
+        let header = crate::auth::token::read_header(token, crate::auth::jwks::MAX_TOKEN_BYTES)?;
         if header.alg != "HS256" {
             return Err(Refusal::UnsupportedAlgorithm);
         }
-        let mut v = crate::token::validation(Algorithm::HS256, ISSUER, None);
+        let mut v = crate::auth::token::validation(Algorithm::HS256, ISSUER, None);
         v.sub = Some(format!("{}{path_and_query}", self.config.public_url));
         let decode = |key: &SecretString| {
             let key = DecodingKey::from_secret(key.expose_secret().as_bytes())
@@ -236,12 +236,12 @@ impl Qstash {
             }
             (r, _) => r,
         }
-        .map_err(|e| crate::token::from_library(&e))?
+        .map_err(|e| crate::auth::token::from_library(&e))?
         .claims;
-        crate::token::required(&claims, "iss")?;
-        crate::token::required(&claims, "sub")?;
-        crate::token::check_times(&claims, crate::token::now_seconds(), leeway, true)?;
-        let body_hash = crate::token::required(&claims, "body")?.to_string();
+        crate::auth::token::required(&claims, "iss")?;
+        crate::auth::token::required(&claims, "sub")?;
+        crate::auth::token::check_times(&claims, crate::auth::token::now_seconds(), leeway, true)?;
+        let body_hash = crate::auth::token::required(&claims, "body")?.to_string();
         Ok(Signed {
             principal: Principal {
                 credential: crate::auth::Credential::QstashSignature,

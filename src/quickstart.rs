@@ -80,7 +80,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     );
     // From the text alone: a deployment's SWEEPER_* or DATABASE_URL must not redirect it.
     let config = Config::from_toml(&toml).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let issuer = config.issuers[0].clone();
+    let issuer = config.credentials.issuers[0].clone();
     let app = Application::build(config).await?;
     let base = format!("http://127.0.0.1:{}", app.port());
     let shutdown = CancellationToken::new();

@@ -263,7 +263,7 @@ impl TestApp {
     ) -> TestApp {
         let config = Config::from_toml(&config_toml(&db.url, workers, extra, policies))
             .unwrap_or_else(|e| panic!("{e}"));
-        let issuer = config.issuers[0].clone();
+        let issuer = config.credentials.issuers[0].clone();
         let app = Application::build(config).await.unwrap();
         let base = format!("http://127.0.0.1:{}", app.port());
         let state = app.state();

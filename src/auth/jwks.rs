@@ -21,12 +21,11 @@ use std::time::{Duration, Instant};
 use jsonwebtoken::jwk::JwkSet;
 use jsonwebtoken::{Algorithm, DecodingKey};
 use serde::Deserialize;
-use sha2::{Digest, Sha256};
 
 use serde_json::{Map, Value};
 
-use crate::auth::Principal;
-use crate::token::Refusal;
+use super::Principal;
+use super::token::Refusal;
 
 /// Longest token accepted, in bytes (Google ID tokens are about 1 KiB).
 pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
@@ -68,72 +67,6 @@ pub struct JwksIssuerConfig {
     /// Principal (verified email, or `sub`) → scopes.
     #[serde(default)]
     pub principals: HashMap<String, Vec<String>>,
-}
-
-/// `[[auth.query_token]]`: a secret accepted as `/consume?token=...`, for the `consume` scope only.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct QueryTokenConfig {
-    /// Recorded as the actor.
-    pub subject: String,
-    /// The environment variable holding the secret (at least 32 bytes).
-    pub token_env: String,
-}
-
-/// A validated query-string token: its SHA-256, compared in constant time.
-#[derive(Clone)]
-pub struct QueryToken {
-    /// The actor.
-    pub subject: String,
-    digest: [u8; 32],
-}
-
-impl std::fmt::Debug for QueryToken {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("QueryToken")
-            .field("subject", &self.subject)
-            .finish()
-    }
-}
-
-impl QueryToken {
-    /// Reads every query token's secret from the environment.
-    pub fn from_config(c: &[QueryTokenConfig], errors: &mut Vec<String>) -> Vec<QueryToken> {
-        let mut out = Vec::new();
-        for (i, q) in c.iter().enumerate() {
-            match std::env::var(&q.token_env) {
-                Ok(v) if v.len() >= crate::auth::MIN_SECRET_BYTES => out.push(QueryToken {
-                    subject: q.subject.clone(),
-                    digest: Sha256::digest(v.as_bytes()).into(),
-                }),
-                _ => errors.push(format!(
-                    "auth.query_token[{i}]: environment variable {} must hold at least {} bytes",
-                    q.token_env,
-                    crate::auth::MIN_SECRET_BYTES
-                )),
-            }
-        }
-        out
-    }
-
-    /// The principal for `presented`, if it is one of `tokens`: scope `consume` only.
-    pub fn verify(tokens: &[QueryToken], presented: &str) -> Option<Principal> {
-        let d: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
-        tokens
-            .iter()
-            .find(|t| {
-                t.digest
-                    .iter()
-                    .zip(d)
-                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                    == 0
-            })
-            .map(|t| Principal {
-                credential: crate::auth::Credential::QueryToken,
-                subject: t.subject.clone(),
-                scopes: HashSet::from(["consume".to_string()]),
-            })
-    }
 }
 
 /// A validated JWKS issuer with its key cache.
@@ -327,17 +260,17 @@ pub async fn verify(
         let Some(key) = issuer.key(&kid).await else {
             continue;
         };
-        let v = crate::token::validation(alg, &issuer.iss, Some(&issuer.audiences));
+        let v = crate::auth::token::validation(alg, &issuer.iss, Some(&issuer.audiences));
         let claims = jsonwebtoken::decode::<Map<String, Value>>(token, &key, &v)
-            .map_err(|e| crate::token::from_library(&e))?
+            .map_err(|e| crate::auth::token::from_library(&e))?
             .claims;
-        crate::token::required(&claims, "iss")?;
+        crate::auth::token::required(&claims, "iss")?;
         // One string: an array of audiences is refused (module docs).
-        crate::token::required(&claims, "aud")?;
-        crate::token::check_times(&claims, crate::token::now_seconds(), leeway, false)?;
-        let sub = crate::token::required(&claims, "sub")?;
+        crate::auth::token::required(&claims, "aud")?;
+        crate::auth::token::check_times(&claims, crate::auth::token::now_seconds(), leeway, false)?;
+        let sub = crate::auth::token::required(&claims, "sub")?;
         let principal = if issuer.google {
-            let email = crate::token::string_claim(&claims, "email")?;
+            let email = crate::auth::token::string_claim(&claims, "email")?;
             match (email, claims.get("email_verified")) {
                 (Some(e), Some(Value::Bool(true))) if !e.is_empty() => e.to_lowercase(),
                 _ => return Err(Refusal::EmailNotVerified),

@@ -2,7 +2,7 @@
 //!
 //! A token is accepted when its header's `kid` names a configured key, its HS256 signature
 //! verifies with that key, `iss` is that key's issuer, `aud` contains the issuer's audience, it
-//! passes the time rule of [`crate::token`] (`exp` required; `exp`, `nbf`, `iat` within
+//! passes the time rule of [`token`] (`exp` required; `exp`, `nbf`, `iat` within
 //! `auth.leeway`), and `sub` is a non-empty string. Scopes are the space-separated `scope`
 //! claim (RFC 8693 §4.2). The algorithm is pinned to HS256 whatever the header says.
 
@@ -12,8 +12,12 @@ use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header};
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 
+pub mod jwks;
+pub mod query_token;
+pub mod token;
+
 use crate::config::AuthConfig;
-use crate::token::Refusal;
+use token::Refusal;
 
 /// Smallest accepted HS256 secret, in bytes (RFC 7518 §3.2: a key of at least the hash size).
 pub const MIN_SECRET_BYTES: usize = 32;
@@ -165,6 +169,38 @@ impl Principal {
     }
 }
 
+/// Every configured way to authenticate, with its secrets resolved (DESIGN §10): what the HTTP
+/// layer verifies credentials against.
+#[derive(Debug, Clone)]
+pub struct Credentials {
+    /// `auth.leeway` in seconds: the clock skew of the one time rule (see [`token`]).
+    pub leeway_seconds: u64,
+    /// HS256 issuers.
+    pub issuers: Vec<Issuer>,
+    /// RS256/ES256 issuers verified against a JWKS.
+    pub jwks_issuers: Vec<jwks::JwksIssuer>,
+    /// Query-string tokens for `/consume`.
+    pub query_tokens: Vec<query_token::QueryToken>,
+}
+
+impl Credentials {
+    /// Resolves `[auth]`, pushing a message per problem onto `errors`.
+    pub fn from_config(c: &AuthConfig, errors: &mut Vec<String>) -> Credentials {
+        if c.leeway.seconds() > 300 {
+            errors.push(format!(
+                "auth.leeway ({}): at most 5m; a token's clock may be off by that much, no more",
+                c.leeway
+            ));
+        }
+        Credentials {
+            leeway_seconds: c.leeway.seconds().max(0) as u64,
+            issuers: Issuer::from_config(c, errors),
+            jwks_issuers: jwks::JwksIssuer::from_config(&c.jwks_issuer, errors),
+            query_tokens: query_token::QueryToken::from_config(&c.query_token, errors),
+        }
+    }
+}
+
 /// Whether `scope` is one sweeper knows: `trigger:*`, `trigger:{policy}`, `consume`, `ops:read`,
 /// `ops:write`.
 pub fn is_known_scope(scope: &str) -> bool {
@@ -176,17 +212,17 @@ pub fn is_known_scope(scope: &str) -> bool {
 
 /// Verifies `token` against every configured issuer: HS256 key sets, then JWKS issuers for
 /// RS256/ES256 (see [`crate::jwks`]). The shape is checked first (tokens longer than
-/// [`crate::jwks::MAX_TOKEN_BYTES`] are malformed), and any other algorithm is refused before
+/// [`crate::auth::jwks::MAX_TOKEN_BYTES`] are malformed), and any other algorithm is refused before
 /// any key is looked at; every issuer kind then applies the same time rule
-/// ([`crate::token::check_times`], with `auth.leeway`).
-pub async fn verify_any(config: &crate::config::Config, token: &str) -> Result<Principal, Refusal> {
-    let header = crate::token::read_header(token, crate::jwks::MAX_TOKEN_BYTES)?;
-    let leeway = config.auth_leeway.seconds() as u64;
+/// ([`crate::auth::token::check_times`], with `auth.leeway`).
+pub async fn verify_any(credentials: &Credentials, token: &str) -> Result<Principal, Refusal> {
+    let header = crate::auth::token::read_header(token, crate::auth::jwks::MAX_TOKEN_BYTES)?;
+    let leeway = credentials.leeway_seconds;
     match header.alg.as_str() {
-        "HS256" => verify(&config.issuers, token, leeway),
+        "HS256" => verify(&credentials.issuers, token, leeway),
         "RS256" => {
-            crate::jwks::verify(
-                &config.jwks_issuers,
+            crate::auth::jwks::verify(
+                &credentials.jwks_issuers,
                 Algorithm::RS256,
                 header.kid,
                 token,
@@ -195,8 +231,8 @@ pub async fn verify_any(config: &crate::config::Config, token: &str) -> Result<P
             .await
         }
         "ES256" => {
-            crate::jwks::verify(
-                &config.jwks_issuers,
+            crate::auth::jwks::verify(
+                &credentials.jwks_issuers,
                 Algorithm::ES256,
                 header.kid,
                 token,
@@ -211,7 +247,7 @@ pub async fn verify_any(config: &crate::config::Config, token: &str) -> Result<P
 /// Verifies an HS256 `token` against the configured HS256 issuers, with the time rule's
 /// `leeway` in seconds.
 pub fn verify(issuers: &[Issuer], token: &str, leeway: u64) -> Result<Principal, Refusal> {
-    let header = crate::token::read_header(token, crate::jwks::MAX_TOKEN_BYTES)?;
+    let header = crate::auth::token::read_header(token, crate::auth::jwks::MAX_TOKEN_BYTES)?;
     if header.alg != "HS256" {
         return Err(Refusal::UnsupportedAlgorithm);
     }
@@ -222,24 +258,24 @@ pub fn verify(issuers: &[Issuer], token: &str, leeway: u64) -> Result<Principal,
         .ok_or(Refusal::UnknownKey)?;
     let key = DecodingKey::from_secret(secret.expose_secret().as_bytes())
         .map_err(|_| Refusal::UnknownKey)?;
-    let v = crate::token::validation(
+    let v = crate::auth::token::validation(
         Algorithm::HS256,
         &issuer.iss,
         Some(std::slice::from_ref(&issuer.audience)),
     );
     let claims =
         jsonwebtoken::decode::<serde_json::Map<String, serde_json::Value>>(token, &key, &v)
-            .map_err(|e| crate::token::from_library(&e))?
+            .map_err(|e| crate::auth::token::from_library(&e))?
             .claims;
-    crate::token::required(&claims, "iss")?;
+    crate::auth::token::required(&claims, "iss")?;
     // One string or an array of strings; the library compared the value.
-    crate::token::audience_shape(&claims)?;
-    crate::token::check_times(&claims, crate::token::now_seconds(), leeway, false)?;
-    let sub = crate::token::required(&claims, "sub")?;
+    crate::auth::token::audience_shape(&claims)?;
+    crate::auth::token::check_times(&claims, crate::auth::token::now_seconds(), leeway, false)?;
+    let sub = crate::auth::token::required(&claims, "sub")?;
     if sub.trim().is_empty() {
         return Err(Refusal::ClaimUnusable("sub"));
     }
-    let scope = crate::token::string_claim(&claims, "scope")?.unwrap_or("");
+    let scope = crate::auth::token::string_claim(&claims, "scope")?.unwrap_or("");
     Ok(Principal {
         credential: Credential::Bearer,
         subject: sub.to_string(),
