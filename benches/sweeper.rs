@@ -228,7 +228,7 @@ async fn eligible_count(pool: &PgPool) -> i64 {
 /// The physical limit: sweeper's own delete_rows statements per command (the consume pipeline,
 /// called in process: no HTTP, no queue, no service), `conns` commands at a time.
 async fn physical(db: &str, batch: usize, conns: usize) -> f64 {
-    let config = sweeper::config::Config::from_toml(&config_toml(db, 0, 0, batch)).unwrap();
+    let config = sweeper::settings::Config::from_toml(&config_toml(db, 0, 0, batch)).unwrap();
     let policy = config.policies[0].clone();
     let app = sweeper::app::Application::build(config).await.unwrap();
     let state = app.state();

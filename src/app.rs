@@ -13,8 +13,8 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::config::Config;
 use crate::policy::Catalog;
+use crate::settings::Config;
 use crate::{ledger, policy_check};
 
 /// State shared by handlers, workers and the planner. Cheap to clone.

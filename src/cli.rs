@@ -9,7 +9,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use crate::app::{self, Application};
-use crate::config::{Config, DurationSpec};
+use crate::config::DurationSpec;
+use crate::settings::Config;
 
 /// sweeper: scheduled data-retention cleanup, correctly.
 #[derive(Debug, Parser)]

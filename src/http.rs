@@ -18,9 +18,9 @@ use tracing::{error, info};
 
 use crate::answer::{Answer, answer};
 use crate::app::AppState;
+use crate::auth::token::Refusal;
 use crate::auth::{self, Principal};
 use crate::consume::{self, ConsumeOutcome, Envelope, Executor};
-use crate::auth::token::Refusal;
 use crate::trigger::{self, TriggerError, TriggerOutcome, WindowHints};
 
 /// Largest `/consume` body, in bytes (the built-in envelope is well under 1 KiB).
@@ -372,7 +372,9 @@ impl FromRequestParts<AppState> for Caller {
         let (credential, result) = match (token, signature, &state.config.qstash) {
             (Some(t), _, _) => (
                 None,
-                auth::verify_any(&state.config.credentials, t).await.map(|p| (p, None)),
+                auth::verify_any(&state.config.credentials, t)
+                    .await
+                    .map(|p| (p, None)),
             ),
             (None, Some(sig), Some(q)) if signed_route => (
                 Some("Upstash-Signature"),
@@ -400,9 +402,12 @@ impl FromRequestParts<AppState> for Caller {
                         .map_or(Err(Refusal::Missing), |t| {
                             // A token that is no configured one is an unknown key, not a
                             // missing credential.
-                            crate::auth::query_token::QueryToken::verify(&state.config.credentials.query_tokens, &t)
-                                .map(|p| (p, None))
-                                .ok_or(Refusal::UnknownKey)
+                            crate::auth::query_token::QueryToken::verify(
+                                &state.config.credentials.query_tokens,
+                                &t,
+                            )
+                            .map(|p| (p, None))
+                            .ok_or(Refusal::UnknownKey)
                         }),
                     _ => Err(Refusal::Missing),
                 },

@@ -28,6 +28,7 @@ pub mod qstash;
 pub mod quickstart;
 pub mod relay;
 pub mod retry;
+pub mod settings;
 pub mod tls;
 pub mod transport;
 pub mod trigger;

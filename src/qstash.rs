@@ -4,7 +4,7 @@
 //! key, or during a rotation the next one (Upstash docs, `qstash/features/security.mdx`; the
 //! official receiver, `upstash/qstash-js: src/receiver.ts`). It is accepted when its signature
 //! verifies with the UTF-8 bytes of either key, `iss` is `Upstash`, `sub` is exactly
-//! `public_url` + the request's path and query, the time rule of [`crate::token`] holds (`exp`
+//! `public_url` + the request's path and query, the time rule of [`crate::auth::token`] holds (`exp`
 //! and `nbf` required, `auth.leeway` as for bearer tokens),
 //! and its `body` claim equals base64url(SHA-256(raw body)) with `=` padding ignored on both sides.
 //! The body check needs the body, so it is the handler's first step
@@ -28,10 +28,10 @@ use sha2::{Digest, Sha256};
 use serde_json::{Map, Value};
 
 use crate::auth::Principal;
+use crate::auth::token::Refusal;
 use crate::config::DurationSpec;
 use crate::relay::{Outbound, PublishError};
 use crate::retry::parse_retry_after;
-use crate::auth::token::Refusal;
 
 /// The `iss` of every QStash signature.
 pub const ISSUER: &str = "Upstash";

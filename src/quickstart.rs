@@ -15,7 +15,7 @@ use sqlx::{Connection, PgConnection};
 use tokio_util::sync::CancellationToken;
 
 use crate::app::Application;
-use crate::config::Config;
+use crate::settings::Config;
 
 /// The server used when `DATABASE_URL` is not set.
 pub const DEFAULT_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";

@@ -5,7 +5,7 @@
 //! A JWKS token is accepted when its header's algorithm is one the issuer pins, its `kid` names a
 //! key of the issuer's key set, the signature verifies, `iss` is the issuer, `aud` is a single
 //! string equal to one of the configured audiences (no normalisation: a trailing slash or a query
-//! string is another audience; an array is refused), the time rule of [`crate::token`] holds
+//! string is another audience; an array is refused), the time rule of [`crate::auth::token`] holds
 //! (the same for every issuer kind, with `auth.leeway`), and — for Google — `email` is present and `email_verified` is
 //! true. Scopes come from the issuer's `principals` map (the verified email for Google, else
 //! `sub`), never from the token.
@@ -20,7 +20,6 @@ use std::time::{Duration, Instant};
 
 use jsonwebtoken::jwk::JwkSet;
 use jsonwebtoken::{Algorithm, DecodingKey};
-use serde::Deserialize;
 
 use serde_json::{Map, Value};
 
@@ -35,39 +34,7 @@ const RETRY_FAILED_FETCH: Duration = Duration::from_secs(5);
 const DEFAULT_MAX_AGE: Duration = Duration::from_secs(300);
 const LONGEST_MAX_AGE: Duration = Duration::from_secs(86_400);
 
-/// `[[auth.jwks_issuer]]` as written.
-///
-/// ```toml
-/// [[auth.jwks_issuer]]
-/// iss = "https://accounts.google.com"
-/// jwks_url = "https://www.googleapis.com/oauth2/v3/certs"
-/// algorithms = ["RS256"]
-/// audiences = ["https://sweeper.example.com"]
-/// google = true
-/// principals = { "scheduler@my-project.iam.gserviceaccount.com" = ["trigger:*"],
-///                "pubsub-push@my-project.iam.gserviceaccount.com" = ["consume"] }
-/// ```
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct JwksIssuerConfig {
-    /// The exact `iss`.
-    pub iss: String,
-    /// Where the key set is fetched (https; http only with `allow_http`).
-    pub jwks_url: String,
-    /// Pinned algorithms: `RS256` and/or `ES256`.
-    pub algorithms: Vec<String>,
-    /// Accepted audiences, each compared exactly.
-    pub audiences: Vec<String>,
-    /// Google OIDC: require `email` and `email_verified: true`; the email is the principal.
-    #[serde(default)]
-    pub google: bool,
-    /// Allow an http JWKS URL (a key server on loopback in tests). Default false.
-    #[serde(default)]
-    pub allow_http: bool,
-    /// Principal (verified email, or `sub`) → scopes.
-    #[serde(default)]
-    pub principals: HashMap<String, Vec<String>>,
-}
+pub use crate::config::JwksIssuerConfig;
 
 /// A validated JWKS issuer with its key cache.
 #[derive(Clone)]

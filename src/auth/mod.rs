@@ -211,7 +211,7 @@ pub fn is_known_scope(scope: &str) -> bool {
 }
 
 /// Verifies `token` against every configured issuer: HS256 key sets, then JWKS issuers for
-/// RS256/ES256 (see [`crate::jwks`]). The shape is checked first (tokens longer than
+/// RS256/ES256 (see [`crate::auth::jwks`]). The shape is checked first (tokens longer than
 /// [`crate::auth::jwks::MAX_TOKEN_BYTES`] are malformed), and any other algorithm is refused before
 /// any key is looked at; every issuer kind then applies the same time rule
 /// ([`crate::auth::token::check_times`], with `auth.leeway`).

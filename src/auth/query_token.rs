@@ -4,20 +4,11 @@
 
 use std::collections::HashSet;
 
-use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use super::Principal;
 
-/// `[[auth.query_token]]`: a secret accepted as `/consume?token=...`, for the `consume` scope only.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct QueryTokenConfig {
-    /// Recorded as the actor.
-    pub subject: String,
-    /// The environment variable holding the secret (at least 32 bytes).
-    pub token_env: String,
-}
+pub use crate::config::QueryTokenConfig;
 
 /// A validated query-string token: its SHA-256, compared in constant time.
 #[derive(Clone)]
@@ -74,4 +65,3 @@ impl QueryToken {
             })
     }
 }
-

@@ -18,9 +18,6 @@ use serde_json::{Map, Value};
 /// Largest NumericDate accepted: 9999-12-31T23:59:59Z, in seconds since the epoch.
 pub const MAX_NUMERIC_DATE: f64 = 253_402_300_799.0;
 
-/// Default clock skew allowed by the time rule, in seconds (`auth.leeway`).
-pub const DEFAULT_LEEWAY_SECONDS: u64 = 30;
-
 /// Why a credential was refused. [`Refusal::code`] is stable (the problem's `reason` member);
 /// [`Refusal::detail`] is the human text. Neither ever carries a library's message.
 #[derive(Debug, Clone, PartialEq, Eq)]

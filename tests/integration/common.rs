@@ -9,7 +9,7 @@ use serde_json::Value;
 use sqlx::{Connection, PgConnection, PgPool};
 use sweeper::app::{AppState, Application};
 use sweeper::auth::Issuer;
-use sweeper::config::Config;
+use sweeper::settings::Config;
 use tokio_util::sync::CancellationToken;
 
 pub const SECRET: &str = "test-secret-test-secret-test-secret-0123456789";

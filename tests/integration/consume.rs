@@ -306,7 +306,7 @@ async fn a_stricter_configuration_mid_run_wins_and_older_replicas_wait() {
 
     // A replica that started on the old configuration and is still running...
     let old = sweeper::app::Application::build(
-        sweeper::config::Config::from_toml(&config_toml(&db.url, 0, "", &ticket_policy(100)))
+        sweeper::settings::Config::from_toml(&config_toml(&db.url, 0, "", &ticket_policy(100)))
             .unwrap(),
     )
     .await

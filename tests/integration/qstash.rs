@@ -707,7 +707,7 @@ async fn a_command_not_yet_due_is_handed_over_with_not_before_and_arrives_no_ear
 /// A replica that builds on `db_url` with `extra` but does not serve: its relay is driven by hand.
 async fn idle_replica(db_url: &str, extra: &str) -> sweeper::app::Application {
     let text = config_toml(db_url, 0, extra, &qstash_policy(5));
-    sweeper::app::Application::build(sweeper::config::Config::from_toml(&text).unwrap())
+    sweeper::app::Application::build(sweeper::settings::Config::from_toml(&text).unwrap())
         .await
         .unwrap()
 }

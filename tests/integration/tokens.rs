@@ -99,7 +99,7 @@ async fn the_leeway_is_one_configured_value() {
     }
     let token = hs256(json!({"iat": t + 200}));
     assert_eq!(get_runs(&app, &format!("Bearer {token}")).await.0, 401);
-    let bad = sweeper::config::Config::from_toml(&config_toml(
+    let bad = sweeper::settings::Config::from_toml(&config_toml(
         "postgres://x@127.0.0.1/x",
         0,
         "[auth]\nleeway = \"1h\"",
