@@ -256,21 +256,24 @@ impl IntoResponse for Problem {
 }
 
 impl From<sqlx::Error> for Problem {
+    /// Uses the one classification ([`crate::retry::Failure::from_db`]): what another try may
+    /// cure (a lock or statement timeout, a lost connection, a pool timeout) is 503 + Retry-After;
+    /// a data exception (class 22: the input cannot be stored or compared as text, such as a NUL
+    /// byte in a path or query parameter) is the client's 400; anything else a 500.
     fn from(e: sqlx::Error) -> Self {
-        match e {
-            sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) => {
-                Problem::unavailable(e, 5)
-            }
-            // Class 22 (data exception): the input cannot be stored or compared as text, such
-            // as a NUL byte in a path or query parameter. The client's fault, said generically.
-            sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("22")) => {
-                Problem::new(
-                    StatusCode::BAD_REQUEST,
-                    "bad-input",
-                    "a parameter holds characters that cannot be used (e.g. a NUL byte)",
-                )
-            }
-            other => Problem::internal(other),
+        use crate::retry::FailureClass;
+        if let sqlx::Error::Database(db) = &e
+            && db.code().is_some_and(|c| c.starts_with("22"))
+        {
+            return Problem::new(
+                StatusCode::BAD_REQUEST,
+                "bad-input",
+                "a parameter holds characters that cannot be used (e.g. a NUL byte)",
+            );
+        }
+        match crate::retry::Failure::from_db(&e).class {
+            FailureClass::Transient | FailureClass::Throttled { .. } => Problem::unavailable(e, 5),
+            FailureClass::Permanent | FailureClass::Held(_) => Problem::internal(e),
         }
     }
 }

@@ -860,3 +860,35 @@ async fn a_failing_planning_page_is_visible_on_the_run_and_in_metrics_and_resume
     assert_eq!(run["planning"]["consecutive_failures"], 0);
     assert_eq!(run["deleted"].as_i64().unwrap() as usize, eligible.len());
 }
+
+/// An ops endpoint that meets another session's lock gives up after `database.lock_timeout`
+/// with a 503 the caller may retry, never a 500.
+#[tokio::test]
+async fn an_ops_read_blocked_by_a_lock_is_a_503_with_retry_after() {
+    let app = app_with(
+        "",
+        "[database]\nmax_connections = 8\nlock_timeout = \"1s\"",
+        TICKETS,
+    )
+    .await;
+    let mut locker = PgConnection::connect(&app.db.url).await.unwrap();
+    sqlx::raw_sql("begin; lock table sweeper.runs in access exclusive mode")
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let r = app
+        .client
+        .get(format!("{}/runs", app.base))
+        .bearer_auth(app.ops_token())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().contains_key("retry-after"));
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["type"], "urn:sweeper:problem:unavailable", "{body}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    sqlx::raw_sql("commit").execute(&mut locker).await.unwrap();
+    assert_eq!(app.get_json("/runs").await["runs"], json!([]));
+}
