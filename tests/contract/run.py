@@ -3,17 +3,22 @@
 
 Every operation of the served `openapi.yaml` is exercised with `--checks all` (examples, coverage
 and fuzzing phases), a fixed seed and bounded examples, with a token of exactly the scope the
-operation needs (`schemathesis.toml` beside this file). Read-only operations share one server;
-each operation that changes state gets a fresh database (cloned from a seeded template: demo
-tickets, one completed run) and a fresh server, so no operation's findings depend on another's
-leftovers. Any finding fails the run (exit 1).
+operation needs, and half of the ids drawn from what the seeded template holds (OPERATIONS below
+is the list of tokens, expected statuses and seeded parameters). Read-only operations share one
+server; each operation that changes state gets a fresh database (cloned from the template: demo
+tickets, a completed run with an item dead letter, an envelope dead letter, a running backfill)
+and a fresh server, so no operation's findings depend on another's leftovers. Any finding fails
+the run (exit 1).
 
     python3 tests/contract/run.py [group ...]   # groups: "read-only operations" or an
                                                 # operationId that changes state
+    # CONTRACT_REPORT_DIR=dir keeps a HAR of every request; CONTRACT_SEED and
+    # CONTRACT_MAX_EXAMPLES change the seed (20261201) and examples per operation (30).
     # with the python of schemathesis's environment (PyYAML); needs DATABASE_URL's server, psql,
     # target/debug/sweeper (or SWEEPER_BIN) and schemathesis on PATH (or SCHEMATHESIS=path)
 """
 
+import json
 import os
 import pathlib
 import secrets
@@ -23,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 
@@ -87,14 +93,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def config(port):
+def config(port, workers=1):
     path = WORK / f"sweeper-{port}.toml"
     path.write_text(f"""
 database_url = "{db_url(DB)}"
 listen = "127.0.0.1:{port}"
 migrate_on_start = true
 [queue]
-workers = 1
+workers = {workers}
 poll_interval = "1s"
 [[auth.issuer]]
 iss = "sweeper-contract"
@@ -115,9 +121,9 @@ ENV = dict(os.environ, SWEEPER_CONTRACT_SECRET=SECRET, RUST_LOG="warn")
 ENV.pop("DATABASE_URL", None)
 
 
-def serve(port):
+def serve(port, workers=1):
     proc = subprocess.Popen(
-        [BIN, "serve", "--config", str(config(port))], env=ENV,
+        [BIN, "serve", "--config", str(config(port, workers))], env=ENV,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
@@ -157,44 +163,140 @@ def fresh_database():
     psql(f"create database {DB} template {TEMPLATE}")
 
 
+def query(sql):
+    out = subprocess.run(["psql", "-Atq", db_url(DB), "-c", sql], capture_output=True, text=True,
+                         check=True)
+    return [line for line in out.stdout.splitlines() if line]
+
+
+def call(base, path, token_, body=None):
+    req = urllib.request.Request(
+        base + path, method="POST", data=body,
+        headers={"Authorization": "Bearer " + token_, "Content-Type": "application/json"},
+    )
+    try:
+        return urllib.request.urlopen(req, timeout=30).status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def wait_for(sql, expected, what):
+    for _ in range(300):
+        if query(sql) == [expected]:
+            return
+        time.sleep(0.1)
+    sys.exit(f"contract seed: {what} did not happen")
+
+
 def make_template():
-    """A migrated ledger, seeded tickets and one completed run, to clone per operation."""
+    """A migrated ledger and seeded tickets, with something for every id an operation takes: a
+    completed run with an item dead letter (a referenced ticket cannot be deleted), an envelope
+    dead letter, and a backfill run left running with pending commands. Cloned per operation.
+    Returns the ids, for the dictionaries schemathesis draws from."""
     for name in (DB, TEMPLATE):
         psql(f"drop database if exists {name} with (force)")
     psql(f"create database {DB}")
     psql(SEED_SQL, DB)
+    psql("create table demo.ticket_refs (ticket_id bigint references demo.tickets (id));"
+         "insert into demo.ticket_refs values (50)", DB)
     port = free_port()
     proc, base = serve(port)
-    req = urllib.request.Request(
-        base + "/trigger/ticket-retention", method="POST",
-        headers={"Authorization": "Bearer " + token(port, "trigger:*")},
-    )
-    urllib.request.urlopen(req, timeout=10)
-    for _ in range(300):
-        out = subprocess.run(
-            ["psql", "-Atq", db_url(DB), "-c",
-             "select count(*) from sweeper.runs where status = 'completed'"],
-            capture_output=True, text=True, check=True,
-        )
-        if out.stdout.strip() == "1":
-            break
-        time.sleep(0.1)
-    else:
-        sys.exit("the seed run did not complete")
+    assert call(base, "/trigger/ticket-retention", token(port, "trigger:*")) == 202
+    wait_for("select count(*) from sweeper.runs where status like 'completed%'", "1",
+             "the seed run")
+    assert call(base, "/consume", token(port, "consume"), b"not an envelope") == 200
     stop(proc)
+    # Workers off: a backfill of yesterday's tick stays running, its commands pending.
+    proc, base = serve(port, workers=0)
+    window = query("select to_char((window_at - interval '1 day') at time zone 'UTC', "
+                   "'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') from sweeper.runs")[0]
+    assert call(base, f"/trigger/ticket-retention?window={window}",
+                token(port, "trigger:* ops:write")) == 202
+    wait_for("select count(*) from sweeper.runs where planning_done", "2", "the backfill plan")
+    stop(proc)
+    ids = {
+        "runs": query("select run_id from sweeper.runs order by run_id"),
+        "windows": query("select to_char(window_at at time zone 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') "
+                         "from sweeper.runs"),
+        "commands": query("select command_id from sweeper.commands where state = 'pending' "
+                          "order by 1 limit 5"),
+        "dead_letters": [int(i) for i in query("select dead_letter_id from sweeper.dead_letters")],
+        "policies": ["ticket-retention"],
+    }
+    assert ids["commands"] and len(ids["dead_letters"]) >= 2, ids
     psql(f"alter database {DB} rename to {TEMPLATE}")
+    return ids
 
 
-def run_schemathesis(port, base, selection):
+# Per operation: the token it gets (the scope it needs), the statuses it may answer to
+# schema-valid input (positive_data_acceptance; a valid id that names nothing is 404, an act on
+# something in the wrong state 409), and which parameters draw half of their values from the
+# seeded ids.
+OPERATIONS = {
+    # 400: a window that is no tick; 404: a policy not configured. The token also holds
+    # ops:write, so backfills are created (202) rather than refused.
+    "trigger": ("TRIGGER_BACKFILL", [200, 202, 400, 404],
+                {"path.policy": "policies", "query.window": "windows"}),
+    # 404: a command id the ledger does not know (generic envelope).
+    "consume": ("CONSUME", [200, 404], {"body.command_id": "commands"}),
+    "listRuns": ("READ", [200], {"query.policy": "policies"}),
+    "getRun": ("READ", [200, 404], {"path.run_id": "runs"}),
+    "listRunItems": ("READ", [200, 404], {"path.run_id": "runs"}),
+    "listDeadLetters": ("READ", [200], {"query.run_id": "runs", "query.policy": "policies"}),
+    "getDeadLetter": ("READ", [200, 404], {"path.id": "dead_letters"}),
+    "listPolicies": ("READ", [200], {}),
+    "cancelRun": ("WRITE", [200, 404, 409], {"path.run_id": "runs"}),
+    "redriveDeadLetters": ("WRITE", [200], {"body.run_id": "runs"}),
+    "redriveDeadLetter": ("WRITE", [200, 404, 409], {"path.id": "dead_letters"}),
+    "abandonDeadLetter": ("WRITE", [200, 404, 409], {"path.id": "dead_letters"}),
+    "suspendPolicy": ("WRITE", [200, 404, 409], {"path.policy": "policies"}),
+    "resumePolicy": ("WRITE", [200, 404, 409], {"path.policy": "policies"}),
+    # No token: probes and metrics.
+    "healthz": (None, [200], {}),
+    "readyz": (None, [200], {}),
+    "metrics": (None, [200], {}),
+}
+
+TOKENS = {"READ": "ops:read", "WRITE": "ops:write", "TRIGGER_BACKFILL": "trigger:* ops:write",
+          "CONSUME": "consume"}
+
+
+def schemathesis_toml(ids):
+    """The configuration: OPERATIONS, the seeded ids as dictionaries, and the one exception to
+    negative_data_rejection DESIGN §5 makes (a body that is no envelope, from an authenticated
+    sender, is quarantined and acknowledged with 200 so no queue redelivers it for ever)."""
+    out = ["[warnings]", "fail-on = false", ""]
+    for name, values in ids.items():
+        out += [f"[dictionaries.{name}]", f"values = {json.dumps(values)}", ""]
+    for op, (tok, statuses, params) in OPERATIONS.items():
+        out += ["[[operations]]", f'include-operation-id = "{op}"']
+        if tok:
+            out.append(f'headers = {{ Authorization = "Bearer ${{SWEEPER_TOKEN_{tok}}}" }}')
+        out.append(f"checks.positive_data_acceptance.expected-statuses = {statuses}")
+        if op == "consume":
+            out.append("checks.negative_data_rejection.expected-statuses = "
+                       "[200, 400, 401, 403, 404, 413]")
+        if params:
+            bound = ", ".join(f'"{k}" = {{ dictionary = "{v}", probability = 0.5 }}'
+                              for k, v in params.items())
+            out.append(f"parameters = {{ {bound} }}")
+        out.append("")
+    path = WORK / "schemathesis.toml"
+    path.write_text("\n".join(out))
+    return path
+
+
+def run_schemathesis(port, base, selection, config_file):
     env = dict(os.environ)
-    for scope, var in [("ops:read", "READ"), ("ops:write", "WRITE"), ("trigger:*", "TRIGGER"),
-                       ("consume", "CONSUME")]:
+    for var, scope in TOKENS.items():
         env[f"SWEEPER_TOKEN_{var}"] = token(port, scope)
     cmd = [
-        SCHEMATHESIS, "--no-color", "--config-file", str(HERE / "schemathesis.toml"), "run",
+        SCHEMATHESIS, "--no-color", "--config-file", str(config_file), "run",
         str(ROOT / "openapi.yaml"), "--url", base, "--checks", "all",
         "--phases", "examples,coverage,fuzzing", "--seed", SEED, "--max-examples", MAX_EXAMPLES,
         "--request-timeout", "20", *selection,
+        *(["--report", "har", "--report-dir", os.environ["CONTRACT_REPORT_DIR"]]
+          if os.environ.get("CONTRACT_REPORT_DIR") else []),
     ]
     print("+", " ".join(cmd[1:]), flush=True)
     # In the scratch directory: schemathesis keeps a cache (`.schemathesis/`) where it runs.
@@ -202,7 +304,7 @@ def run_schemathesis(port, base, selection):
 
 
 def main():
-    make_template()
+    config_file = schemathesis_toml(make_template())
     failed = []
     groups = [("read-only operations", ["--include-method", "GET"])] + [
         (op, ["--include-operation-id", op]) for op in writes()
@@ -214,9 +316,10 @@ def main():
         print(f"== schemathesis: {name}", flush=True)
         fresh_database()
         port = free_port()
-        proc, base = serve(port)
+        # Workers off: the seeded running backfill stays running, its commands pending.
+        proc, base = serve(port, workers=0)
         try:
-            if run_schemathesis(port, base, selection) != 0:
+            if run_schemathesis(port, base, selection, config_file) != 0:
                 failed.append(name)
         finally:
             stop(proc)
