@@ -332,4 +332,11 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        # Also after a failure: no database or scratch directory is left behind.
+        for name in (DB, TEMPLATE):
+            subprocess.run(["psql", "-q", SERVER, "-c", f"drop database if exists {name} with (force)"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        shutil.rmtree(WORK, ignore_errors=True)
