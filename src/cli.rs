@@ -8,9 +8,10 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use crate::app::{self, Application};
+use crate::app::Application;
 use crate::config::DurationSpec;
 use crate::settings::Config;
+use crate::state as app;
 
 /// sweeper: scheduled data-retention cleanup, correctly.
 #[derive(Debug, Parser)]

@@ -15,10 +15,10 @@ use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, Postgres, QueryBuilder, Row, Transaction};
 use tracing::{info, warn};
 
-use crate::app::AppState;
 use crate::ledger;
 use crate::policy::RuleSet;
 use crate::retry::{Decision, Failure, FailureClass, HoldKind};
+use crate::state::AppState;
 
 /// The built-in envelope: identity only, never data (DESIGN §2.12).
 ///

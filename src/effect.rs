@@ -24,13 +24,13 @@ use sqlx::{Postgres, QueryBuilder, Row};
 use tracing::warn;
 
 use crate::action::{CallResult, Then};
-use crate::app::AppState;
 use crate::consume::{
     ConsumeOutcome, Counts, Executor, Loaded, Outcome, finish_in_run, record_failure,
     record_item_dead_letters,
 };
 use crate::policy::ActionSpec;
 use crate::retry::{Failure, FailureClass};
+use crate::state::AppState;
 
 /// What the first statement decided for an item.
 enum Decision {

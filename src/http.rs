@@ -17,10 +17,10 @@ use tower_http::trace::TraceLayer;
 use tracing::{error, info};
 
 use crate::answer::{Answer, answer};
-use crate::app::AppState;
 use crate::auth::token::Refusal;
 use crate::auth::{self, Principal};
 use crate::consume::{self, ConsumeOutcome, Envelope, Executor};
+use crate::state::AppState;
 use crate::trigger::{self, TriggerError, TriggerOutcome, WindowHints};
 
 /// Largest `/consume` body, in bytes (the built-in envelope is well under 1 KiB).

@@ -29,7 +29,7 @@ pub mod quickstart;
 pub mod relay;
 pub mod retry;
 pub mod settings;
+pub mod state;
 pub mod tls;
-pub mod transport;
 pub mod trigger;
 pub mod window;

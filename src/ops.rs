@@ -8,10 +8,10 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::app::AppState;
 use crate::audit;
 use crate::http::{Caller, Problem};
 use crate::ledger;
+use crate::state::AppState;
 
 /// Filters of `GET /runs`.
 #[derive(Debug, Deserialize)]

@@ -14,10 +14,10 @@ use sqlx::Row;
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use crate::app::AppState;
 use crate::ledger;
 use crate::policy::RuleSet;
 use crate::retry::Failure;
+use crate::state::AppState;
 
 /// Most bytes of item keys one planning page handles.
 pub const PAGE_KEY_BYTES: usize = 16 * 1024 * 1024;

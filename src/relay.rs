@@ -14,9 +14,9 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tracing::{info, warn};
 
-use crate::app::AppState;
 use crate::policy::Transport;
 use crate::retry::Failure;
+use crate::state::AppState;
 
 /// Most commands one relay round reads and publishes.
 pub const RELAY_BATCH: i64 = 100;

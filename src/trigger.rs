@@ -7,10 +7,10 @@
 use chrono::{DateTime, NaiveDate, Utc};
 use tracing::info;
 
-use crate::app::AppState;
 use crate::auth::Principal;
 use crate::ledger::{self, Run};
 use crate::policy::Policy;
+use crate::state::AppState;
 use crate::window;
 
 /// Where the caller said which window it means, in order of precedence.

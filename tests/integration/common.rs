@@ -386,8 +386,8 @@ impl TestApp {
     /// Drives the built-in queue until nothing is due.
     pub async fn drain(&self) -> usize {
         let mut n = 0;
-        while let sweeper::transport::WorkerStep::Ran(_) =
-            sweeper::transport::run_one_command(&self.state)
+        while let sweeper::app::worker::WorkerStep::Ran(_) =
+            sweeper::app::worker::run_one_command(&self.state)
                 .await
                 .unwrap()
         {

@@ -76,8 +76,8 @@ async fn two_overlapping_runs_call_the_provider_once_per_item() {
     for _ in 0..4 {
         let state = app.state.clone();
         handles.push(tokio::spawn(async move {
-            while let sweeper::transport::WorkerStep::Ran(_) =
-                sweeper::transport::run_one_command(&state).await.unwrap()
+            while let sweeper::app::worker::WorkerStep::Ran(_) =
+                sweeper::app::worker::run_one_command(&state).await.unwrap()
             {}
         }));
     }

@@ -6,8 +6,8 @@ use std::time::Duration;
 use crate::common::*;
 use serde_json::{Value, json};
 use sqlx::{Connection, PgConnection};
+use sweeper::app::worker::{WorkerStep, run_one_command};
 use sweeper::consume::{ConsumeOutcome, Executor};
-use sweeper::transport::{WorkerStep, run_one_command};
 
 const WINDOW: &str = "2026-09-01T02:00:00Z";
 
@@ -595,12 +595,16 @@ async fn old_terminal_commands_are_purged_and_their_redelivery_is_acknowledged()
     app.wait_terminal(&run_id).await;
     let audit_before = app.audit(&run_id).await.len();
     assert_eq!(
-        sweeper::app::housekeeping_once(&app.state).await.unwrap(),
+        sweeper::app::housekeeping::housekeeping_once(&app.state)
+            .await
+            .unwrap(),
         0,
         "nothing is old yet"
     );
     advance(&app, 31 * 86_400).await;
-    let purged = sweeper::app::housekeeping_once(&app.state).await.unwrap();
+    let purged = sweeper::app::housekeeping::housekeeping_once(&app.state)
+        .await
+        .unwrap();
     assert_eq!(
         purged as usize,
         commands.len() - 1,

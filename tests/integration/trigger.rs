@@ -2,7 +2,7 @@
 
 use crate::common::*;
 use serde_json::Value;
-use sweeper::transport::{WorkerStep, run_one_command};
+use sweeper::app::worker::{WorkerStep, run_one_command};
 
 #[tokio::test]
 async fn concurrent_triggers_for_one_window_create_one_run_planned_once() {

@@ -1,6 +1,6 @@
-//! Transports: how commands reach the consume pipeline (DESIGN §8). So far only the built-in
-//! PostgreSQL queue; push transports (Pub/Sub, QStash) will publish from the same ledger rows and
-//! arrive through `/consume`.
+//! The built-in queue's workers (DESIGN §8): how commands of the `builtin` transport reach the
+//! consume pipeline. (Push transports publish from the same ledger rows and arrive through
+//! `/consume`.)
 //!
 //! The built-in queue claims one due command at a time in a short transaction
 //! (`FOR UPDATE SKIP LOCKED`, lease, attempt number), then runs the same pipeline as `/consume`
@@ -10,9 +10,9 @@
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::app::AppState;
 use crate::consume::{self, ConsumeOutcome, Executor};
 use crate::retry::Failure;
+use crate::state::AppState;
 
 /// The actor recorded in audit rows written by built-in workers.
 pub const BUILTIN_ACTOR: &str = "sweeper:builtin-queue";

@@ -1,13 +1,9 @@
 //! The application: shared state, start-up checks, and the sibling tasks (HTTP server, built-in
 //! queue workers, planner) under one cancellation token.
 
-use std::str::FromStr;
 use std::sync::Arc;
 
 use anyhow::Context;
-use secrecy::ExposeSecret;
-use sqlx::PgPool;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -15,76 +11,11 @@ use tracing::{error, info, warn};
 
 use crate::policy::Catalog;
 use crate::settings::Config;
+pub use crate::state::{AppState, connect, migrate};
 use crate::{ledger, policy_check};
 
-/// State shared by handlers, workers and the planner. Cheap to clone.
-#[derive(Clone)]
-pub struct AppState {
-    /// The ledger's (and the targets') database.
-    pub pool: PgPool,
-    /// The validated configuration.
-    pub config: Arc<Config>,
-    /// Column types of target tables.
-    pub catalog: Arc<Catalog>,
-    /// Per policy, the column types of its table when this replica checked it at start-up
-    /// (rules hold work on a column whose type changed since).
-    pub checked_types: Arc<std::collections::HashMap<String, crate::policy::CheckedTypes>>,
-    /// Policy specs by version.
-    pub specs: Arc<ledger::SpecCache>,
-    /// Wakes idle built-in workers (new commands were planned).
-    pub wake_workers: Arc<Notify>,
-    /// Wakes the planner (a run was created).
-    pub wake_planner: Arc<Notify>,
-    /// This process's identity as a lease owner.
-    pub replica_id: uuid::Uuid,
-    /// Downstream dependencies: clients, per-replica limits, the shared pause view.
-    pub dependencies: Arc<crate::dependency::Dependencies>,
-}
-
-/// Opens a pool on `config.database_url` with the configured size and acquire timeout.
-///
-/// Every connection gets `idle_in_transaction_session_timeout` (a stuck transaction cannot pin
-/// locks for ever), `lock_timeout` and `statement_timeout` (`database.*`: no statement waits
-/// without bound for what another session holds, so shutdown and the background loops stay
-/// bounded too) and `application_name = sweeper`.
-pub async fn connect(config: &Config) -> anyhow::Result<PgPool> {
-    let lock_timeout = format!("{}s", config.database.lock_timeout.seconds());
-    let statement_timeout = format!("{}s", config.database.statement_timeout.seconds());
-    let opts = connect_options(config)?.options([
-        ("idle_in_transaction_session_timeout", "60s"),
-        ("lock_timeout", lock_timeout.as_str()),
-        ("statement_timeout", statement_timeout.as_str()),
-    ]);
-    PgPoolOptions::new()
-        .max_connections(config.database.max_connections)
-        .acquire_timeout(config.database.acquire_timeout.std())
-        .connect_with(opts)
-        .await
-        .context("cannot connect to the database (database_url)")
-}
-
-fn connect_options(config: &Config) -> anyhow::Result<PgConnectOptions> {
-    Ok(
-        PgConnectOptions::from_str(config.database_url.expose_secret())
-            .context("database_url is not a valid PostgreSQL URL")?
-            .application_name("sweeper"),
-    )
-}
-
-/// Applies pending migrations on a connection of its own, without the pool's lock and statement
-/// timeouts: a migration may wait for another replica's migration lock, or rewrite a table.
-pub async fn migrate(config: &Config) -> anyhow::Result<()> {
-    use sqlx::Connection;
-    let mut conn = sqlx::PgConnection::connect_with(&connect_options(config)?)
-        .await
-        .context("cannot connect to the database (database_url)")?;
-    ledger::MIGRATOR
-        .run(&mut conn)
-        .await
-        .context("applying migrations")?;
-    let _ = conn.close().await;
-    Ok(())
-}
+pub mod housekeeping;
+pub mod worker;
 
 /// A built application: its listener is bound (port 0 picks a free port) and its policies are
 /// checked against the database, but nothing runs until [`Application::run_until`].
@@ -238,7 +169,7 @@ impl Application {
         for n in 0..state.config.queue.workers {
             let (s, t) = (state.clone(), shutdown.clone());
             tasks.spawn(async move {
-                crate::transport::worker_loop(s, n, t).await;
+                worker::worker_loop(s, n, t).await;
                 ("built-in worker", Ok(()))
             });
         }
@@ -275,7 +206,7 @@ impl Application {
         });
         let (s, t) = (state.clone(), shutdown.clone());
         tasks.spawn(async move {
-            housekeeping_loop(s, t).await;
+            housekeeping::housekeeping_loop(s, t).await;
             ("housekeeping", Ok(()))
         });
         let mut first_error = None;
@@ -339,7 +270,7 @@ async fn release_leases(state: &AppState) {
         if let Err(e) = ledger::release_job_leases(&state.pool, state.replica_id).await {
             warn!(error = %e, "could not release job leases; they expire on their own");
         }
-        match crate::transport::release_own_leases(state).await {
+        match worker::release_own_leases(state).await {
             Ok(0) => {}
             Ok(n) => info!(
                 released = n,
@@ -357,62 +288,5 @@ async fn release_leases(state: &AppState) {
         warn!(
             "releasing leases took too long (another session holds them); they expire on their own"
         );
-    }
-}
-
-/// Periodic ledger work, done by the replica holding the `housekeeping` job lease (renewed every
-/// round, twice the interval long): republishing stale push commands and purging old terminal
-/// commands in bounded batches.
-pub async fn housekeeping_loop(state: AppState, shutdown: CancellationToken) {
-    let interval = state.config.ledger.housekeeping_interval;
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(interval.std()) => {}
-        }
-        let lease = (interval.seconds() * 2 + 10) as f64;
-        match crate::ledger::take_job_lease(&state.pool, "housekeeping", state.replica_id, lease)
-            .await
-        {
-            Ok(true) => {}
-            Ok(false) => continue,
-            Err(e) => {
-                warn!(error = %e, "housekeeping could not take its lease; retrying next round");
-                continue;
-            }
-        }
-        if let Err(e) = housekeeping_once(&state).await {
-            warn!(error = %e, "housekeeping failed; retrying next round");
-        }
-    }
-}
-
-/// One round of housekeeping: purges until a batch comes back short. Returns commands purged.
-pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
-    let republish = crate::relay::mark_stale_for_republish(state).await?;
-    if republish > 0 {
-        info!(
-            commands = republish,
-            "push commands not delivered within republish_after are published again"
-        );
-    }
-    let mut total = 0;
-    loop {
-        let n = ledger::purge_terminal_commands(
-            &state.pool,
-            state.config.ledger.command_retention.seconds(),
-            state.config.ledger.purge_batch,
-        )
-        .await?;
-        total += n;
-        if n < state.config.ledger.purge_batch as u64 {
-            if total > 0 {
-                info!(
-                    purged = total,
-                    "purged terminal commands past their retention"
-                );
-            }
-            return Ok(total);
-        }
     }
 }
