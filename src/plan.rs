@@ -158,9 +158,10 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     let cutoff: chrono::DateTime<chrono::Utc> = job.get("cutoff");
     let dry_run: bool = job.get("dry_run");
 
-    let (pinned, _current_version, current) = ledger::run_specs(&mut tx, &policy, &pinned_version)
-        .await
-        .map_err(db)?;
+    let (pinned, _current_version, current) =
+        ledger::run_specs::<crate::policy::PolicySpec>(&mut tx, &policy, &pinned_version)
+            .await
+            .map_err(db)?;
     let table = state.catalog.get(&state.pool, &pinned.target.table).await?;
     let rules = RuleSet::effective(
         &pinned,

@@ -29,7 +29,7 @@ pub struct AppState {
     /// (rules hold work on a column whose type changed since).
     pub checked_types: Arc<std::collections::HashMap<String, crate::policy::CheckedTypes>>,
     /// Policy specs by version.
-    pub specs: Arc<ledger::SpecCache>,
+    pub specs: Arc<ledger::SpecCache<crate::policy::PolicySpec>>,
     /// Wakes idle built-in workers (new commands were planned).
     pub wake_workers: Arc<Notify>,
     /// Wakes the planner (a run was created).

@@ -58,7 +58,14 @@ impl Application {
                 errors.join("\n  - ")
             );
         }
-        ledger::register_policy_versions(&pool, &config.policies).await?;
+        ledger::register_policy_versions(
+            &pool,
+            config
+                .policies
+                .iter()
+                .map(|p| (p.name.as_str(), p.version.as_str(), &p.spec)),
+        )
+        .await?;
         let mut checked_types = std::collections::HashMap::new();
         for p in &config.policies {
             if let Some(t) = crate::policy::TableInfo::load(&pool, &p.spec.target.table).await? {

@@ -4,9 +4,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 use sqlx::{PgConnection, PgPool};
-
-use crate::policy::{Policy, PolicySpec};
 
 /// The ledger's migrations, embedded in the binary (`migrations/`).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -14,8 +13,14 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 /// Registers each policy's version as this replica starts. The current version of a policy is
 /// the newest registration by any replica (DESIGN §2.10): a new version, or an old one
 /// registered again after a revert.
-pub async fn register_policy_versions(pool: &PgPool, policies: &[Policy]) -> sqlx::Result<()> {
-    for p in policies {
+///
+/// `versions` are `(policy, version, spec)`; the spec is stored as JSON (the ledger does not
+/// interpret it: [`crate::policy`] does).
+pub async fn register_policy_versions<'a, S: Serialize + 'a>(
+    pool: &PgPool,
+    versions: impl IntoIterator<Item = (&'a str, &'a str, &'a S)>,
+) -> sqlx::Result<()> {
+    for (policy, version, spec) in versions {
         // A version registered again while another is current (a configuration change was
         // reverted) becomes current again: the newest registration wins.
         sqlx::query(
@@ -26,9 +31,9 @@ pub async fn register_policy_versions(pool: &PgPool, policies: &[Policy]) -> sql
               where sweeper.policy_versions.seq
                     < (select max(seq) from sweeper.policy_versions where policy = $1)",
         )
-        .bind(p.name.as_str())
-        .bind(&p.version)
-        .bind(sqlx::types::Json(&p.spec))
+        .bind(policy)
+        .bind(version)
+        .bind(sqlx::types::Json(spec))
         .execute(pool)
         .await?;
     }
@@ -215,27 +220,25 @@ pub async fn command_states(pool: &PgPool, run_id: &str) -> sqlx::Result<BTreeMa
     Ok(out)
 }
 
-/// The pinned spec of a run and the policy's current spec (if it differs), from the ledger.
-pub async fn run_specs(
+/// The pinned spec of a run, the policy's current version, and its spec if it differs, from the
+/// ledger (`S` is the spec type the policy layer stored).
+pub async fn run_specs<S: DeserializeOwned + Send + Unpin + 'static>(
     conn: &mut PgConnection,
     policy: &str,
     pinned_version: &str,
-) -> sqlx::Result<(PolicySpec, String, Option<PolicySpec>)> {
-    let (pinned, current_version, current): (
-        sqlx::types::Json<PolicySpec>,
-        String,
-        sqlx::types::Json<PolicySpec>,
-    ) = sqlx::query_as(
-        "select pv.spec, cur.version, cur.spec
+) -> sqlx::Result<(S, String, Option<S>)> {
+    let (pinned, current_version, current): (sqlx::types::Json<S>, String, sqlx::types::Json<S>) =
+        sqlx::query_as(
+            "select pv.spec, cur.version, cur.spec
            from sweeper.policy_versions pv,
                 lateral (select version, spec from sweeper.policy_versions
                           where policy = $1 order by seq desc limit 1) cur
           where pv.policy = $1 and pv.version = $2",
-    )
-    .bind(policy)
-    .bind(pinned_version)
-    .fetch_one(conn)
-    .await?;
+        )
+        .bind(policy)
+        .bind(pinned_version)
+        .fetch_one(conn)
+        .await?;
     let current = (current_version != pinned_version).then_some(current.0);
     Ok((pinned.0, current_version, current))
 }
@@ -280,26 +283,35 @@ pub async fn purge_terminal_commands(
     Ok(n)
 }
 
-/// A per-process cache of policy specs by (policy, version). Versions are immutable rows, so a
-/// cached spec is never stale; only "which version is current" must be read from the ledger.
-#[derive(Debug, Default)]
-pub struct SpecCache {
-    specs: std::sync::Mutex<HashMap<(String, String), std::sync::Arc<PolicySpec>>>,
+/// A per-process cache of policy specs (of type `S`) by (policy, version). Versions are
+/// immutable rows, so a cached spec is never stale; only "which version is current" must be
+/// read from the ledger.
+#[derive(Debug)]
+pub struct SpecCache<S> {
+    specs: std::sync::Mutex<HashMap<(String, String), std::sync::Arc<S>>>,
 }
 
-impl SpecCache {
+impl<S> Default for SpecCache<S> {
+    fn default() -> Self {
+        Self {
+            specs: Default::default(),
+        }
+    }
+}
+
+impl<S: DeserializeOwned + Send + Unpin + 'static> SpecCache<S> {
     /// The spec of `policy` at `version`.
     pub async fn get(
         &self,
         conn: &mut PgConnection,
         policy: &str,
         version: &str,
-    ) -> sqlx::Result<std::sync::Arc<PolicySpec>> {
+    ) -> sqlx::Result<std::sync::Arc<S>> {
         let key = (policy.to_string(), version.to_string());
         if let Some(s) = self.specs.lock().expect("spec cache").get(&key) {
             return Ok(s.clone());
         }
-        let spec: sqlx::types::Json<PolicySpec> = sqlx::query_scalar(
+        let spec: sqlx::types::Json<S> = sqlx::query_scalar(
             "select spec from sweeper.policy_versions where policy = $1 and version = $2",
         )
         .bind(policy)
