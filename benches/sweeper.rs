@@ -266,7 +266,7 @@ async fn physical(db: &str, batch: usize, conns: usize) -> f64 {
                 let Some(id) = q.lock().await.pop() else {
                     return;
                 };
-                sweeper::consume::execute(&s, &id, sweeper::consume::Executor::Delivery, "bench")
+                sweeper::execute::execute(&s, &id, sweeper::execute::Executor::Delivery, "bench")
                     .await
                     .unwrap();
             }

@@ -5,7 +5,7 @@
 
 use serde_json::{Value, json};
 
-use crate::consume::ConsumeOutcome;
+use crate::execute::ConsumeOutcome;
 
 /// What `/consume` answers.
 #[derive(Debug, Clone, PartialEq)]

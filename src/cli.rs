@@ -173,7 +173,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             // The verdict comes last, after every finding, so the last line tells.
             let checked = async {
                 let pool = app::connect(&config).await?;
-                let findings = crate::policy_check::check_policies(&pool, &config.policies).await;
+                let findings = crate::policy::check::check_policies(&pool, &config.policies).await;
                 pool.close().await;
                 anyhow::Ok(findings?)
             };
@@ -190,8 +190,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 }
             };
             let count = |level| findings.iter().filter(|f| f.level == level).count();
-            let errors = count(crate::policy_check::Level::Error);
-            let warnings = count(crate::policy_check::Level::Warning);
+            let errors = count(crate::policy::check::Level::Error);
+            let warnings = count(crate::policy::check::Level::Warning);
             for f in &findings {
                 println!("{f}");
             }

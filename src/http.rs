@@ -19,7 +19,7 @@ use tracing::{error, info};
 use crate::answer::{Answer, answer};
 use crate::auth::token::Refusal;
 use crate::auth::{self, Principal};
-use crate::consume::{self, ConsumeOutcome, Envelope, Executor};
+use crate::execute::{self, ConsumeOutcome, Envelope, Executor};
 use crate::state::AppState;
 use crate::trigger::{self, TriggerError, TriggerOutcome, WindowHints};
 
@@ -501,7 +501,7 @@ async fn trigger_handler(
 pub const PUSH_BODY_HARD_CAP: usize = 10 * 1024 * 1024;
 
 /// A `/consume` body as read: all of it when it is within [`CONSUME_BODY_LIMIT`], else its first
-/// [`consume::RAW_BODY_LIMIT`] bytes; its size and SHA-256 always cover every byte.
+/// [`execute::RAW_BODY_LIMIT`] bytes; its size and SHA-256 always cover every byte.
 struct ReadBody {
     bytes: Vec<u8>,
     size: usize,
@@ -557,7 +557,7 @@ async fn read_body(
         bytes.extend_from_slice(&data[..data.len().min(room)]);
     }
     if size > CONSUME_BODY_LIMIT {
-        bytes.truncate(consume::RAW_BODY_LIMIT);
+        bytes.truncate(execute::RAW_BODY_LIMIT);
     }
     Ok(ReadBody {
         bytes,
@@ -575,7 +575,7 @@ async fn quarantine_and_ack(
     caller: &Caller,
 ) -> Result<Response, Problem> {
     let retry_after = state.config.consume.retry_after.seconds() as u64;
-    let id = consume::quarantine_envelope(
+    let id = execute::quarantine_envelope(
         state,
         &body.bytes,
         body.size,
@@ -636,7 +636,7 @@ async fn consume_handler(
         // the queue does not redeliver it for ever (DESIGN §5).
         Err(why) => return quarantine_and_ack(&state, &body, &why, &caller).await,
     };
-    let outcome = consume::execute(
+    let outcome = execute::execute(
         &state,
         &envelope.command_id,
         Executor::Delivery,

@@ -3,18 +3,16 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod action;
 pub mod answer;
 pub mod app;
 pub mod audit;
 pub mod auth;
 pub mod cli;
 pub mod config;
-pub mod consume;
 pub mod control;
 pub mod dead_letter;
 pub mod dependency;
-pub mod effect;
+pub mod execute;
 pub mod failpoints;
 pub mod http;
 pub mod ledger;
@@ -22,7 +20,6 @@ pub mod metrics;
 pub mod ops;
 pub mod plan;
 pub mod policy;
-pub mod policy_check;
 pub mod pubsub;
 pub mod qstash;
 pub mod quickstart;

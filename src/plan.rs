@@ -101,7 +101,7 @@ pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
 
 /// Records that planning `run_id` is held (its target's schema does not match, or the policy
 /// changed its target): not a failure, so `failures` stays; the job is tried again after
-/// [`crate::consume::hold_recheck_seconds`], with the table's columns read afresh.
+/// [`crate::execute::hold_recheck_seconds`], with the table's columns read afresh.
 async fn hold_job(state: &AppState, run_id: &str, token: Uuid, f: &Failure) {
     let crate::retry::FailureClass::Held(kind) = f.class else {
         return;
@@ -111,7 +111,7 @@ async fn hold_job(state: &AppState, run_id: &str, token: Uuid, f: &Failure) {
     {
         state.catalog.forget(&p.spec.target.table);
     }
-    let recheck = crate::consume::hold_recheck_seconds(state);
+    let recheck = crate::execute::hold_recheck_seconds(state);
     let r = sqlx::query(
         "update sweeper.planning_jobs
             set held_kind = $3, held_reason = $4, held_since = coalesce(held_since, sweeper.now()),
@@ -341,7 +341,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     .await
     .map_err(db)?;
     if done && !dry_run && ledger::is_terminal_run_status(&status) {
-        crate::consume::record_closure_check(
+        crate::execute::record_closure_check(
             &mut tx,
             run_id,
             &rules,

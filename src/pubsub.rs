@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::DurationSpec;
-use crate::consume::Envelope;
+use crate::execute::Envelope;
 use crate::relay::{Outbound, PublishError};
 use crate::retry::parse_retry_after;
 use base64::Engine;

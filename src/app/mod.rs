@@ -9,10 +9,11 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
+use crate::ledger;
 use crate::policy::Catalog;
+use crate::policy::check as policy_check;
 use crate::settings::Config;
 pub use crate::state::{AppState, connect, migrate};
-use crate::{ledger, policy_check};
 
 pub mod housekeeping;
 pub mod worker;

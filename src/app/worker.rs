@@ -10,7 +10,7 @@
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::consume::{self, ConsumeOutcome, Executor};
+use crate::execute::{self, ConsumeOutcome, Executor};
 use crate::retry::Failure;
 use crate::state::AppState;
 
@@ -63,7 +63,7 @@ async fn run_claimed(
 ) -> Result<ConsumeOutcome, Failure> {
     crate::crash_point!("worker_after_claim");
     let outcome =
-        consume::execute(state, command_id, Executor::Claimed(attempt), BUILTIN_ACTOR).await?;
+        execute::execute(state, command_id, Executor::Claimed(attempt), BUILTIN_ACTOR).await?;
     if let ConsumeOutcome::NotNow {
         retry_after_seconds,
         reason,

@@ -321,16 +321,16 @@ async fn a_stricter_configuration_mid_run_wins_and_older_replicas_wait() {
     let new = TestApp::start(db, pool, 0, "", &stricter).await;
 
     // The old replica must not act.
-    let outcome = sweeper::consume::execute(
+    let outcome = sweeper::execute::execute(
         &old.state(),
         &command,
-        sweeper::consume::Executor::Delivery,
+        sweeper::execute::Executor::Delivery,
         "old",
     )
     .await
     .unwrap();
     assert!(
-        matches!(outcome, sweeper::consume::ConsumeOutcome::NotNow { .. }),
+        matches!(outcome, sweeper::execute::ConsumeOutcome::NotNow { .. }),
         "{outcome:?}"
     );
     assert_eq!(new.ticket_ids().await, vec![1, 2, 3]);

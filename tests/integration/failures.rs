@@ -7,7 +7,7 @@ use crate::common::*;
 use serde_json::{Value, json};
 use sqlx::{Connection, PgConnection};
 use sweeper::app::worker::{WorkerStep, run_one_command};
-use sweeper::consume::{ConsumeOutcome, Executor};
+use sweeper::execute::{ConsumeOutcome, Executor};
 
 const WINDOW: &str = "2026-09-01T02:00:00Z";
 
@@ -511,7 +511,7 @@ async fn a_stale_worker_cannot_overwrite_a_newer_attempt_and_leases_are_reclaime
         other => panic!("{other:?}"),
     }
     // The first worker wakes up and tries to finish attempt 1.
-    let late = sweeper::consume::execute(&app.state, &command, Executor::Claimed(1), "stale")
+    let late = sweeper::execute::execute(&app.state, &command, Executor::Claimed(1), "stale")
         .await
         .unwrap();
     assert!(

@@ -23,12 +23,13 @@ use std::time::Instant;
 use sqlx::{Postgres, QueryBuilder, Row};
 use tracing::warn;
 
-use crate::action::{CallResult, Then};
-use crate::consume::{
+use super::call::CallResult;
+use crate::execute::{
     ConsumeOutcome, Counts, Executor, Loaded, Outcome, finish_in_run, record_failure,
     record_item_dead_letters,
 };
 use crate::policy::ActionSpec;
+use crate::policy::action::Then;
 use crate::retry::{Failure, FailureClass};
 use crate::state::AppState;
 
@@ -232,10 +233,10 @@ pub(crate) async fn run(
                 };
                 let result = match &l.rules.action {
                     ActionSpec::Http(h) => {
-                        crate::action::call_http(&rt, h, &fields, &idempotency_key).await
+                        crate::execute::call::call_http(&rt, h, &fields, &idempotency_key).await
                     }
                     ActionSpec::ObjectStore(o) => {
-                        crate::action::delete_object(&rt, o, &fields).await
+                        crate::execute::call::delete_object(&rt, o, &fields).await
                     }
                     ActionSpec::DeleteRows => unreachable!("delete_rows has no external call"),
                 };

@@ -13,6 +13,9 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use sqlx::{PgPool, Postgres, QueryBuilder};
 
+pub mod action;
+pub mod check;
+
 use crate::config::DurationSpec;
 use crate::window::Schedule;
 
@@ -165,9 +168,9 @@ pub enum ActionSpec {
     /// Delete the row from the target table, in the command's transaction.
     DeleteRows,
     /// Call a dependency's HTTP API per item, then change the row (see [`crate::action`]).
-    Http(Box<crate::action::HttpAction>),
+    Http(Box<crate::policy::action::HttpAction>),
     /// Delete an object per item from an object store, then change the row.
-    ObjectStore(crate::action::ObjectStoreAction),
+    ObjectStore(crate::policy::action::ObjectStoreAction),
 }
 
 impl ActionSpec {
@@ -464,7 +467,7 @@ pub struct ExclusionConfig {
     pub is_not_null: Option<bool>,
 }
 
-pub use crate::action::ActionConfig;
+pub use action::ActionConfig;
 
 impl Policy {
     /// Validates a configured policy; errors are `field: message` without the policy prefix.
@@ -518,7 +521,7 @@ impl Policy {
         }
         let action = match &c.action {
             None => Some(ActionSpec::DeleteRows),
-            Some(a) => crate::action::from_config(a)
+            Some(a) => crate::policy::action::from_config(a)
                 .map_err(|es| errors.extend(es.into_iter().map(|e| format!("action.{e}"))))
                 .ok(),
         };

@@ -7,6 +7,9 @@
 //! the command done, update the run under its row lock, commit. On the healthy path that is a
 //! constant number of statements whatever the batch size.
 
+pub mod call;
+pub mod external;
+
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
@@ -244,7 +247,10 @@ pub async fn execute(
         match tried {
             Ok(Attempted::Done(outcome)) => return Ok(outcome),
             Ok(Attempted::External(loaded, n)) => {
-                return crate::effect::run(state, command_id, *loaded, n, actor, started).await;
+                return crate::execute::external::run(
+                    state, command_id, *loaded, n, actor, started,
+                )
+                .await;
             }
             Err(AttemptError::BulkFailed(f)) if !per_item => {
                 info!(command_id, error = %f.message, "bulk delete failed permanently; retrying item by item");

@@ -100,9 +100,11 @@ async fn check_policy(pool: &PgPool, p: &Policy, out: &mut Vec<Finding>) -> sqlx
     // command takes (`FOR UPDATE` needs it) and for a stamping action, DELETE when rows go.
     let deletes = match &p.spec.action {
         crate::policy::ActionSpec::DeleteRows => true,
-        crate::policy::ActionSpec::Http(h) => matches!(h.then, crate::action::Then::DeleteRow),
+        crate::policy::ActionSpec::Http(h) => {
+            matches!(h.then, crate::policy::action::Then::DeleteRow)
+        }
         crate::policy::ActionSpec::ObjectStore(o) => {
-            matches!(o.then, crate::action::Then::DeleteRow)
+            matches!(o.then, crate::policy::action::Then::DeleteRow)
         }
     };
     let missing: Vec<String> = sqlx::query_scalar(
