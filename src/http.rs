@@ -345,7 +345,7 @@ impl Caller {
     /// [`Caller::verify_body`] for a body whose SHA-256 is already known.
     pub fn verify_digest(&self, sha256: &[u8; 32]) -> Result<(), Problem> {
         match &self.1 {
-            Some(claimed) if !crate::qstash::digest_matches(claimed, sha256) => {
+            Some(claimed) if !crate::transport::qstash::digest_matches(claimed, sha256) => {
                 info!("Upstash-Signature names another body");
                 Err(Problem::unauthenticated(
                     Some("Upstash-Signature"),
@@ -366,7 +366,9 @@ impl FromRequestParts<AppState> for Caller {
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(crate::auth::token::bearer);
-        let signature = parts.headers.get(crate::qstash::SIGNATURE_HEADER);
+        let signature = parts
+            .headers
+            .get(crate::transport::qstash::SIGNATURE_HEADER);
         let path = parts.uri.path();
         // A QStash signature is accepted only where the handler checks the body against it.
         let signed_route =
@@ -620,7 +622,7 @@ async fn consume_handler(
     let retry_after = state.config.consume.retry_after.seconds() as u64;
     // A Pub/Sub push (wrapped or unwrapped) or a QStash delivery is answered by DESIGN §5's
     // push column.
-    let pubsub = crate::pubsub::parse_push(&headers, &body.bytes);
+    let pubsub = crate::transport::pubsub::parse_push(&headers, &body.bytes);
     if let Some(p) = &pubsub {
         info!(message_id = ?p.message_id, delivery_attempt = ?p.delivery_attempt, "Pub/Sub push");
     }
@@ -660,9 +662,13 @@ async fn consume_handler(
             // Pub/Sub ignores Retry-After and slows the whole subscription after nacks; QStash
             // spends one of its few retries on every non-2xx: commit "publish again when due",
             // then acknowledge.
-            crate::relay::request_republish(&state, &envelope.command_id, retry_after_seconds)
-                .await
-                .map_err(|f| Problem::unavailable(f.message, retry_after))?;
+            crate::ledger::outbox::request_republish(
+                &state.pool,
+                &envelope.command_id,
+                retry_after_seconds,
+            )
+            .await
+            .map_err(|e| Problem::unavailable(e, retry_after))?;
             Ok((StatusCode::OK, Json(body)).into_response())
         }
         Answer::NotNow {
@@ -681,12 +687,12 @@ async fn consume_handler(
 }
 
 /// The envelope a `/consume` body carries: from the Pub/Sub push `push` when the body is one
-/// (see [`crate::pubsub::parse_push`]), else the body as the built-in envelope. `Err` says why
+/// (see [`crate::transport::pubsub::parse_push`]), else the body as the built-in envelope. `Err` says why
 /// the body is a poison message: not an envelope, a `schema_version` other than 1, or a
 /// `command_id` that is empty, longer than 512 bytes or holds a control character. Total: any
 /// bytes give `Ok` or `Err`, never a panic (the fuzz target `consume_body` checks that).
 pub fn delivered_envelope(
-    push: Option<&crate::pubsub::PushDelivery>,
+    push: Option<&crate::transport::pubsub::PushDelivery>,
     body: &[u8],
 ) -> Result<Envelope, String> {
     // serde's messages quote the offending input (an unknown field's name may hold a NUL, which
@@ -712,7 +718,7 @@ pub fn printable(text: &str, max: usize) -> String {
 }
 
 fn parse_delivered(
-    push: Option<&crate::pubsub::PushDelivery>,
+    push: Option<&crate::transport::pubsub::PushDelivery>,
     body: &[u8],
 ) -> Result<Envelope, String> {
     match push {

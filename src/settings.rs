@@ -57,9 +57,9 @@ struct RawConfig {
     #[serde(default)]
     tls: Option<TlsConfig>,
     #[serde(default)]
-    pubsub: Option<crate::pubsub::PubsubConfig>,
+    pubsub: Option<crate::transport::pubsub::PubsubConfig>,
     #[serde(default)]
-    qstash: Option<crate::qstash::QstashConfig>,
+    qstash: Option<crate::transport::qstash::QstashConfig>,
     #[serde(default)]
     auth: AuthConfig,
     #[serde(default)]
@@ -99,9 +99,9 @@ pub struct Config {
     /// HTTPS; `None` serves plain HTTP (behind a TLS-terminating platform).
     pub tls: Option<TlsConfig>,
     /// The Pub/Sub transport, for policies with `transport = "pubsub"`.
-    pub pubsub: Option<crate::pubsub::PubsubConfig>,
+    pub pubsub: Option<crate::transport::pubsub::PubsubConfig>,
     /// The QStash transport and signature verification, with its secrets resolved.
-    pub qstash: Option<crate::qstash::Qstash>,
+    pub qstash: Option<crate::transport::qstash::Qstash>,
     /// Every way to authenticate, with secrets resolved.
     pub credentials: crate::auth::Credentials,
     /// The downstream dependencies, validated (DESIGN §9).
@@ -366,9 +366,9 @@ impl Config {
                     .into(),
             );
         }
-        let qstash = raw
-            .qstash
-            .and_then(|q| crate::qstash::Qstash::from_config(q, publishes_qstash, &mut errors));
+        let qstash = raw.qstash.and_then(|q| {
+            crate::transport::qstash::Qstash::from_config(q, publishes_qstash, &mut errors)
+        });
         if !errors.is_empty() {
             return Err(ConfigError(errors));
         }

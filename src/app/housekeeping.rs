@@ -37,7 +37,7 @@ pub async fn housekeeping_loop(state: AppState, shutdown: CancellationToken) {
 
 /// One round of housekeeping: purges until a batch comes back short. Returns commands purged.
 pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
-    let republish = crate::relay::mark_stale_for_republish(state).await?;
+    let republish = mark_stale_for_republish(state).await?;
     if republish > 0 {
         info!(
             commands = republish,
@@ -63,4 +63,35 @@ pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
             return Ok(total);
         }
     }
+}
+
+/// Makes due again every push command no queue delivered within its transport's
+/// `republish_after` (DESIGN §8). Returns how many were marked.
+pub async fn mark_stale_for_republish(state: &AppState) -> sqlx::Result<u64> {
+    let horizons = [
+        (
+            crate::policy::Transport::Pubsub,
+            state.config.pubsub.as_ref().map(|p| p.republish_after),
+        ),
+        (
+            crate::policy::Transport::Qstash,
+            state
+                .config
+                .qstash
+                .as_ref()
+                .map(|q| q.config.republish_after),
+        ),
+    ];
+    let mut total = 0;
+    for (transport, after) in horizons {
+        if let Some(after) = after {
+            total += ledger::outbox::mark_stale_for_republish(
+                &state.pool,
+                transport.as_str(),
+                after.seconds(),
+            )
+            .await?;
+        }
+    }
+    Ok(total)
 }

@@ -16,6 +16,7 @@ use crate::settings::Config;
 pub use crate::state::{AppState, connect, migrate};
 
 pub mod housekeeping;
+pub mod relay;
 pub mod worker;
 
 /// A built application: its listener is bound (port 0 picks a free port) and its policies are
@@ -183,8 +184,8 @@ impl Application {
         }
         let mut publishers = Vec::new();
         if let Some(p) = &state.config.pubsub {
-            publishers.push(crate::relay::Publisher::Pubsub(
-                crate::pubsub::Publisher::new(p)?,
+            publishers.push(crate::transport::Publisher::Pubsub(
+                crate::transport::pubsub::Publisher::new(p)?,
             ));
         }
         // The QStash relay runs only where a policy publishes through it; a [qstash] section
@@ -196,14 +197,14 @@ impl Application {
                 .iter()
                 .any(|p| p.transport == crate::policy::Transport::Qstash)
         {
-            publishers.push(crate::relay::Publisher::Qstash(
-                crate::qstash::Publisher::new(q)?,
+            publishers.push(crate::transport::Publisher::Qstash(
+                crate::transport::qstash::Publisher::new(q)?,
             ));
         }
         for publisher in publishers {
             let (s, t) = (state.clone(), shutdown.clone());
             tasks.spawn(async move {
-                crate::relay::relay_loop(s, publisher, t).await;
+                crate::app::relay::relay_loop(s, publisher, t).await;
                 ("push relay", Ok(()))
             });
         }

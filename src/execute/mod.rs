@@ -14,7 +14,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use sqlx::{PgConnection, Postgres, QueryBuilder, Row, Transaction};
 use tracing::{info, warn};
 
@@ -23,26 +23,7 @@ use crate::policy::RuleSet;
 use crate::retry::{Decision, Failure, FailureClass, HoldKind};
 use crate::state::AppState;
 
-/// The built-in envelope: identity only, never data (DESIGN §2.12).
-///
-/// ```json
-/// {"command_id": "ticket-retention:2026-11-29T02:00:00Z:0", "publish_generation": 1}
-/// ```
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Envelope {
-    /// `{run_id}:{batch_no}`.
-    pub command_id: String,
-    /// The run, informational (the ledger is authoritative).
-    #[serde(default)]
-    pub run_id: Option<String>,
-    /// Envelope schema version; 1 if absent.
-    #[serde(default)]
-    pub schema_version: Option<u32>,
-    /// The publish generation, informational.
-    #[serde(default)]
-    pub publish_generation: Option<i32>,
-}
+pub use crate::transport::Envelope;
 
 /// One item's final outcome in a command (DESIGN §2.8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]

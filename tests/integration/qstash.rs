@@ -666,10 +666,11 @@ async fn a_command_not_yet_due_is_handed_over_with_not_before_and_arrives_no_ear
     .await
     .unwrap();
     let handed_over = unix_now();
-    let publisher = sweeper::relay::Publisher::Qstash(
-        sweeper::qstash::Publisher::new(app.state.config.qstash.as_ref().unwrap()).unwrap(),
+    let publisher = sweeper::transport::Publisher::Qstash(
+        sweeper::transport::qstash::Publisher::new(app.state.config.qstash.as_ref().unwrap())
+            .unwrap(),
     );
-    let (read, published) = sweeper::relay::relay_once(&app.state, &publisher)
+    let (read, published) = sweeper::app::relay::relay_once(&app.state, &publisher)
         .await
         .unwrap();
     assert_eq!((read, published), (commands.len(), commands.len()));
@@ -721,7 +722,8 @@ async fn lease_owner(pool: &sqlx::PgPool) -> Option<uuid::Uuid> {
 
 #[tokio::test]
 async fn one_replica_relays_at_a_time_and_another_takes_over_on_shutdown_or_expiry() {
-    use sweeper::relay::{Publisher, Round, relay_round};
+    use sweeper::app::relay::{Round, relay_round};
+    use sweeper::transport::Publisher;
     let qstash = Qstash::start().await;
     let port = free_port();
     let extra = qstash_toml(port, &qstash.url(), r#"["consume"]"#);
@@ -736,7 +738,8 @@ async fn one_replica_relays_at_a_time_and_another_takes_over_on_shutdown_or_expi
     let b = idle_replica(&app.db.url, &others).await;
     let publisher = |a: &sweeper::app::Application| {
         Publisher::Qstash(
-            sweeper::qstash::Publisher::new(a.state().config.qstash.as_ref().unwrap()).unwrap(),
+            sweeper::transport::qstash::Publisher::new(a.state().config.qstash.as_ref().unwrap())
+                .unwrap(),
         )
     };
     let pb = publisher(&b);

@@ -11,7 +11,7 @@ fuzz_target!(|data: &[u8]| {
     if flags & 1 == 1 {
         headers.insert("x-goog-pubsub-message-id", "1".parse().unwrap());
     }
-    let push = sweeper::pubsub::parse_push(&headers, body);
+    let push = sweeper::transport::pubsub::parse_push(&headers, body);
     match sweeper::http::delivered_envelope(push.as_ref(), body) {
         Ok(envelope) => {
             let id = &envelope.command_id;
@@ -26,6 +26,6 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     if let Ok(claim) = std::str::from_utf8(body) {
-        let _ = sweeper::qstash::body_matches(claim, body);
+        let _ = sweeper::transport::qstash::body_matches(claim, body);
     }
 });

@@ -30,8 +30,8 @@ use serde_json::{Map, Value};
 use crate::auth::Principal;
 use crate::auth::token::Refusal;
 use crate::config::DurationSpec;
-use crate::relay::{Outbound, PublishError};
 use crate::retry::parse_retry_after;
+use crate::transport::{Outbound, PublishError};
 
 /// The `iss` of every QStash signature.
 pub const ISSUER: &str = "Upstash";

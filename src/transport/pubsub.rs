@@ -10,10 +10,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::Envelope;
 use crate::config::DurationSpec;
-use crate::execute::Envelope;
-use crate::relay::{Outbound, PublishError};
 use crate::retry::parse_retry_after;
+use crate::transport::{Outbound, PublishError};
 use base64::Engine;
 use serde::Deserialize;
 use serde_json::json;

@@ -1,0 +1,124 @@
+//! The outbox of the push transports (DESIGN §8): which commands are due for publishing, marking
+//! them published, and the decisions that make them due again (a push answered "not now", a
+//! publish older than the transport's `republish_after`).
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+
+/// A command due for publishing, read by the relay.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Due {
+    /// The command.
+    pub command_id: String,
+    /// Its run.
+    pub run_id: String,
+    /// The generation the message carries: the command's own at the first publish, the next one
+    /// at a republish, the same one at the relay's retry of a publish it could not confirm.
+    pub generation: i32,
+    /// Its `next_attempt_at` when read (ledger clock).
+    pub next_attempt_at: DateTime<Utc>,
+    /// Seconds until it is due (0 when due).
+    pub due_in_seconds: f64,
+}
+
+/// At most `limit` commands of `transport` due for publishing within `horizon_seconds`,
+/// soonest first (pending, or leased with an expired lease; their policy not suspended).
+pub async fn due(
+    pool: &PgPool,
+    transport: &str,
+    limit: i64,
+    horizon_seconds: f64,
+) -> sqlx::Result<Vec<Due>> {
+    sqlx::query_as(
+        "select c.command_id, c.run_id,
+                case when c.published_generation is null then c.publish_generation
+                     else greatest(c.publish_generation, c.published_generation + 1) end
+                    as generation,
+                c.next_attempt_at,
+                greatest(0, extract(epoch from c.next_attempt_at - sweeper.now()))::float8
+                    as due_in_seconds
+           from sweeper.commands c join sweeper.runs r using (run_id)
+          where c.transport = $2 and c.publish_due
+            and c.next_attempt_at <= sweeper.now() + make_interval(secs => $3)
+            and (c.state = 'pending' or (c.state = 'leased' and c.lease_until < sweeper.now()))
+            and not exists (select 1 from sweeper.policy_state ps
+                             where ps.policy = r.policy and ps.suspended)
+          order by c.next_attempt_at
+          limit $1",
+    )
+    .bind(limit)
+    .bind(transport)
+    .bind(horizon_seconds)
+    .fetch_all(pool)
+    .await
+}
+
+/// Marks `published` (what the queue accepted) published with their generations; a decision
+/// committed since they were read (it moves `next_attempt_at`) keeps a command due.
+pub async fn mark_published(pool: &PgPool, published: &[&Due]) -> sqlx::Result<()> {
+    let ids: Vec<&str> = published.iter().map(|d| d.command_id.as_str()).collect();
+    let gens: Vec<i32> = published.iter().map(|d| d.generation).collect();
+    let nexts: Vec<DateTime<Utc>> = published.iter().map(|d| d.next_attempt_at).collect();
+    sqlx::query(
+        "update sweeper.commands c
+            set publish_due = case when c.next_attempt_at = u.next then false
+                                   else c.publish_due end,
+                published_at = sweeper.now(), published_generation = u.generation,
+                publish_generation = greatest(c.publish_generation, u.generation)
+           from unnest($1::text[], $2::int4[], $3::timestamptz[]) as u(command_id, generation, next)
+          where c.command_id = u.command_id",
+    )
+    .bind(&ids)
+    .bind(&gens)
+    .bind(&nexts)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Commits "publish this command again when it is due, and not before `not_before_seconds`"
+/// for a push delivery answered "not now". Returns whether the command exists.
+pub async fn request_republish(
+    pool: &PgPool,
+    command_id: &str,
+    not_before_seconds: u64,
+) -> sqlx::Result<bool> {
+    let n = sqlx::query(
+        "update sweeper.commands
+            set publish_due = true,
+                next_attempt_at = greatest(next_attempt_at,
+                                           sweeper.now() + make_interval(secs => $2))
+          where command_id = $1 and state in ('pending', 'leased')",
+    )
+    .bind(command_id)
+    .bind(not_before_seconds.clamp(1, 86_400) as f64)
+    .execute(pool)
+    .await?
+    .rows_affected();
+    Ok(n > 0)
+}
+
+/// Housekeeping: due, non-terminal commands of `transport` never published, or whose last
+/// publish (or, when later, their due time: QStash may hold a message until then) is older than
+/// `after_seconds`, are published again. Returns how many were marked.
+pub async fn mark_stale_for_republish(
+    pool: &PgPool,
+    transport: &str,
+    after_seconds: i64,
+) -> sqlx::Result<u64> {
+    Ok(sqlx::query(
+        "update sweeper.commands
+            set publish_due = true
+          where transport = $1 and not publish_due
+            and (state = 'pending' or (state = 'leased' and lease_until < sweeper.now()))
+            and next_attempt_at <= sweeper.now()
+            and (published_at is null
+                 or greatest(published_at, next_attempt_at)
+                    < sweeper.now() - make_interval(secs => $2))",
+    )
+    .bind(transport)
+    .bind(after_seconds as f64)
+    .execute(pool)
+    .await?
+    .rows_affected())
+}
