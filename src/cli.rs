@@ -133,7 +133,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let app = Application::build(config).await?;
             info!(port = app.port(), "sweeper serving");
             let shutdown = CancellationToken::new();
-            tokio::spawn(shutdown_on_signal(shutdown.clone()));
+            tokio::spawn(crate::app::shutdown_on_signal(shutdown.clone()));
             app.run_until(shutdown).await?;
             Ok(ExitCode::SUCCESS)
         }
@@ -262,30 +262,4 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
-}
-
-async fn shutdown_on_signal(token: CancellationToken) {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
-    }
-    info!("shutdown requested");
-    token.cancel();
-}
-
-/// Waits for Ctrl-C or SIGTERM, then cancels `token` (used by `quickstart` too).
-pub async fn wait_for_signal(token: CancellationToken) {
-    shutdown_on_signal(token).await
 }

@@ -3,7 +3,6 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod answer;
 pub mod app;
 pub mod audit;
 pub mod auth;
@@ -17,14 +16,12 @@ pub mod failpoints;
 pub mod http;
 pub mod ledger;
 pub mod metrics;
-pub mod ops;
 pub mod plan;
 pub mod policy;
 pub mod quickstart;
 pub mod retry;
 pub mod settings;
 pub mod state;
-pub mod tls;
 pub mod transport;
 pub mod trigger;
 pub mod window;

@@ -231,7 +231,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         println!(
             "  curl -s -X POST -H \"Authorization: Bearer $TOKEN\" '{base}/trigger/ticket-retention?dry_run=true'"
         );
-        crate::cli::wait_for_signal(shutdown.clone()).await;
+        crate::app::shutdown_on_signal(shutdown.clone()).await;
         server.await??;
     }
     println!("{summary}");

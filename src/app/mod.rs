@@ -157,7 +157,7 @@ impl Application {
             (Some(rustls), Some(files)) => {
                 let (r, t) = (rustls.clone(), shutdown.clone());
                 tasks.spawn(async move {
-                    crate::tls::reload_loop(r, files, t).await;
+                    crate::http::tls::reload_loop(r, files, t).await;
                     ("tls reload", Ok(()))
                 });
                 let acceptor = axum_server::tls_rustls::RustlsAcceptor::new(rustls)
@@ -298,4 +298,26 @@ async fn release_leases(state: &AppState) {
             "releasing leases took too long (another session holds them); they expire on their own"
         );
     }
+}
+
+/// Waits for Ctrl-C or SIGTERM, then cancels `token` (`serve` and `quickstart`).
+pub async fn shutdown_on_signal(token: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+    info!("shutdown requested");
+    token.cancel();
 }

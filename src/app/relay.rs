@@ -68,7 +68,7 @@ pub async fn relay_once(
         &state.pool,
         publisher.transport().as_str(),
         RELAY_BATCH,
-        publisher.horizon_seconds(&state.config),
+        publisher.horizon_seconds(),
     )
     .await
     .map_err(db)?;
@@ -98,7 +98,7 @@ pub async fn relay_loop(
     publisher: Publisher,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
-    let interval = publisher.relay_interval(&state.config);
+    let interval = publisher.relay_interval();
     let transport = publisher.transport().as_str();
     let mut failures = 0u32;
     loop {

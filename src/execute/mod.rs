@@ -1227,7 +1227,7 @@ pub async fn quarantine_envelope(
     let hash = sha256.to_string();
     let cut = &body[..body.len().min(RAW_BODY_LIMIT)];
     let raw = String::from_utf8_lossy(cut).replace('\0', "\u{FFFD}");
-    let reason = crate::http::printable(
+    let reason = crate::ledger::printable(
         &format!("invalid_payload: {error} (from {subject})"),
         crate::retry::MAX_ERROR_CHARS,
     );

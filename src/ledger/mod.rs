@@ -366,3 +366,17 @@ pub async fn release_job_leases(pool: &PgPool, owner: uuid::Uuid) -> sqlx::Resul
             .rows_affected(),
     )
 }
+
+/// `text` safe to store as PostgreSQL text and to show: control characters (NUL included)
+/// replaced by U+FFFD, cut to `max` characters with a trailing `…`.
+pub fn printable(text: &str, max: usize) -> String {
+    let mut out: String = text
+        .chars()
+        .take(max)
+        .map(|c| if c.is_control() { '\u{FFFD}' } else { c })
+        .collect();
+    if text.chars().nth(max).is_some() {
+        out.push('…');
+    }
+    out
+}

@@ -77,18 +77,23 @@ pub async fn mark_published(pool: &PgPool, published: &[&Due]) -> sqlx::Result<(
 }
 
 /// Commits "publish this command again when it is due, and not before `not_before_seconds`"
-/// for a push delivery answered "not now". Returns whether the command exists.
+/// for a push delivery answered "not now". Returns whether it was recorded: not when the command
+/// is gone or terminal, and not when another delivery is executing it right now (its row is
+/// locked: that execution's own decision stands — a push's failure commits its own republish —
+/// and housekeeping's republish horizon backs it), so the answer never waits on a busy command.
 pub async fn request_republish(
     pool: &PgPool,
     command_id: &str,
     not_before_seconds: u64,
 ) -> sqlx::Result<bool> {
     let n = sqlx::query(
-        "update sweeper.commands
+        "update sweeper.commands c
             set publish_due = true,
-                next_attempt_at = greatest(next_attempt_at,
+                next_attempt_at = greatest(c.next_attempt_at,
                                            sweeper.now() + make_interval(secs => $2))
-          where command_id = $1 and state in ('pending', 'leased')",
+          where c.command_id = (select command_id from sweeper.commands
+                                 where command_id = $1 and state in ('pending', 'leased')
+                                 for update skip locked)",
     )
     .bind(command_id)
     .bind(not_before_seconds.clamp(1, 86_400) as f64)

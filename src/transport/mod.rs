@@ -9,7 +9,6 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::policy::Transport;
-use crate::settings::Config;
 
 pub mod pubsub;
 pub mod qstash;
@@ -109,27 +108,21 @@ impl Publisher {
     }
 
     /// How far ahead of due a command may be published: QStash holds a message until its
-    /// `Upstash-Not-Before`; Pub/Sub delivers at once, so only due commands are published.
-    pub fn horizon_seconds(&self, config: &Config) -> f64 {
+    /// `Upstash-Not-Before` (up to `qstash.max_delay`); Pub/Sub delivers at once, so only due
+    /// commands are published.
+    pub fn horizon_seconds(&self) -> f64 {
         match self {
             Publisher::Pubsub(_) => 0.0,
-            Publisher::Qstash(_) => config
-                .qstash
-                .as_ref()
-                .map_or(0.0, |q| q.config.max_delay.seconds() as f64),
+            Publisher::Qstash(q) => q.max_delay_seconds,
         }
     }
 
     /// How often its relay looks for commands to publish.
-    pub fn relay_interval(&self, config: &Config) -> Duration {
+    pub fn relay_interval(&self) -> Duration {
         match self {
-            Publisher::Pubsub(_) => config.pubsub.as_ref().map(|p| p.relay_interval.std()),
-            Publisher::Qstash(_) => config
-                .qstash
-                .as_ref()
-                .map(|q| q.config.relay_interval.std()),
+            Publisher::Pubsub(p) => p.relay_interval,
+            Publisher::Qstash(q) => q.relay_interval,
         }
-        .unwrap_or(Duration::from_secs(1))
     }
 
     /// Publishes `messages`; returns which of them went through (by index) and the first
@@ -144,3 +137,39 @@ impl Publisher {
         }
     }
 }
+
+/// The envelope a `/consume` body carries: from the Pub/Sub push `push` when the body is one
+/// (see [`crate::transport::pubsub::parse_push`]), else the body as the built-in envelope. `Err` says why
+/// the body is a poison message: not an envelope, a `schema_version` other than 1, or a
+/// `command_id` that is empty, longer than 512 bytes or holds a control character. Total: any
+/// bytes give `Ok` or `Err`, never a panic (the fuzz target `consume_body` checks that).
+pub fn delivered_envelope(
+    push: Option<&pubsub::PushDelivery>,
+    body: &[u8],
+) -> Result<Envelope, String> {
+    // serde's messages quote the offending input (an unknown field's name may hold a NUL, which
+    // PostgreSQL text refuses, or be 60 KiB long): store and show a bounded, printable reason.
+    parse_delivered(push, body).map_err(|why| crate::ledger::printable(&why, MAX_REASON_CHARS))
+}
+
+fn parse_delivered(push: Option<&pubsub::PushDelivery>, body: &[u8]) -> Result<Envelope, String> {
+    match push {
+        Some(p) => p.envelope.clone(),
+        None => serde_json::from_slice::<Envelope>(body).map_err(|e| e.to_string()),
+    }
+    .and_then(|e| match e.schema_version.unwrap_or(1) {
+        1 => Ok(e),
+        v => Err(format!("schema_version {v} is not supported (1 is)")),
+    })
+    .and_then(|e| {
+        let id = &e.command_id;
+        if id.is_empty() || id.len() > 512 || id.chars().any(char::is_control) {
+            Err("command_id must be 1-512 characters without control characters".into())
+        } else {
+            Ok(e)
+        }
+    })
+}
+
+/// Longest reason given for a quarantined envelope, in characters.
+pub const MAX_REASON_CHARS: usize = 300;

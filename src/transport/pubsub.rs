@@ -61,6 +61,8 @@ pub struct Publisher {
     url: String,
     emulator: bool,
     auth: tokio::sync::OnceCell<Arc<dyn gcp_auth::TokenProvider>>,
+    /// `pubsub.relay_interval`.
+    pub(crate) relay_interval: Duration,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -91,6 +93,7 @@ impl Publisher {
             ),
             emulator,
             auth: tokio::sync::OnceCell::new(),
+            relay_interval: c.relay_interval.std(),
         })
     }
 

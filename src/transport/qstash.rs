@@ -279,6 +279,10 @@ pub struct Publisher {
     url: String,
     token: SecretString,
     retries: Option<u32>,
+    /// `qstash.relay_interval`.
+    pub(crate) relay_interval: Duration,
+    /// `qstash.max_delay`, in seconds: how far ahead of due a command may be handed over.
+    pub(crate) max_delay_seconds: f64,
 }
 
 impl Publisher {
@@ -301,6 +305,8 @@ impl Publisher {
             ),
             token,
             retries: q.config.retries,
+            relay_interval: q.config.relay_interval.std(),
+            max_delay_seconds: q.config.max_delay.seconds() as f64,
         })
     }
 

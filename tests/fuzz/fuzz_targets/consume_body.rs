@@ -12,7 +12,7 @@ fuzz_target!(|data: &[u8]| {
         headers.insert("x-goog-pubsub-message-id", "1".parse().unwrap());
     }
     let push = sweeper::transport::pubsub::parse_push(&headers, body);
-    match sweeper::http::delivered_envelope(push.as_ref(), body) {
+    match sweeper::transport::delivered_envelope(push.as_ref(), body) {
         Ok(envelope) => {
             let id = &envelope.command_id;
             assert!(!id.is_empty() && id.len() <= 512);
@@ -21,7 +21,7 @@ fuzz_target!(|data: &[u8]| {
         }
         // The reason is stored and shown: bounded and printable.
         Err(why) => {
-            assert!(why.chars().count() <= sweeper::http::MAX_REASON_CHARS + 1);
+            assert!(why.chars().count() <= sweeper::transport::MAX_REASON_CHARS + 1);
             assert!(!why.chars().any(char::is_control), "{why:?}");
         }
     }

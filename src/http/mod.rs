@@ -2,6 +2,10 @@
 //! consume handlers (DESIGN §4, §5). `openapi.yaml` describes exactly [`ROUTES`]; a test keeps
 //! them in step.
 
+pub mod answer;
+pub mod ops;
+pub mod tls;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,12 +20,12 @@ use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetReques
 use tower_http::trace::TraceLayer;
 use tracing::{error, info};
 
-use crate::answer::{Answer, answer};
 use crate::auth::token::Refusal;
 use crate::auth::{self, Principal};
-use crate::execute::{self, ConsumeOutcome, Envelope, Executor};
+use crate::execute::{self, ConsumeOutcome, Executor};
 use crate::state::AppState;
 use crate::trigger::{self, TriggerError, TriggerOutcome, WindowHints};
+use answer::{Answer, answer};
 
 /// Largest `/consume` body, in bytes (the built-in envelope is well under 1 KiB).
 pub const CONSUME_BODY_LIMIT: usize = 64 * 1024;
@@ -81,21 +85,21 @@ fn handler_for(method: &str, path: &str, state: &AppState) -> MethodRouter<AppSt
                     )),
             )
         }
-        ("GET", "/runs") => get(crate::ops::list_runs),
-        ("GET", "/runs/{run_id}") => get(crate::ops::get_run),
-        ("GET", "/runs/{run_id}/items") => get(crate::ops::run_items),
-        ("GET", "/policies") => get(crate::ops::policies),
-        ("POST", "/runs/{run_id}/cancel") => post(crate::ops::cancel_run),
-        ("GET", "/dead-letters") => get(crate::ops::list_dead_letters),
-        ("POST", "/dead-letters/redrive") => post(crate::ops::redrive_dead_letters),
-        ("GET", "/dead-letters/{id}") => get(crate::ops::get_dead_letter),
-        ("POST", "/dead-letters/{id}/redrive") => post(crate::ops::redrive_dead_letter),
-        ("POST", "/dead-letters/{id}/abandon") => post(crate::ops::abandon_dead_letter),
-        ("POST", "/policies/{policy}/suspend") => post(crate::ops::suspend_policy),
-        ("POST", "/policies/{policy}/resume") => post(crate::ops::resume_policy),
-        ("GET", "/healthz") => get(crate::ops::healthz),
-        ("GET", "/readyz") => get(crate::ops::readyz),
-        ("GET", "/metrics") => get(crate::ops::metrics),
+        ("GET", "/runs") => get(ops::list_runs),
+        ("GET", "/runs/{run_id}") => get(ops::get_run),
+        ("GET", "/runs/{run_id}/items") => get(ops::run_items),
+        ("GET", "/policies") => get(ops::policies),
+        ("POST", "/runs/{run_id}/cancel") => post(ops::cancel_run),
+        ("GET", "/dead-letters") => get(ops::list_dead_letters),
+        ("POST", "/dead-letters/redrive") => post(ops::redrive_dead_letters),
+        ("GET", "/dead-letters/{id}") => get(ops::get_dead_letter),
+        ("POST", "/dead-letters/{id}/redrive") => post(ops::redrive_dead_letter),
+        ("POST", "/dead-letters/{id}/abandon") => post(ops::abandon_dead_letter),
+        ("POST", "/policies/{policy}/suspend") => post(ops::suspend_policy),
+        ("POST", "/policies/{policy}/resume") => post(ops::resume_policy),
+        ("GET", "/healthz") => get(ops::healthz),
+        ("GET", "/readyz") => get(ops::readyz),
+        ("GET", "/metrics") => get(ops::metrics),
         _ => unreachable!("every entry of ROUTES has a handler"),
     }
 }
@@ -632,7 +636,7 @@ async fn consume_handler(
               "QStash delivery");
     }
     let push = push_credential || pubsub.is_some();
-    let envelope = match delivered_envelope(pubsub.as_ref(), &body.bytes) {
+    let envelope = match crate::transport::delivered_envelope(pubsub.as_ref(), &body.bytes) {
         Ok(e) => e,
         // A poison message from an authenticated sender: quarantine it and acknowledge, so
         // the queue does not redeliver it for ever (DESIGN §5).
@@ -684,59 +688,6 @@ async fn consume_handler(
             format!("no command `{command_id}` in the ledger"),
         )),
     }
-}
-
-/// The envelope a `/consume` body carries: from the Pub/Sub push `push` when the body is one
-/// (see [`crate::transport::pubsub::parse_push`]), else the body as the built-in envelope. `Err` says why
-/// the body is a poison message: not an envelope, a `schema_version` other than 1, or a
-/// `command_id` that is empty, longer than 512 bytes or holds a control character. Total: any
-/// bytes give `Ok` or `Err`, never a panic (the fuzz target `consume_body` checks that).
-pub fn delivered_envelope(
-    push: Option<&crate::transport::pubsub::PushDelivery>,
-    body: &[u8],
-) -> Result<Envelope, String> {
-    // serde's messages quote the offending input (an unknown field's name may hold a NUL, which
-    // PostgreSQL text refuses, or be 60 KiB long): store and show a bounded, printable reason.
-    parse_delivered(push, body).map_err(|why| printable(&why, MAX_REASON_CHARS))
-}
-
-/// Longest reason given for a quarantined envelope, in characters.
-pub const MAX_REASON_CHARS: usize = 300;
-
-/// `text` safe to store as PostgreSQL text and to show: control characters (NUL included)
-/// replaced by U+FFFD, cut to `max` characters with a trailing `…`.
-pub fn printable(text: &str, max: usize) -> String {
-    let mut out: String = text
-        .chars()
-        .take(max)
-        .map(|c| if c.is_control() { '\u{FFFD}' } else { c })
-        .collect();
-    if text.chars().nth(max).is_some() {
-        out.push('…');
-    }
-    out
-}
-
-fn parse_delivered(
-    push: Option<&crate::transport::pubsub::PushDelivery>,
-    body: &[u8],
-) -> Result<Envelope, String> {
-    match push {
-        Some(p) => p.envelope.clone(),
-        None => serde_json::from_slice::<Envelope>(body).map_err(|e| e.to_string()),
-    }
-    .and_then(|e| match e.schema_version.unwrap_or(1) {
-        1 => Ok(e),
-        v => Err(format!("schema_version {v} is not supported (1 is)")),
-    })
-    .and_then(|e| {
-        let id = &e.command_id;
-        if id.is_empty() || id.len() > 512 || id.chars().any(char::is_control) {
-            Err("command_id must be 1-512 characters without control characters".into())
-        } else {
-            Ok(e)
-        }
-    })
 }
 
 /// `Retry-After` default for endpoints that have nothing better to say.
