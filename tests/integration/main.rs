@@ -1,5 +1,6 @@
 //! Integration tests: a real server on a real port, a real PostgreSQL, real JWTs.
 
+mod architecture;
 mod cli;
 mod common;
 mod consume;
