@@ -652,21 +652,9 @@ impl Dependencies {
         for_: Duration,
         reason: &str,
     ) -> Result<(), Failure> {
-        sqlx::query(
-            "insert into sweeper.dependency_pauses (dependency, paused_until, reason, paused_at)
-             values ($1, sweeper.now() + make_interval(secs => $2), $3, sweeper.now())
-             on conflict (dependency) do update
-                set paused_until = greatest(sweeper.dependency_pauses.paused_until,
-                                            excluded.paused_until),
-                    reason = excluded.reason, paused_at = excluded.paused_at,
-                    pauses = sweeper.dependency_pauses.pauses + 1",
-        )
-        .bind(name)
-        .bind(for_.as_secs_f64())
-        .bind(reason)
-        .execute(pool)
-        .await
-        .map_err(|e| Failure::from_db(&e))?;
+        crate::ledger::pauses::pause(pool, name, for_.as_secs_f64(), reason)
+            .await
+            .map_err(|e| Failure::from_db(&e))?;
         let until = Instant::now() + for_;
         let mut view = self.pauses.lock().await;
         let e = view.until.entry(name.to_string()).or_insert(until);

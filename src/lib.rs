@@ -4,12 +4,9 @@
 #![warn(missing_docs)]
 
 pub mod app;
-pub mod audit;
 pub mod auth;
 pub mod cli;
 pub mod config;
-pub mod control;
-pub mod dead_letter;
 pub mod dependency;
 pub mod execute;
 pub mod failpoints;

@@ -31,7 +31,7 @@ pub enum TriggerOutcome {
     /// The window's run already existed (200).
     Existing(Run),
     /// The policy is suspended: no run was created (200, so the cron does not retry).
-    Suspended(crate::control::PolicyState),
+    Suspended(crate::ledger::control::PolicyState),
 }
 
 /// Why a trigger was refused.
@@ -43,6 +43,9 @@ pub enum TriggerError {
     /// The window is a backfill and the caller lacks `ops:write` (403).
     #[error("{0}")]
     Forbidden(String),
+    /// Concurrent triggers kept taking the same dry-run number (503, retry).
+    #[error("{0}")]
+    Busy(String),
     /// The ledger failed.
     #[error(transparent)]
     Db(#[from] sqlx::Error),
@@ -61,7 +64,8 @@ pub async fn trigger(
     dry_run: bool,
     principal: &Principal,
 ) -> Result<TriggerOutcome, TriggerError> {
-    if let Some(ps) = crate::control::policy_state(&state.pool, policy.name.as_str()).await?
+    if let Some(ps) =
+        crate::ledger::control::policy_state(&state.pool, policy.name.as_str()).await?
         && ps.suspended
     {
         return Ok(TriggerOutcome::Suspended(ps));
@@ -179,38 +183,18 @@ async fn create_run(
     cutoff: DateTime<Utc>,
     principal: &Principal,
 ) -> Result<TriggerOutcome, TriggerError> {
-    let run_id = format!("{}:{}", policy.name, window::format(window));
-    let mut tx = state.pool.begin().await?;
-    let inserted = sqlx::query_scalar::<_, String>(
-        "insert into sweeper.runs (run_id, policy, policy_version, window_at, cutoff, triggered_by)
-         values ($1, $2, $3, $4, $5, $6)
-         on conflict do nothing
-         returning run_id",
-    )
-    .bind(&run_id)
-    .bind(policy.name.as_str())
-    .bind(&policy.version)
-    .bind(window)
-    .bind(cutoff)
-    .bind(&principal.subject)
-    .fetch_optional(&mut *tx)
-    .await?;
-    if inserted.is_none() {
-        // A concurrent trigger won the race; its run is the window's run.
-        tx.rollback().await?;
-        let mut conn = state.pool.acquire().await?;
-        let run = ledger::get_run(&mut conn, &run_id)
-            .await?
-            .ok_or_else(|| sqlx::Error::RowNotFound)?;
-        return Ok(TriggerOutcome::Existing(run));
-    }
-    sqlx::query("insert into sweeper.planning_jobs (run_id) values ($1)")
-        .bind(&run_id)
-        .execute(&mut *tx)
-        .await?;
-    let run = ledger::get_run(&mut tx, &run_id).await?.expect("inserted");
-    tx.commit().await?;
-    Ok(TriggerOutcome::Created(run))
+    let run = ledger::runs::NewRun {
+        run_id: format!("{}:{}", policy.name, window::format(window)),
+        policy: policy.name.as_str(),
+        policy_version: &policy.version,
+        window,
+        cutoff,
+        triggered_by: &principal.subject,
+    };
+    Ok(match ledger::runs::create(&state.pool, &run).await? {
+        ledger::runs::Created::New(run) => TriggerOutcome::Created(run),
+        ledger::runs::Created::Existing(run) => TriggerOutcome::Existing(run),
+    })
 }
 
 async fn create_dry_run(
@@ -220,55 +204,18 @@ async fn create_dry_run(
     cutoff: DateTime<Utc>,
     principal: &Principal,
 ) -> Result<TriggerOutcome, TriggerError> {
-    // Dry runs repeat freely: `{policy}:{window}:dry-{n}`. Concurrent dry runs for one window
-    // take turns choosing n (a transaction-scoped advisory lock per policy and window).
-    for _ in 0..3 {
-        let mut tx = state.pool.begin().await?;
-        sqlx::query(
-            "select pg_advisory_xact_lock(hashtext('sweeper:dry-run:' || $1 || ':' || $2))",
-        )
-        .bind(policy.name.as_str())
-        .bind(window::format(window))
-        .execute(&mut *tx)
-        .await?;
-        let n: i32 = sqlx::query_scalar(
-            "select coalesce(max(dry_run_no), 0) + 1 from sweeper.runs
-              where policy = $1 and window_at = $2 and dry_run",
-        )
-        .bind(policy.name.as_str())
-        .bind(window)
-        .fetch_one(&mut *tx)
-        .await?;
-        let run_id = format!("{}:{}:dry-{n}", policy.name, window::format(window));
-        let inserted = sqlx::query_scalar::<_, String>(
-            "insert into sweeper.runs
-                 (run_id, policy, policy_version, window_at, cutoff, dry_run, dry_run_no, triggered_by)
-             values ($1, $2, $3, $4, $5, true, $6, $7)
-             on conflict do nothing
-             returning run_id",
-        )
-        .bind(&run_id)
-        .bind(policy.name.as_str())
-        .bind(&policy.version)
-        .bind(window)
-        .bind(cutoff)
-        .bind(n)
-        .bind(&principal.subject)
-        .fetch_optional(&mut *tx)
-        .await?;
-        if inserted.is_none() {
-            tx.rollback().await?;
-            continue;
-        }
-        sqlx::query("insert into sweeper.planning_jobs (run_id) values ($1)")
-            .bind(&run_id)
-            .execute(&mut *tx)
-            .await?;
-        let run = ledger::get_run(&mut tx, &run_id).await?.expect("inserted");
-        tx.commit().await?;
-        return Ok(TriggerOutcome::Created(run));
+    let run = ledger::runs::NewRun {
+        run_id: format!("{}:{}", policy.name, window::format(window)),
+        policy: policy.name.as_str(),
+        policy_version: &policy.version,
+        window,
+        cutoff,
+        triggered_by: &principal.subject,
+    };
+    match ledger::runs::create_dry(&state.pool, &run).await? {
+        Some(run) => Ok(TriggerOutcome::Created(run)),
+        None => Err(TriggerError::Busy(
+            "too many concurrent dry runs for one window; retry".into(),
+        )),
     }
-    Err(TriggerError::Db(sqlx::Error::Protocol(
-        "too many concurrent dry runs for one window".into(),
-    )))
 }

@@ -477,6 +477,9 @@ async fn trigger_handler(
             TriggerError::Forbidden(m) => {
                 Problem::new(StatusCode::FORBIDDEN, "backfill-forbidden", m)
             }
+            TriggerError::Busy(m) => {
+                Problem::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", m).retry_after(1)
+            }
             TriggerError::Db(e) => Problem::from(e),
         })?;
     let (status, run) = match outcome {

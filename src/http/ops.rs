@@ -8,9 +8,9 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::audit;
 use crate::http::{Caller, Problem};
 use crate::ledger;
+use crate::ledger::audit;
 use crate::state::AppState;
 
 /// Filters of `GET /runs`.
@@ -120,9 +120,9 @@ pub async fn get_run(
     )
     .await?;
     let verdict = replay_verdict(&state, &run_id).await?;
-    let open = crate::dead_letter::list(
+    let open = crate::ledger::dead_letter::list(
         &state.pool,
-        &crate::dead_letter::Filter {
+        &crate::ledger::dead_letter::Filter {
             run_id: Some(&run_id),
             state: Some("open"),
             ..Default::default()
@@ -420,13 +420,13 @@ pub async fn list_dead_letters(
     if !(1..=1000).contains(&limit) {
         return Err(bad_query("limit must be between 1 and 1000"));
     }
-    let filter = crate::dead_letter::Filter {
+    let filter = crate::ledger::dead_letter::Filter {
         run_id: q.run_id.as_deref(),
         policy: q.policy.as_deref(),
         class: q.class.as_deref(),
         state: q.state.as_deref(),
     };
-    let items = crate::dead_letter::list(&state.pool, &filter, q.before, limit).await?;
+    let items = crate::ledger::dead_letter::list(&state.pool, &filter, q.before, limit).await?;
     let next_before = (items.len() as i64 == limit)
         .then(|| items.last().map(|d| d.dead_letter_id))
         .flatten();
@@ -448,7 +448,7 @@ pub async fn get_dead_letter(
     Path(id): Path<i64>,
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
-    let dl = crate::dead_letter::get(&state.pool, id)
+    let dl = crate::ledger::dead_letter::get(&state.pool, id)
         .await?
         .ok_or_else(|| unknown_dead_letter(id))?;
     let mut body = serde_json::to_value(&dl).map_err(Problem::internal)?;
@@ -458,8 +458,8 @@ pub async fn get_dead_letter(
     Ok(Json(body).into_response())
 }
 
-fn act_problem(e: crate::dead_letter::ActError) -> Problem {
-    use crate::dead_letter::ActError;
+fn act_problem(e: crate::ledger::dead_letter::ActError) -> Problem {
+    use crate::ledger::dead_letter::ActError;
     match e {
         ActError::NotFound(id) => unknown_dead_letter(id),
         ActError::Conflict(m) => Problem::new(StatusCode::CONFLICT, "conflict", m),
@@ -476,9 +476,10 @@ pub async fn redrive_dead_letter(
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
     let b: ReasonBody = reason_of(&body)?;
-    let r = crate::dead_letter::redrive(&state.pool, id, &caller.0.subject, b.reason.trim())
-        .await
-        .map_err(act_problem)?;
+    let r =
+        crate::ledger::dead_letter::redrive(&state.pool, id, &caller.0.subject, b.reason.trim())
+            .await
+            .map_err(act_problem)?;
     state.wake_workers.notify_waiters();
     Ok(Json(json!({ "dead_letter_id": id, "result": r })).into_response())
 }
@@ -492,9 +493,10 @@ pub async fn abandon_dead_letter(
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
     let b: ReasonBody = reason_of(&body)?;
-    let r = crate::dead_letter::abandon(&state.pool, id, &caller.0.subject, b.reason.trim())
-        .await
-        .map_err(act_problem)?;
+    let r =
+        crate::ledger::dead_letter::abandon(&state.pool, id, &caller.0.subject, b.reason.trim())
+            .await
+            .map_err(act_problem)?;
     Ok(Json(json!({ "dead_letter_id": id, "result": r })).into_response())
 }
 
@@ -532,7 +534,7 @@ pub async fn redrive_dead_letters(
             "limit must be between 1 and 1000",
         ));
     }
-    let ids = crate::dead_letter::redrive_many(
+    let ids = crate::ledger::dead_letter::redrive_many(
         &state.pool,
         b.run_id.as_deref(),
         b.class.as_deref(),
@@ -570,7 +572,8 @@ pub async fn suspend_policy(
     require_policy(&state, &policy)?;
     let b: ReasonBody = reason_of(&body)?;
     let ps =
-        crate::control::suspend(&state.pool, &policy, &caller.0.subject, b.reason.trim()).await?;
+        crate::ledger::control::suspend(&state.pool, &policy, &caller.0.subject, b.reason.trim())
+            .await?;
     Ok(Json(ps).into_response())
 }
 
@@ -585,7 +588,8 @@ pub async fn resume_policy(
     require_policy(&state, &policy)?;
     let b: ReasonBody = reason_of(&body)?;
     let ps =
-        crate::control::resume(&state.pool, &policy, &caller.0.subject, b.reason.trim()).await?;
+        crate::ledger::control::resume(&state.pool, &policy, &caller.0.subject, b.reason.trim())
+            .await?;
     state.wake_workers.notify_waiters();
     Ok(Json(ps).into_response())
 }
@@ -599,15 +603,16 @@ pub async fn cancel_run(
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
     let b: ReasonBody = reason_of(&body)?;
-    let c = crate::control::cancel(&state.pool, &run_id, &caller.0.subject, b.reason.trim())
-        .await
-        .map_err(|e| match e {
-            crate::control::CancelError::NotFound(_) => unknown_run(&run_id),
-            e @ crate::control::CancelError::Completed(..) => {
-                Problem::new(StatusCode::CONFLICT, "conflict", e.to_string())
-            }
-            crate::control::CancelError::Db(e) => Problem::from(e),
-        })?;
+    let c =
+        crate::ledger::control::cancel(&state.pool, &run_id, &caller.0.subject, b.reason.trim())
+            .await
+            .map_err(|e| match e {
+                crate::ledger::control::CancelError::NotFound(_) => unknown_run(&run_id),
+                e @ crate::ledger::control::CancelError::Completed(..) => {
+                    Problem::new(StatusCode::CONFLICT, "conflict", e.to_string())
+                }
+                crate::ledger::control::CancelError::Db(e) => Problem::from(e),
+            })?;
     Ok(Json(c).into_response())
 }
 

@@ -7,7 +7,12 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::{PgConnection, PgPool};
 
+pub mod audit;
+pub mod control;
+pub mod dead_letter;
 pub mod outbox;
+pub mod pauses;
+pub mod runs;
 
 /// The ledger's migrations, embedded in the binary (`migrations/`).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");

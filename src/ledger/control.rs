@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::PgPool;
 
-use crate::dead_letter::log_operator_act;
+use crate::ledger::dead_letter::log_operator_act;
 
 /// A policy's operator state.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]

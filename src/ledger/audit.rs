@@ -1,4 +1,4 @@
-//! Reading the audit trail (writing happens in the consume transaction, see [`crate::consume`]).
+//! Reading the audit trail (writing happens in the consume transaction, see [`crate::execute`]).
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
