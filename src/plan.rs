@@ -42,22 +42,9 @@ pub enum PlanStep {
 pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
     let lease = state.config.planning.lease.seconds();
     let token = Uuid::new_v4();
-    let claimed: Option<String> = sqlx::query_scalar(
-        "update sweeper.planning_jobs
-            set lease_token = $1, lease_until = (select sweeper.now()) + make_interval(secs => $2)
-          where run_id = (select run_id from sweeper.planning_jobs
-                           where not done
-                             and (lease_until is null or lease_until < (select sweeper.now()))
-                           order by created_at
-                           limit 1
-                           for update skip locked)
-          returning run_id",
-    )
-    .bind(token)
-    .bind(lease as f64)
-    .fetch_optional(&state.pool)
-    .await
-    .map_err(|e| Failure::from_db(&e))?;
+    let claimed = ledger::planning::claim(&state.pool, token, lease as f64)
+        .await
+        .map_err(|e| Failure::from_db(&e))?;
     let Some(run_id) = claimed else {
         return Ok(PlanStep::Idle);
     };
@@ -80,17 +67,13 @@ pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
                 // lost connection, a lock timeout) also gives the lease back so the next round
                 // retries soon; otherwise the lease's expiry paces the retries.
                 let transient = f.class == crate::retry::FailureClass::Transient;
-                let _ = sqlx::query(
-                    "update sweeper.planning_jobs
-                        set failures = failures + 1, last_error = $3, last_error_at = sweeper.now(),
-                            lease_until = case when $4 then null else lease_until end
-                      where run_id = $1 and lease_token = $2",
+                let _ = ledger::planning::record_failure(
+                    &state.pool,
+                    &run_id,
+                    token,
+                    &f.message,
+                    transient,
                 )
-                .bind(&run_id)
-                .bind(token)
-                .bind(&f.message)
-                .bind(transient)
-                .execute(&state.pool)
                 .await;
                 warn!(run_id, error = %f.message, class = f.class.as_str(), "planning page failed; retrying");
                 return Err(f);
@@ -112,18 +95,14 @@ async fn hold_job(state: &AppState, run_id: &str, token: Uuid, f: &Failure) {
         state.catalog.forget(&p.spec.target.table);
     }
     let recheck = crate::execute::hold_recheck_seconds(state);
-    let r = sqlx::query(
-        "update sweeper.planning_jobs
-            set held_kind = $3, held_reason = $4, held_since = coalesce(held_since, sweeper.now()),
-                lease_until = sweeper.now() + make_interval(secs => $5)
-          where run_id = $1 and lease_token = $2",
+    let r = ledger::planning::hold(
+        &state.pool,
+        run_id,
+        token,
+        kind.as_str(),
+        &f.message,
+        recheck as f64,
     )
-    .bind(run_id)
-    .bind(token)
-    .bind(kind.as_str())
-    .bind(&f.message)
-    .bind(recheck as f64)
-    .execute(&state.pool)
     .await;
     if let Err(e) = r {
         warn!(run_id, error = %e, "could not record that planning is held");
@@ -254,7 +233,6 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     }
     let keys: Vec<String> = eligible[..take].iter().map(|(_, k)| k.clone()).collect();
     let batches = cut_batches(keys, batch_size, COMMAND_KEY_BYTES);
-    let n_commands = batches.len() as i32;
     let n_items = take as i64;
     let done = end_of_table && take == eligible.len();
     if done {
@@ -266,80 +244,25 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         }
     }
 
-    if n_commands > 0 {
-        sqlx::query(
-            "insert into sweeper.commands
-                 (command_id, run_id, batch_no, item_keys, transport, next_attempt_at, due_since,
-                  publish_due)
-             select $1 || ':' || (b.ord - 1 + $3), $1, b.ord - 1 + $3,
-                    array(select jsonb_array_elements_text(b.keys)), $4, r.window_at,
-                    greatest(r.window_at, sweeper.now()), $4 <> 'builtin'
-               from jsonb_array_elements($2) with ordinality as b(keys, ord),
-                    sweeper.runs r
-              where r.run_id = $1",
-        )
-        .bind(run_id)
-        .bind(sqlx::types::Json(&batches))
-        .bind(next_batch_no)
-        .bind(
-            state
-                .config
-                .policy(&policy)
-                .map(|p| p.transport)
-                .unwrap_or(crate::policy::Transport::Builtin)
-                .as_str(),
-        )
-        .execute(&mut *tx)
+    let page = ledger::planning::Page {
+        run_id,
+        batches: &batches,
+        next_batch_no,
+        transport: state
+            .config
+            .policy(&policy)
+            .map(|p| p.transport)
+            .unwrap_or(crate::policy::Transport::Builtin)
+            .as_str(),
+        cursor: new_cursor.as_deref(),
+        items: n_items,
+        held: &held,
+        done,
+        lease_seconds: state.config.planning.lease.seconds() as f64,
+    };
+    let status = ledger::planning::record_page(&mut tx, &page)
         .await
         .map_err(db)?;
-    }
-    sqlx::query(
-        "update sweeper.planning_jobs
-            set cursor_key = $2, next_batch_no = next_batch_no + $3, pages_done = pages_done + 1,
-                failures = 0, held_kind = null, held_reason = null, held_since = null,
-                done = $4, lease_until = (select sweeper.now()) + make_interval(secs => $5)
-          where run_id = $1",
-    )
-    .bind(run_id)
-    .bind(&new_cursor)
-    .bind(n_commands)
-    .bind(done)
-    .bind(state.config.planning.lease.seconds() as f64)
-    .execute(&mut *tx)
-    .await
-    .map_err(db)?;
-    let status: String = sqlx::query_scalar(
-        "update sweeper.runs
-            set commands_total = commands_total + $2,
-                pending_commands = pending_commands + $2,
-                eligible_planned = eligible_planned + $3,
-                held_at_planning = (
-                    select coalesce(jsonb_object_agg(k, v), '{}'::jsonb)
-                      from (select k, sum(v)::bigint as v
-                              from (select key as k, value::bigint as v from jsonb_each_text(held_at_planning)
-                                    union all
-                                    select key, value::bigint from jsonb_each_text($4)) s
-                             group by k) t),
-                planning_done = $5,
-                planned_at = case when $5 then sweeper.now() end,
-                status = case when status <> 'planning' then status
-                              when $5 and pending_commands + $2 = 0 then
-                                  case when quarantined_commands > 0 or failed > 0
-                                       then 'completed_with_dead_letters' else 'completed' end
-                              when $5 then 'running'
-                              else 'planning' end,
-                completed_at = case when $5 and pending_commands + $2 = 0 then sweeper.now() end
-          where run_id = $1
-          returning status",
-    )
-    .bind(run_id)
-    .bind(n_commands)
-    .bind(n_items)
-    .bind(sqlx::types::Json(&held))
-    .bind(done)
-    .fetch_one(&mut *tx)
-    .await
-    .map_err(db)?;
     if done && !dry_run && ledger::is_terminal_run_status(&status) {
         crate::execute::record_closure_check(
             &mut tx,

@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::execute::{self, ConsumeOutcome, Executor};
+use crate::ledger;
 use crate::retry::Failure;
 use crate::state::AppState;
 
@@ -30,27 +31,12 @@ pub enum WorkerStep {
 /// lease) in one short transaction: each gets a lease owned by this replica and its attempt
 /// number, which fences everything its execution writes.
 pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<(String, i32)>, Failure> {
-    sqlx::query_as(
-        "update sweeper.commands c
-            set state = 'leased', attempts = c.attempts + 1, lease_owner = $2, calling_since = null,
-                lease_until = (select sweeper.now()) + make_interval(secs => $1)
-          where c.command_id in (
-                select q.command_id from sweeper.commands q
-                 where q.transport = 'builtin'
-                   and ((q.state = 'pending' and q.next_attempt_at <= (select sweeper.now()))
-                     or (q.state = 'leased' and q.lease_until < (select sweeper.now())))
-                   and not exists (
-                        select 1 from sweeper.runs r join sweeper.policy_state ps using (policy)
-                         where r.run_id = q.run_id and ps.suspended)
-                 order by q.next_attempt_at
-                 limit $3
-                 for update of q skip locked)
-          returning c.command_id, c.attempts",
+    ledger::queue::claim(
+        &state.pool,
+        state.replica_id,
+        state.config.queue.lease.seconds() as f64,
+        limit,
     )
-    .bind(state.config.queue.lease.seconds() as f64)
-    .bind(state.replica_id)
-    .bind(limit)
-    .fetch_all(&state.pool)
     .await
     .map_err(|e| Failure::from_db(&e))
 }
@@ -95,23 +81,15 @@ async fn release(
     retry_after_seconds: u64,
     reason: &str,
 ) -> Result<(), Failure> {
-    // Not a failure, but visible: `last_error` says why the command waits (class stays null).
-    sqlx::query(
-        "update sweeper.commands
-            set state = 'pending', lease_until = null, lease_owner = null, attempts = attempts - 1,
-                next_attempt_at = greatest(next_attempt_at,
-                                           sweeper.now() + make_interval(secs => $3)),
-                last_error = $4
-          where command_id = $1 and state = 'leased' and attempts = $2",
+    ledger::queue::release(
+        &state.pool,
+        command_id,
+        attempt,
+        retry_after_seconds as f64,
+        reason,
     )
-    .bind(command_id)
-    .bind(attempt)
-    .bind(retry_after_seconds as f64)
-    .bind(reason)
-    .execute(&state.pool)
     .await
-    .map_err(|e| Failure::from_db(&e))?;
-    Ok(())
+    .map_err(|e| Failure::from_db(&e))
 }
 
 /// After a try that could not record its result (the ledger was unreachable), puts the command
@@ -120,17 +98,10 @@ async fn release(
 async fn give_back(state: &AppState, command_id: &str, attempt: i32) {
     for pause_ms in [100, 500, 2_000] {
         tokio::time::sleep(std::time::Duration::from_millis(pause_ms)).await;
-        let done = sqlx::query(
-            "update sweeper.commands
-                set state = 'pending', lease_until = null, lease_owner = null,
-                    next_attempt_at = sweeper.now() + interval '1 second'
-              where command_id = $1 and state = 'leased' and attempts = $2",
-        )
-        .bind(command_id)
-        .bind(attempt)
-        .execute(&state.pool)
-        .await;
-        if done.is_ok() {
+        if ledger::queue::give_back(&state.pool, command_id, attempt)
+            .await
+            .is_ok()
+        {
             return;
         }
     }
@@ -139,17 +110,9 @@ async fn give_back(state: &AppState, command_id: &str, attempt: i32) {
 /// Gives back every command this replica still holds a lease on (after its workers stopped),
 /// without spending their attempts, so another replica picks them up at once. Returns how many.
 pub async fn release_own_leases(state: &AppState) -> Result<u64, Failure> {
-    let n = sqlx::query(
-        "update sweeper.commands
-            set state = 'pending', lease_until = null, lease_owner = null, attempts = attempts - 1
-          where lease_owner = $1 and state = 'leased'",
-    )
-    .bind(state.replica_id)
-    .execute(&state.pool)
-    .await
-    .map_err(|e| Failure::from_db(&e))?
-    .rows_affected();
-    Ok(n)
+    ledger::queue::release_all(&state.pool, state.replica_id)
+        .await
+        .map_err(|e| Failure::from_db(&e))
 }
 
 /// One built-in worker: runs due commands until `shutdown`, then returns after its current

@@ -12,6 +12,8 @@ pub mod control;
 pub mod dead_letter;
 pub mod outbox;
 pub mod pauses;
+pub mod planning;
+pub mod queue;
 pub mod runs;
 
 /// The ledger's migrations, embedded in the binary (`migrations/`).

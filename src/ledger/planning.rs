@@ -1,0 +1,172 @@
+//! Planning jobs (DESIGN §8): leased ledger rows any replica can pick up; each page writes its
+//! commands, moves the job's cursor and adds to the run's counts in the page's transaction.
+
+use std::collections::BTreeMap;
+
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+/// Claims a due planning job (not done; unleased, or with an expired lease), oldest first,
+/// leasing it to `token` for `lease_seconds`. Returns its run.
+pub async fn claim(pool: &PgPool, token: Uuid, lease_seconds: f64) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar(
+        "update sweeper.planning_jobs
+            set lease_token = $1, lease_until = (select sweeper.now()) + make_interval(secs => $2)
+          where run_id = (select run_id from sweeper.planning_jobs
+                           where not done
+                             and (lease_until is null or lease_until < (select sweeper.now()))
+                           order by created_at
+                           limit 1
+                           for update skip locked)
+          returning run_id",
+    )
+    .bind(token)
+    .bind(lease_seconds)
+    .fetch_optional(pool)
+    .await
+}
+
+/// Records a failed page on the job (shown on the run and in /metrics); a `transient` one also
+/// gives the lease back so the next round retries soon. Fenced by the lease `token`.
+pub async fn record_failure(
+    pool: &PgPool,
+    run_id: &str,
+    token: Uuid,
+    error: &str,
+    transient: bool,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "update sweeper.planning_jobs
+            set failures = failures + 1, last_error = $3, last_error_at = sweeper.now(),
+                lease_until = case when $4 then null else lease_until end
+          where run_id = $1 and lease_token = $2",
+    )
+    .bind(run_id)
+    .bind(token)
+    .bind(error)
+    .bind(transient)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Records that the job is held (`kind`: `schema` or `policy_changed`; not a failure), tried
+/// again after `recheck_seconds`. Fenced by the lease `token`.
+pub async fn hold(
+    pool: &PgPool,
+    run_id: &str,
+    token: Uuid,
+    kind: &str,
+    reason: &str,
+    recheck_seconds: f64,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "update sweeper.planning_jobs
+            set held_kind = $3, held_reason = $4, held_since = coalesce(held_since, sweeper.now()),
+                lease_until = sweeper.now() + make_interval(secs => $5)
+          where run_id = $1 and lease_token = $2",
+    )
+    .bind(run_id)
+    .bind(token)
+    .bind(kind)
+    .bind(reason)
+    .bind(recheck_seconds)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// What one planned page writes.
+#[derive(Debug)]
+pub struct Page<'a> {
+    /// The run.
+    pub run_id: &'a str,
+    /// Its new commands' keys, in batch order.
+    pub batches: &'a [Vec<String>],
+    /// The batch number of the first of them.
+    pub next_batch_no: i32,
+    /// Their transport (`builtin`, `pubsub`, `qstash`); push commands are due for publishing.
+    pub transport: &'a str,
+    /// The job's cursor after this page.
+    pub cursor: Option<&'a str>,
+    /// Items put into the commands.
+    pub items: i64,
+    /// Rows held on this page, per reason.
+    pub held: &'a BTreeMap<String, i64>,
+    /// Whether this was the job's last page.
+    pub done: bool,
+    /// The renewed lease.
+    pub lease_seconds: f64,
+}
+
+/// Writes a page in the caller's transaction (which locked the job row): the commands (due at
+/// the window instant, never before), the job's cursor and renewed lease, and the run's counts;
+/// on the last page the run becomes `running`, or terminal when nothing is pending. Returns the
+/// run's status.
+pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<String> {
+    let n_commands = p.batches.len() as i32;
+    if n_commands > 0 {
+        sqlx::query(
+            "insert into sweeper.commands
+                 (command_id, run_id, batch_no, item_keys, transport, next_attempt_at, due_since,
+                  publish_due)
+             select $1 || ':' || (b.ord - 1 + $3), $1, b.ord - 1 + $3,
+                    array(select jsonb_array_elements_text(b.keys)), $4, r.window_at,
+                    greatest(r.window_at, sweeper.now()), $4 <> 'builtin'
+               from jsonb_array_elements($2) with ordinality as b(keys, ord),
+                    sweeper.runs r
+              where r.run_id = $1",
+        )
+        .bind(p.run_id)
+        .bind(sqlx::types::Json(p.batches))
+        .bind(p.next_batch_no)
+        .bind(p.transport)
+        .execute(&mut *conn)
+        .await?;
+    }
+    sqlx::query(
+        "update sweeper.planning_jobs
+            set cursor_key = $2, next_batch_no = next_batch_no + $3, pages_done = pages_done + 1,
+                failures = 0, held_kind = null, held_reason = null, held_since = null,
+                done = $4, lease_until = (select sweeper.now()) + make_interval(secs => $5)
+          where run_id = $1",
+    )
+    .bind(p.run_id)
+    .bind(p.cursor)
+    .bind(n_commands)
+    .bind(p.done)
+    .bind(p.lease_seconds)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query_scalar(
+        "update sweeper.runs
+            set commands_total = commands_total + $2,
+                pending_commands = pending_commands + $2,
+                eligible_planned = eligible_planned + $3,
+                held_at_planning = (
+                    select coalesce(jsonb_object_agg(k, v), '{}'::jsonb)
+                      from (select k, sum(v)::bigint as v
+                              from (select key as k, value::bigint as v from jsonb_each_text(held_at_planning)
+                                    union all
+                                    select key, value::bigint from jsonb_each_text($4)) s
+                             group by k) t),
+                planning_done = $5,
+                planned_at = case when $5 then sweeper.now() end,
+                status = case when status <> 'planning' then status
+                              when $5 and pending_commands + $2 = 0 then
+                                  case when quarantined_commands > 0 or failed > 0
+                                       then 'completed_with_dead_letters' else 'completed' end
+                              when $5 then 'running'
+                              else 'planning' end,
+                completed_at = case when $5 and pending_commands + $2 = 0 then sweeper.now() end
+          where run_id = $1
+          returning status",
+    )
+    .bind(p.run_id)
+    .bind(n_commands)
+    .bind(p.items)
+    .bind(sqlx::types::Json(p.held))
+    .bind(p.done)
+    .fetch_one(conn)
+    .await
+}
