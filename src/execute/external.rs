@@ -65,57 +65,19 @@ async fn begin(
     command_id: &str,
     key: &str,
 ) -> Result<Decision, Failure> {
-    let r = &l.rules;
-    let table = r.table_sql();
-    let mut q: QueryBuilder<Postgres> = QueryBuilder::new("with item as (select ");
-    r.push_old_enough(&mut q);
-    q.push(" as old_enough, ");
-    r.push_excluded_reason(&mut q);
-    q.push(format!(
-        " as reason, to_jsonb({table}.*) as fields, md5({table}.*::text) as row_digest from {table} where {} = cast(",
-        r.key_sql()
-    ));
-    q.push_bind(key.to_string());
-    q.push(format!(" as {})), ", r.key_type()));
-    q.push("prior as (select state, n, run_id, outcome from sweeper.effects where policy = ");
-    q.push_bind(l.policy.clone());
-    q.push(" and item_key = ");
-    q.push_bind(key.to_string());
-    q.push(
-        "), opened as (
-            insert into sweeper.effects (policy, item_key, n, state, run_id, command_id, row_digest)
-            select ",
-    );
-    q.push_bind(l.policy.clone());
-    q.push(", ");
-    q.push_bind(key.to_string());
-    q.push(", 1, 'calling', ");
-    q.push_bind(l.run_id.clone());
-    q.push(", ");
-    q.push_bind(command_id.to_string());
-    q.push(
-        ", item.row_digest from item
-              where item.reason is null and item.old_enough
-                and not exists (select 1 from prior where prior.state = 'called' and prior.run_id = ",
-    );
-    q.push_bind(l.run_id.clone());
-    q.push(
-        ")
-            on conflict (policy, item_key) do update
-               set n = case when sweeper.effects.state = 'closed' then sweeper.effects.n + 1
-                            else sweeper.effects.n end,
-                   state = 'calling', run_id = excluded.run_id, command_id = excluded.command_id,
-                   row_digest = excluded.row_digest, outcome = null,
-                   started_at = sweeper.now(), called_at = null, closed_at = null
-             where sweeper.effects.state = 'closed'
-                or (sweeper.effects.state = 'calling' and sweeper.effects.run_id = excluded.run_id)
-            returning n)
-         select exists (select 1 from item) as found, item.old_enough, item.reason, item.fields,
-                prior.state as prior_state, prior.run_id as prior_run,
-                prior.outcome as prior_outcome, (select n from opened) as opened_n
-           from (select 1) one left join item on true left join prior on true",
-    );
-    let row = q.build().fetch_one(&state.pool).await.map_err(db)?;
+    let row = crate::ledger::effects::open(
+        &state.pool,
+        &l.rules,
+        &crate::ledger::effects::Opening {
+            policy: &l.policy,
+            item_key: key,
+            run_id: &l.run_id,
+            command_id,
+        },
+    )
+    .await
+    .map_err(db)?;
+
     let found: bool = row.get("found");
     let prior_state: Option<String> = row.get("prior_state");
     let prior_run: Option<String> = row.get("prior_run");
@@ -283,16 +245,13 @@ pub(crate) async fn run(
                         },
                     );
                     crate::crash_point!("effect_before_called");
-                    let marked = sqlx::query(
-                        "update sweeper.effects
-                            set state = 'called', called_at = sweeper.now(), outcome = $4
-                          where policy = $1 and item_key = $2 and run_id = $3 and state = 'calling'",
+                    let marked = crate::ledger::effects::mark_called(
+                        &state.pool,
+                        &l.policy,
+                        key,
+                        &l.run_id,
+                        outcome.as_str(),
                     )
-                    .bind(&l.policy)
-                    .bind(key)
-                    .bind(&l.run_id)
-                    .bind(outcome.as_str())
-                    .execute(&state.pool)
                     .await;
                     if let Err(e) = marked {
                         // Left `calling`: the next attempt calls again with the same key.
@@ -501,19 +460,9 @@ async fn close(
             }
         }
         let outcome_names: Vec<&str> = called.iter().map(|(_, o)| o.as_str()).collect();
-        sqlx::query(
-            "update sweeper.effects e
-                set state = 'closed', closed_at = sweeper.now(), outcome = coalesce(e.outcome, u.outcome)
-               from unnest($2::text[], $3::text[]) as u(item_key, outcome)
-              where e.policy = $1 and e.item_key = u.item_key and e.run_id = $4",
-        )
-        .bind(&l.policy)
-        .bind(&keys)
-        .bind(&outcome_names)
-        .bind(&l.run_id)
-        .execute(&mut *tx)
-        .await
-        .map_err(db)?;
+        crate::ledger::effects::close(&mut tx, &l.policy, &l.run_id, &keys, &outcome_names)
+            .await
+            .map_err(db)?;
     }
 
     let mut counts = Counts::default();
@@ -535,51 +484,30 @@ async fn close(
             .await
             .map_err(db)?;
     }
-    sqlx::query(
-        "insert into sweeper.audit
-             (policy, policy_version, run_id, window_at, cutoff, command_id, item_key, outcome,
-              reason, actor, dry_run)
-         select $1, $2, $3, $4, $5, $6, u.item_key, u.outcome, u.reason, $7, false
-           from unnest($8::text[], $9::text[], $10::text[]) as u(item_key, outcome, reason)",
+    crate::ledger::commands::append_audit(
+        &mut tx,
+        &crate::ledger::commands::Audited {
+            command_id,
+            attempts_inc: 0,
+            elapsed_seconds: started.elapsed().as_secs_f64(),
+            policy: &l.policy,
+            policy_version: &l.policy_version,
+            run_id: &l.run_id,
+            window: l.window,
+            cutoff: r.cutoff,
+            actor,
+            dry_run: false,
+            keys: &a_keys,
+            outcomes: &a_outcomes,
+            reasons: &a_reasons,
+        },
     )
-    .bind(&l.policy)
-    .bind(&l.policy_version)
-    .bind(&l.run_id)
-    .bind(l.window)
-    .bind(r.cutoff)
-    .bind(command_id)
-    .bind(actor)
-    .bind(&a_keys)
-    .bind(&a_outcomes)
-    .bind(&a_reasons)
-    .execute(&mut *tx)
     .await
     .map_err(db)?;
     if complete {
-        sqlx::query(
-            "with c as (
-                 update sweeper.commands
-                    set state = 'succeeded', finished_at = sweeper.now(), lease_until = null,
-                        lease_owner = null, last_error = null, last_error_class = null,
-                        calling_since = null, held_kind = null, held_reason = null,
-                        held_since = null, held_seen_at = null
-                  where command_id = $1
-              returning attempts, redrive_of),
-             a as (
-                 insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
-                 select $1, c.attempts, sweeper.now() - make_interval(secs => $2), sweeper.now(), 'succeeded'
-                   from c)
-             update sweeper.dead_letters d
-                set status = 'resolved', resolved_at = sweeper.now()
-              where d.status = 'redriven'
-                and ((d.kind = 'command' and d.command_id = $1)
-                     or d.dead_letter_id = (select redrive_of from c))",
-        )
-        .bind(command_id)
-        .bind(started.elapsed().as_secs_f64())
-        .execute(&mut *tx)
-        .await
-        .map_err(db)?;
+        crate::ledger::commands::succeed(&mut tx, command_id, started.elapsed().as_secs_f64())
+            .await
+            .map_err(db)?;
     }
     let run_status = finish_in_run(
         &mut tx,

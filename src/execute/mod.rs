@@ -14,7 +14,6 @@ use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
 use sqlx::{PgConnection, Postgres, QueryBuilder, Row, Transaction};
 use tracing::{info, warn};
 
@@ -25,73 +24,7 @@ use crate::state::AppState;
 
 pub use crate::transport::Envelope;
 
-/// One item's final outcome in a command (DESIGN §2.8).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Outcome {
-    /// The row was deleted.
-    Deleted,
-    /// The row was already gone.
-    AlreadyAbsent,
-    /// An exclusion held the row (the reason names it).
-    Excluded,
-    /// The row is no longer older than the cutoff.
-    NotEligible,
-    /// The action failed for this item (the reason holds the error).
-    Failed,
-    /// A dry run would have deleted the row.
-    WouldDelete,
-    /// An external call succeeded and the row was stamped or left (not deleted).
-    Reconciled,
-}
-
-impl Outcome {
-    /// The name stored in `sweeper.audit.outcome`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Deleted => "deleted",
-            Outcome::AlreadyAbsent => "already_absent",
-            Outcome::Excluded => "excluded",
-            Outcome::NotEligible => "not_eligible",
-            Outcome::Failed => "failed",
-            Outcome::WouldDelete => "would_delete",
-            Outcome::Reconciled => "reconciled",
-        }
-    }
-}
-
-/// Outcome counts of one command.
-#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
-pub struct Counts {
-    /// Items deleted.
-    pub deleted: i64,
-    /// Items already gone.
-    pub already_absent: i64,
-    /// Items held by an exclusion.
-    pub excluded: i64,
-    /// Items no longer old enough.
-    pub not_eligible: i64,
-    /// Items that failed.
-    pub failed: i64,
-    /// Items a dry run would delete.
-    pub would_delete: i64,
-    /// Items reconciled by an external call.
-    pub reconciled: i64,
-}
-
-impl Counts {
-    pub(crate) fn add(&mut self, o: Outcome) {
-        match o {
-            Outcome::Deleted => self.deleted += 1,
-            Outcome::AlreadyAbsent => self.already_absent += 1,
-            Outcome::Excluded => self.excluded += 1,
-            Outcome::NotEligible => self.not_eligible += 1,
-            Outcome::Failed => self.failed += 1,
-            Outcome::WouldDelete => self.would_delete += 1,
-            Outcome::Reconciled => self.reconciled += 1,
-        }
-    }
-}
+pub use crate::ledger::outcome::{Counts, Outcome};
 
 /// What executing a command ended in. The HTTP layer maps each to DESIGN §5's answer.
 #[derive(Debug, Clone)]
@@ -321,28 +254,18 @@ async fn attempt(
                 }
                 // The delivery counts as an attempt before anything is called, so a delivery
                 // that crashes the process every time still spends the budget.
-                let n: i32 = sqlx::query_scalar(
-                    "update sweeper.commands
-                        set state = 'leased', attempts = attempts + 1, lease_owner = $2,
-                            lease_until = sweeper.now() + make_interval(secs => $3)
-                      where command_id = $1
-                  returning attempts",
+                let n = ledger::commands::lease_for_delivery(
+                    &mut tx,
+                    command_id,
+                    state.replica_id,
+                    state.config.queue.lease.seconds() as f64,
                 )
-                .bind(command_id)
-                .bind(state.replica_id)
-                .bind(state.config.queue.lease.seconds() as f64)
-                .fetch_one(&mut *tx)
                 .await?;
                 *seen = Some(n);
                 n
             }
         };
-        sqlx::query(
-            "update sweeper.commands set calling_since = sweeper.now() where command_id = $1",
-        )
-        .bind(command_id)
-        .execute(&mut *tx)
-        .await?;
+        ledger::commands::mark_calling(&mut tx, command_id).await?;
         tx.commit().await?;
         return Ok(Attempted::External(loaded, n));
     }
@@ -460,45 +383,24 @@ async fn attempt(
 
     // One statement: the audit rows, the command done, its attempt recorded, a redriven dead
     // letter resolved.
-    let attempts_inc = matches!(executor, Executor::Delivery) as i32;
-    sqlx::query(
-        "with au as (
-             insert into sweeper.audit
-                 (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
-                  outcome, reason, actor, dry_run)
-             select $4, $5, $6, $7, $8, $1, u.item_key, u.outcome, u.reason, $9, $10
-               from unnest($11::text[], $12::text[], $13::text[]) as u(item_key, outcome, reason)),
-         c as (
-             update sweeper.commands
-                set state = 'succeeded', attempts = attempts + $2, finished_at = sweeper.now(),
-                    lease_until = null, lease_owner = null, last_error = null, last_error_class = null,
-                    held_kind = null, held_reason = null, held_since = null, held_seen_at = null
-              where command_id = $1
-          returning attempts, redrive_of),
-         a as (
-             insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
-             select $1, c.attempts, sweeper.now() - make_interval(secs => $3), sweeper.now(), 'succeeded'
-               from c)
-         update sweeper.dead_letters d
-            set status = 'resolved', resolved_at = sweeper.now()
-          where d.status = 'redriven'
-            and ((d.kind = 'command' and d.command_id = $1)
-                 or d.dead_letter_id = (select redrive_of from c))",
+    ledger::commands::succeed_with_audit(
+        &mut tx,
+        &ledger::commands::Audited {
+            command_id,
+            attempts_inc: matches!(executor, Executor::Delivery) as i32,
+            elapsed_seconds: started.elapsed().as_secs_f64(),
+            policy: &loaded.policy,
+            policy_version: &loaded.policy_version,
+            run_id: &loaded.run_id,
+            window: loaded.window,
+            cutoff: rules.cutoff,
+            actor,
+            dry_run: loaded.dry_run,
+            keys: &a_keys,
+            outcomes: &a_outcomes,
+            reasons: &a_reasons,
+        },
     )
-    .bind(command_id)
-    .bind(attempts_inc)
-    .bind(started.elapsed().as_secs_f64())
-    .bind(&loaded.policy)
-    .bind(&loaded.policy_version)
-    .bind(&loaded.run_id)
-    .bind(loaded.window)
-    .bind(rules.cutoff)
-    .bind(actor)
-    .bind(loaded.dry_run)
-    .bind(&a_keys)
-    .bind(&a_outcomes)
-    .bind(&a_reasons)
-    .execute(&mut *tx)
     .await?;
     let run_status = finish_in_run(
         &mut tx,
@@ -760,40 +662,16 @@ pub(crate) async fn finish_in_run(
     rules: Option<&RuleSet>,
     closure_cap: i64,
 ) -> sqlx::Result<String> {
-    // Only the command that completes the run sees a completed status here: the status changes
-    // once, under the run-row lock, when the pending counter reaches zero.
-    let status: String = sqlx::query_scalar(
-        "update sweeper.runs
-            set pending_commands = pending_commands - case when $11 then 1 else 0 end,
-                quarantined_commands = quarantined_commands + $2,
-                deleted = deleted + $3, already_absent = already_absent + $4,
-                excluded = excluded + $5, not_eligible = not_eligible + $6,
-                failed = greatest(0, failed + $7 - $9), would_delete = would_delete + $8,
-                reconciled = reconciled + $10,
-                status = case
-                    when $11 and status in ('planning', 'running') and planning_done and pending_commands = 1
-                    then case when exists (select 1 from sweeper.dead_letters d
-                                            where d.run_id = $1 and d.status <> 'resolved')
-                              then 'completed_with_dead_letters' else 'completed' end
-                    else status end,
-                completed_at = case
-                    when $11 and status in ('planning', 'running') and planning_done and pending_commands = 1
-                    then sweeper.now() else completed_at end
-          where run_id = $1
-          returning status",
+    let status = ledger::runs::record_command(
+        tx,
+        run_id,
+        &ledger::runs::CommandDone {
+            terminal,
+            quarantined,
+            item_redrive,
+            counts,
+        },
     )
-    .bind(run_id)
-    .bind(quarantined as i32)
-    .bind(counts.deleted)
-    .bind(counts.already_absent)
-    .bind(counts.excluded)
-    .bind(counts.not_eligible)
-    .bind(counts.failed)
-    .bind(counts.would_delete)
-    .bind(item_redrive as i64)
-    .bind(counts.reconciled)
-    .bind(terminal)
-    .fetch_one(&mut **tx)
     .await?;
     let completed = matches!(status.as_str(), "completed" | "completed_with_dead_letters");
     if let (true, Some(rules)) = (completed, rules) {
@@ -822,15 +700,7 @@ pub async fn record_closure_check(
     q.push_bind(cap);
     q.push(") capped");
     let remaining: i64 = q.build_query_scalar().fetch_one(&mut *conn).await?;
-    sqlx::query(
-        "update sweeper.runs set remaining_eligible = $2, remaining_eligible_cap = $3 where run_id = $1",
-    )
-    .bind(run_id)
-    .bind(remaining)
-    .bind(cap)
-    .execute(conn)
-    .await?;
-    Ok(())
+    ledger::runs::set_remaining_eligible(conn, run_id, remaining, cap).await
 }
 
 /// Item-level dead letters for the items that failed in this command (in its transaction). An
@@ -841,39 +711,19 @@ pub(crate) async fn record_item_dead_letters(
     command_id: &str,
     failed: &[(String, String)],
 ) -> sqlx::Result<()> {
-    if let Some(dl) = loaded.redrive_of {
-        sqlx::query(
-            "update sweeper.dead_letters
-                set status = 'open', reason = $2, last_failure_at = sweeper.now(),
-                    failures = failures + 1
-              where dead_letter_id = $1",
-        )
-        .bind(dl)
-        .bind(&failed[0].1)
-        .execute(&mut **tx)
-        .await?;
-        return Ok(());
+    match loaded.redrive_of {
+        Some(dl) => ledger::dead_letter::reopen_item(tx, dl, &failed[0].1).await,
+        None => {
+            ledger::dead_letter::record_items(
+                tx,
+                &loaded.run_id,
+                &loaded.policy,
+                command_id,
+                failed,
+            )
+            .await
+        }
     }
-    let keys: Vec<&str> = failed.iter().map(|(k, _)| k.as_str()).collect();
-    let reasons: Vec<&str> = failed.iter().map(|(_, r)| r.as_str()).collect();
-    sqlx::query(
-        "insert into sweeper.dead_letters
-             (kind, run_id, policy, command_id, item_key, reason, class, first_failure_at,
-              last_failure_at)
-         select 'item', $1, $2, $3, u.item_key, u.reason, 'permanent', sweeper.now(), sweeper.now()
-           from unnest($4::text[], $5::text[]) as u(item_key, reason)
-         on conflict (command_id, item_key) where kind = 'item' and status in ('open', 'redriven')
-         do update set reason = excluded.reason, last_failure_at = excluded.last_failure_at,
-                       failures = sweeper.dead_letters.failures + 1, status = 'open'",
-    )
-    .bind(&loaded.run_id)
-    .bind(&loaded.policy)
-    .bind(command_id)
-    .bind(&keys)
-    .bind(&reasons)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
 }
 
 /// After a failed try (rolled back): snooze, retry later, or quarantine — committed either way,
@@ -1041,25 +891,14 @@ async fn hold_command(
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
     let recheck = hold_recheck_seconds(state);
-    sqlx::query(
-        "update sweeper.commands
-            set state = 'pending', attempts = $2, lease_until = null, lease_owner = null,
-                calling_since = null,
-                next_attempt_at = sweeper.now() + make_interval(secs => $3),
-                held_kind = $4, held_reason = $5,
-                held_since = coalesce(held_since, sweeper.now()),
-                age_credit_seconds = age_credit_seconds
-                    + coalesce(extract(epoch from sweeper.now() - held_seen_at), 0),
-                held_seen_at = sweeper.now(),
-                last_error = $5, last_error_class = null
-          where command_id = $1",
+    ledger::commands::hold(
+        &mut tx,
+        command_id,
+        attempts,
+        recheck as f64,
+        kind.as_str(),
+        why,
     )
-    .bind(command_id)
-    .bind(attempts)
-    .bind(recheck as f64)
-    .bind(kind.as_str())
-    .bind(why)
-    .execute(&mut *tx)
     .await
     .map_err(db)?;
     tx.commit().await.map_err(db)?;
@@ -1080,46 +919,18 @@ async fn quarantine_command(
     reason: String,
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
-    sqlx::query(
-        "with c as (
-             update sweeper.commands
-                set state = 'quarantined', attempts = $2, finished_at = sweeper.now(), calling_since = null,
-                    held_kind = null, held_reason = null, held_since = null, held_seen_at = null,
-                    lease_until = null, lease_owner = null, last_error = $3, last_error_class = $4
-              where command_id = $1
-          returning due_since),
-         a as (
-             insert into sweeper.attempts
-                 (command_id, attempt_no, started_at, ended_at, outcome, class, error)
-             values ($1, $2, sweeper.now() - make_interval(secs => $5), sweeper.now(),
-                     'quarantined', $4, $3)
-             returning attempt_no, started_at, ended_at, outcome, class, error, delay_seconds),
-         history as (
-             select coalesce(jsonb_agg(h order by h.started_at), '[]'::jsonb) as attempts
-               from (select attempt_no, started_at, ended_at, outcome, class, error, delay_seconds
-                       from sweeper.attempts where command_id = $1
-                     union all select * from a) h)
-         insert into sweeper.dead_letters
-             (kind, run_id, policy, command_id, reason, class, attempts, first_failure_at,
-              last_failure_at)
-         select 'command', $6, $7, $1, $3, $4, history.attempts,
-                coalesce((select min(started_at) from sweeper.attempts
-                           where command_id = $1 and outcome <> 'succeeded'), sweeper.now()),
-                sweeper.now()
-           from history
-         on conflict (command_id) where kind = 'command' and status in ('open', 'redriven')
-         do update set status = 'open', reason = excluded.reason, class = excluded.class,
-                       attempts = excluded.attempts, last_failure_at = excluded.last_failure_at,
-                       failures = sweeper.dead_letters.failures + 1",
+    ledger::commands::quarantine(
+        &mut tx,
+        &ledger::commands::Failed {
+            command_id: c.command_id,
+            run_id: c.run_id,
+            policy: c.policy,
+            attempts: c.attempts,
+            elapsed_seconds: c.elapsed,
+            error: &reason,
+            class: class.as_str(),
+        },
     )
-    .bind(c.command_id)
-    .bind(c.attempts)
-    .bind(&reason)
-    .bind(class.as_str())
-    .bind(c.elapsed)
-    .bind(c.run_id)
-    .bind(c.policy)
-    .execute(&mut *tx)
     .await
     .map_err(db)?;
     finish_in_run(
@@ -1154,26 +965,20 @@ async fn schedule_retry(
     snooze: bool,
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
-    sqlx::query(
-        "with c as (
-             update sweeper.commands
-                set state = 'pending', attempts = $2, lease_until = null, lease_owner = null, calling_since = null,
-                    next_attempt_at = sweeper.now() + make_interval(secs => $3),
-                    last_error = $4, last_error_class = $5,
-                    held_kind = null, held_reason = null, held_since = null, held_seen_at = null
-              where command_id = $1)
-         insert into sweeper.attempts
-             (command_id, attempt_no, started_at, ended_at, outcome, class, error, delay_seconds)
-         values ($1, $2, sweeper.now() - make_interval(secs => $6), sweeper.now(), $7, $5, $4, $3)",
+    ledger::commands::schedule_retry(
+        &mut tx,
+        &ledger::commands::Failed {
+            command_id: c.command_id,
+            run_id: c.run_id,
+            policy: c.policy,
+            attempts: c.attempts,
+            elapsed_seconds: c.elapsed,
+            error: &f.message,
+            class: f.class.as_str(),
+        },
+        delay,
+        snooze,
     )
-    .bind(c.command_id)
-    .bind(c.attempts)
-    .bind(delay)
-    .bind(&f.message)
-    .bind(f.class.as_str())
-    .bind(c.elapsed)
-    .bind(if snooze { "snoozed" } else { "failed" })
-    .execute(&mut *tx)
     .await
     .map_err(db)?;
     tx.commit().await.map_err(db)?;
@@ -1231,23 +1036,10 @@ pub async fn quarantine_envelope(
         &format!("invalid_payload: {error} (from {subject})"),
         crate::retry::MAX_ERROR_CHARS,
     );
-    let id: i64 = sqlx::query_scalar(
-        "insert into sweeper.dead_letters
-             (kind, reason, class, raw_body, raw_sha256, raw_size, first_failure_at,
-              last_failure_at)
-         values ('envelope', $1, 'permanent', $2, $3, $4, sweeper.now(), sweeper.now())
-         on conflict (raw_sha256) where kind = 'envelope' and status = 'open'
-         do update set last_failure_at = excluded.last_failure_at,
-                       failures = sweeper.dead_letters.failures + 1
-         returning dead_letter_id",
-    )
-    .bind(reason)
-    .bind(raw)
-    .bind(hash)
-    .bind(size as i64)
-    .fetch_one(&state.pool)
-    .await
-    .map_err(|e| Failure::from_db(&e))?;
+    let id =
+        ledger::dead_letter::quarantine_envelope(&state.pool, &reason, &raw, &hash, size as i64)
+            .await
+            .map_err(|e| Failure::from_db(&e))?;
     crate::metrics::quarantined(FailureClass::Permanent);
     Ok(id)
 }

@@ -405,3 +405,81 @@ pub async fn redrive_many(
     }
     Ok(done)
 }
+
+/// Reopens the item dead letter `dead_letter_id` whose redrive failed again, with `reason`.
+pub async fn reopen_item(
+    conn: &mut sqlx::PgConnection,
+    dead_letter_id: i64,
+    reason: &str,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "update sweeper.dead_letters
+            set status = 'open', reason = $2, last_failure_at = sweeper.now(),
+                failures = failures + 1
+          where dead_letter_id = $1",
+    )
+    .bind(dead_letter_id)
+    .bind(reason)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Item dead letters for the items of `command_id` that failed, `(item_key, reason)`: one per
+/// item (a live one counts one more failure).
+pub async fn record_items(
+    conn: &mut sqlx::PgConnection,
+    run_id: &str,
+    policy: &str,
+    command_id: &str,
+    failed: &[(String, String)],
+) -> sqlx::Result<()> {
+    let keys: Vec<&str> = failed.iter().map(|(k, _)| k.as_str()).collect();
+    let reasons: Vec<&str> = failed.iter().map(|(_, r)| r.as_str()).collect();
+    sqlx::query(
+        "insert into sweeper.dead_letters
+             (kind, run_id, policy, command_id, item_key, reason, class, first_failure_at,
+              last_failure_at)
+         select 'item', $1, $2, $3, u.item_key, u.reason, 'permanent', sweeper.now(), sweeper.now()
+           from unnest($4::text[], $5::text[]) as u(item_key, reason)
+         on conflict (command_id, item_key) where kind = 'item' and status in ('open', 'redriven')
+         do update set reason = excluded.reason, last_failure_at = excluded.last_failure_at,
+                       failures = sweeper.dead_letters.failures + 1, status = 'open'",
+    )
+    .bind(run_id)
+    .bind(policy)
+    .bind(command_id)
+    .bind(&keys)
+    .bind(&reasons)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Quarantines an envelope (a delivery that can never succeed): its bounded raw body, the size
+/// and SHA-256 (hex) of the whole body. The same body again while its dead letter is open
+/// counts one more failure on it. Returns the dead letter's id.
+pub async fn quarantine_envelope(
+    pool: &PgPool,
+    reason: &str,
+    raw_body: &str,
+    sha256: &str,
+    size: i64,
+) -> sqlx::Result<i64> {
+    sqlx::query_scalar(
+        "insert into sweeper.dead_letters
+             (kind, reason, class, raw_body, raw_sha256, raw_size, first_failure_at,
+              last_failure_at)
+         values ('envelope', $1, 'permanent', $2, $3, $4, sweeper.now(), sweeper.now())
+         on conflict (raw_sha256) where kind = 'envelope' and status = 'open'
+         do update set last_failure_at = excluded.last_failure_at,
+                       failures = sweeper.dead_letters.failures + 1
+         returning dead_letter_id",
+    )
+    .bind(reason)
+    .bind(raw_body)
+    .bind(sha256)
+    .bind(size)
+    .fetch_one(pool)
+    .await
+}

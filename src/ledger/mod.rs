@@ -8,9 +8,14 @@ use serde::de::DeserializeOwned;
 use sqlx::{PgConnection, PgPool};
 
 pub mod audit;
+pub mod commands;
 pub mod control;
 pub mod dead_letter;
+pub mod effects;
 pub mod outbox;
+pub mod outcome;
+
+pub use outcome::{Counts, Outcome};
 pub mod pauses;
 pub mod planning;
 pub mod queue;

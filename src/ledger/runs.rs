@@ -1,7 +1,7 @@
 //! Creating runs (DESIGN §2.1): one run per window, and dry runs that repeat freely.
 
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 
 use super::{Run, get_run};
 
@@ -115,4 +115,81 @@ pub async fn create_dry(pool: &PgPool, new: &NewRun<'_>) -> sqlx::Result<Option<
         return Ok(Some(run));
     }
     Ok(None)
+}
+
+/// A command's terminal state (or a partial result) as its run counts it.
+#[derive(Debug)]
+pub struct CommandDone<'a> {
+    /// The command is terminal: the run's pending counter goes down.
+    pub terminal: bool,
+    /// It was quarantined.
+    pub quarantined: bool,
+    /// It re-executed one item whose earlier outcome was `failed` (that outcome is superseded).
+    pub item_redrive: bool,
+    /// Its items' outcomes.
+    pub counts: &'a super::Counts,
+}
+
+/// Adds a command's result to its run under the run-row lock: counts, the pending counter, and
+/// completion when this was the last command of a fully planned run (`completed`, or
+/// `completed_with_dead_letters` while a dead letter of the run is not resolved). Only the
+/// command that completes the run sees a completed status: the status changes once, when the
+/// pending counter reaches zero. Returns the run's status.
+pub async fn record_command(
+    conn: &mut PgConnection,
+    run_id: &str,
+    d: &CommandDone<'_>,
+) -> sqlx::Result<String> {
+    sqlx::query_scalar(
+        "update sweeper.runs
+            set pending_commands = pending_commands - case when $11 then 1 else 0 end,
+                quarantined_commands = quarantined_commands + $2,
+                deleted = deleted + $3, already_absent = already_absent + $4,
+                excluded = excluded + $5, not_eligible = not_eligible + $6,
+                failed = greatest(0, failed + $7 - $9), would_delete = would_delete + $8,
+                reconciled = reconciled + $10,
+                status = case
+                    when $11 and status in ('planning', 'running') and planning_done and pending_commands = 1
+                    then case when exists (select 1 from sweeper.dead_letters d
+                                            where d.run_id = $1 and d.status <> 'resolved')
+                              then 'completed_with_dead_letters' else 'completed' end
+                    else status end,
+                completed_at = case
+                    when $11 and status in ('planning', 'running') and planning_done and pending_commands = 1
+                    then sweeper.now() else completed_at end
+          where run_id = $1
+          returning status",
+    )
+    .bind(run_id)
+    .bind(d.quarantined as i32)
+    .bind(d.counts.deleted)
+    .bind(d.counts.already_absent)
+    .bind(d.counts.excluded)
+    .bind(d.counts.not_eligible)
+    .bind(d.counts.failed)
+    .bind(d.counts.would_delete)
+    .bind(d.item_redrive as i64)
+    .bind(d.counts.reconciled)
+    .bind(d.terminal)
+    .fetch_one(conn)
+    .await
+}
+
+/// Records the closure check's count: rows still eligible when the run completed, counted up
+/// to `cap`.
+pub async fn set_remaining_eligible(
+    conn: &mut PgConnection,
+    run_id: &str,
+    remaining: i64,
+    cap: i64,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "update sweeper.runs set remaining_eligible = $2, remaining_eligible_cap = $3 where run_id = $1",
+    )
+    .bind(run_id)
+    .bind(remaining)
+    .bind(cap)
+    .execute(conn)
+    .await?;
+    Ok(())
 }

@@ -1024,6 +1024,25 @@ impl RuleSet {
     }
 }
 
+impl crate::ledger::effects::ItemQuery for RuleSet {
+    /// The item's row judged by these rules, for opening its effect: old enough, the first
+    /// exclusion that holds it, its columns as JSON and a digest of the row.
+    fn push_item(&self, q: &mut QueryBuilder<'_, Postgres>, key: &str) {
+        let table = self.table_sql();
+        q.push("select ");
+        self.push_old_enough(q);
+        q.push(" as old_enough, ");
+        self.push_excluded_reason(q);
+        q.push(format!(
+            " as reason, to_jsonb({table}.*) as fields, md5({table}.*::text) as row_digest \
+             from {table} where {} = cast(",
+            self.key_sql()
+        ));
+        q.push_bind(key.to_string());
+        q.push(format!(" as {})", self.key_type()));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,5 +1,6 @@
 //! The layers of DESIGN §14, checked on the source: no import cycle between the top-level
-//! modules of `src/`. (`cargo test --test integration architecture` is the command.)
+//! modules of `src/`, and `src/ledger/` the only code that writes the ledger's tables.
+//! (`cargo test --features failpoints --test integration architecture` is the command.)
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -106,4 +107,70 @@ fn the_cycle_check_finds_a_cycle() {
     );
     g.get_mut("c").unwrap().clear();
     assert_eq!(find_cycle(&g), None);
+}
+
+/// Every `.rs` file under `src/` with its text.
+fn sources() -> Vec<(String, String)> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut out = Vec::new();
+    let mut stack = vec![src.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let rel = path
+                    .strip_prefix(&src)
+                    .unwrap()
+                    .to_string_lossy()
+                    .into_owned();
+                out.push((rel, std::fs::read_to_string(&path).unwrap()));
+            }
+        }
+    }
+    out
+}
+
+/// `insert into sweeper.x`, `update sweeper.x`, `delete from sweeper.x` in `text`
+/// (case-insensitive, any whitespace).
+fn ledger_writes(text: &str) -> Vec<String> {
+    let words: Vec<String> = text
+        .split(|c: char| c.is_whitespace() || c == '"' || c == '(')
+        .filter(|w| !w.is_empty())
+        .map(str::to_lowercase)
+        .collect();
+    let mut found = Vec::new();
+    for w in words.windows(3) {
+        let target = match (w[0].as_str(), w[1].as_str()) {
+            ("insert", "into") | ("delete", "from") => &w[2],
+            ("update", t) if t.starts_with("sweeper.") => &w[1],
+            _ => continue,
+        };
+        if target.starts_with("sweeper.") {
+            found.push(format!("{} {}", w[0], target));
+        }
+    }
+    found
+}
+
+#[test]
+fn only_the_ledger_module_writes_ledger_tables() {
+    let mut outside = Vec::new();
+    for (file, text) in sources() {
+        if file.starts_with("ledger/") {
+            continue;
+        }
+        for w in ledger_writes(&text) {
+            outside.push(format!("src/{file}: {w}"));
+        }
+    }
+    assert!(
+        outside.is_empty(),
+        "ledger writes outside src/ledger/:\n{}",
+        outside.join("\n")
+    );
+    assert!(!ledger_writes("UPDATE  sweeper.commands set").is_empty());
+    assert!(!ledger_writes("insert into\n sweeper.audit").is_empty());
+    assert!(ledger_writes("update demo.tickets set").is_empty());
 }

@@ -1,0 +1,306 @@
+//! A command's state changes (DESIGN §2.4-§2.7): leased for external calls, succeeded with its
+//! audit rows, held, quarantined with a dead letter, or scheduled for another attempt. Each runs
+//! in the caller's transaction, which holds the command row's lock (taken by `FOR UPDATE` when
+//! the command was loaded), so two executions cannot both change it.
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+
+/// The command row columns every state change that leaves `pending`/`leased` resets.
+const HOLD_CLEARED: &str =
+    "held_kind = null, held_reason = null, held_since = null, held_seen_at = null";
+
+/// Leases the command to `owner` for `lease_seconds` as the delivery's attempt (counted before
+/// anything is called, so a delivery that kills the process every time still spends the
+/// budget). Returns the attempt number.
+pub async fn lease_for_delivery(
+    conn: &mut PgConnection,
+    command_id: &str,
+    owner: uuid::Uuid,
+    lease_seconds: f64,
+) -> sqlx::Result<i32> {
+    sqlx::query_scalar(
+        "update sweeper.commands
+            set state = 'leased', attempts = attempts + 1, lease_owner = $2,
+                lease_until = sweeper.now() + make_interval(secs => $3)
+          where command_id = $1
+      returning attempts",
+    )
+    .bind(command_id)
+    .bind(owner)
+    .bind(lease_seconds)
+    .fetch_one(conn)
+    .await
+}
+
+/// Marks that the command's external calls start now (counted by `max_concurrent_commands`).
+pub async fn mark_calling(conn: &mut PgConnection, command_id: &str) -> sqlx::Result<()> {
+    sqlx::query("update sweeper.commands set calling_since = sweeper.now() where command_id = $1")
+        .bind(command_id)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// A command that ran to its end, with one audit row per item.
+#[derive(Debug)]
+pub struct Audited<'a> {
+    /// The command.
+    pub command_id: &'a str,
+    /// 1 when the attempt was not counted at claim time (a delivery), else 0.
+    pub attempts_inc: i32,
+    /// Seconds the try took.
+    pub elapsed_seconds: f64,
+    /// The policy.
+    pub policy: &'a str,
+    /// The run's pinned version.
+    pub policy_version: &'a str,
+    /// The run.
+    pub run_id: &'a str,
+    /// The run's window.
+    pub window: DateTime<Utc>,
+    /// The cutoff the items were judged by.
+    pub cutoff: DateTime<Utc>,
+    /// Who executed it (a token's `sub`, or the built-in queue).
+    pub actor: &'a str,
+    /// Whether the run is a dry run.
+    pub dry_run: bool,
+    /// Item keys, in the command's order.
+    pub keys: &'a [String],
+    /// Their outcomes (`Outcome::as_str`).
+    pub outcomes: &'a [&'a str],
+    /// Their reasons.
+    pub reasons: &'a [Option<String>],
+}
+
+/// One statement: the audit rows, the command `succeeded`, its attempt recorded, and a redriven
+/// dead letter of it (or of the item it re-executes) resolved.
+pub async fn succeed_with_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Result<()> {
+    sqlx::query(&format!(
+        "with au as (
+             insert into sweeper.audit
+                 (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
+                  outcome, reason, actor, dry_run)
+             select $4, $5, $6, $7, $8, $1, u.item_key, u.outcome, u.reason, $9, $10
+               from unnest($11::text[], $12::text[], $13::text[]) as u(item_key, outcome, reason)),
+         c as (
+             update sweeper.commands
+                set state = 'succeeded', attempts = attempts + $2, finished_at = sweeper.now(),
+                    lease_until = null, lease_owner = null, last_error = null, last_error_class = null,
+                    {HOLD_CLEARED}
+              where command_id = $1
+          returning attempts, redrive_of),
+         a as (
+             insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
+             select $1, c.attempts, sweeper.now() - make_interval(secs => $3), sweeper.now(), 'succeeded'
+               from c)
+         update sweeper.dead_letters d
+            set status = 'resolved', resolved_at = sweeper.now()
+          where d.status = 'redriven'
+            and ((d.kind = 'command' and d.command_id = $1)
+                 or d.dead_letter_id = (select redrive_of from c))"
+    ))
+    .bind(a.command_id)
+    .bind(a.attempts_inc)
+    .bind(a.elapsed_seconds)
+    .bind(a.policy)
+    .bind(a.policy_version)
+    .bind(a.run_id)
+    .bind(a.window)
+    .bind(a.cutoff)
+    .bind(a.actor)
+    .bind(a.dry_run)
+    .bind(a.keys)
+    .bind(a.outcomes)
+    .bind(a.reasons)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// The audit rows of items whose external effects closed (no dry runs: they make no calls).
+pub async fn append_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Result<()> {
+    sqlx::query(
+        "insert into sweeper.audit
+             (policy, policy_version, run_id, window_at, cutoff, command_id, item_key, outcome,
+              reason, actor, dry_run)
+         select $1, $2, $3, $4, $5, $6, u.item_key, u.outcome, u.reason, $7, false
+           from unnest($8::text[], $9::text[], $10::text[]) as u(item_key, outcome, reason)",
+    )
+    .bind(a.policy)
+    .bind(a.policy_version)
+    .bind(a.run_id)
+    .bind(a.window)
+    .bind(a.cutoff)
+    .bind(a.command_id)
+    .bind(a.actor)
+    .bind(a.keys)
+    .bind(a.outcomes)
+    .bind(a.reasons)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// The command of an external action `succeeded` (its items' audit rows are appended
+/// separately), its attempt recorded, and a redriven dead letter of it resolved.
+pub async fn succeed(
+    conn: &mut PgConnection,
+    command_id: &str,
+    elapsed_seconds: f64,
+) -> sqlx::Result<()> {
+    sqlx::query(&format!(
+        "with c as (
+             update sweeper.commands
+                set state = 'succeeded', finished_at = sweeper.now(), lease_until = null,
+                    lease_owner = null, last_error = null, last_error_class = null,
+                    calling_since = null, {HOLD_CLEARED}
+              where command_id = $1
+          returning attempts, redrive_of),
+         a as (
+             insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
+             select $1, c.attempts, sweeper.now() - make_interval(secs => $2), sweeper.now(), 'succeeded'
+               from c)
+         update sweeper.dead_letters d
+            set status = 'resolved', resolved_at = sweeper.now()
+          where d.status = 'redriven'
+            and ((d.kind = 'command' and d.command_id = $1)
+                 or d.dead_letter_id = (select redrive_of from c))"
+    ))
+    .bind(command_id)
+    .bind(elapsed_seconds)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Holds a command (DESIGN §14): pending again with `attempts` (its try given back), checked
+/// again after `recheck_seconds`; the time since the last check is credited to its age budget.
+pub async fn hold(
+    conn: &mut PgConnection,
+    command_id: &str,
+    attempts: i32,
+    recheck_seconds: f64,
+    kind: &str,
+    reason: &str,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "update sweeper.commands
+            set state = 'pending', attempts = $2, lease_until = null, lease_owner = null,
+                calling_since = null,
+                next_attempt_at = sweeper.now() + make_interval(secs => $3),
+                held_kind = $4, held_reason = $5,
+                held_since = coalesce(held_since, sweeper.now()),
+                age_credit_seconds = age_credit_seconds
+                    + coalesce(extract(epoch from sweeper.now() - held_seen_at), 0),
+                held_seen_at = sweeper.now(),
+                last_error = $5, last_error_class = null
+          where command_id = $1",
+    )
+    .bind(command_id)
+    .bind(attempts)
+    .bind(recheck_seconds)
+    .bind(kind)
+    .bind(reason)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A try that failed, as the ledger records it.
+#[derive(Debug)]
+pub struct Failed<'a> {
+    /// The command.
+    pub command_id: &'a str,
+    /// Its run.
+    pub run_id: &'a str,
+    /// Its policy.
+    pub policy: &'a str,
+    /// The attempt count to record.
+    pub attempts: i32,
+    /// Seconds the try took.
+    pub elapsed_seconds: f64,
+    /// The failure's message.
+    pub error: &'a str,
+    /// Its class (`FailureClass::as_str`).
+    pub class: &'a str,
+}
+
+/// Quarantines the command: its state, the attempt, and a dead letter with its attempt history
+/// (the open one counts one more failure if the command was quarantined before).
+pub async fn quarantine(conn: &mut PgConnection, f: &Failed<'_>) -> sqlx::Result<()> {
+    sqlx::query(&format!(
+        "with c as (
+             update sweeper.commands
+                set state = 'quarantined', attempts = $2, finished_at = sweeper.now(), calling_since = null,
+                    {HOLD_CLEARED},
+                    lease_until = null, lease_owner = null, last_error = $3, last_error_class = $4
+              where command_id = $1
+          returning due_since),
+         a as (
+             insert into sweeper.attempts
+                 (command_id, attempt_no, started_at, ended_at, outcome, class, error)
+             values ($1, $2, sweeper.now() - make_interval(secs => $5), sweeper.now(),
+                     'quarantined', $4, $3)
+             returning attempt_no, started_at, ended_at, outcome, class, error, delay_seconds),
+         history as (
+             select coalesce(jsonb_agg(h order by h.started_at), '[]'::jsonb) as attempts
+               from (select attempt_no, started_at, ended_at, outcome, class, error, delay_seconds
+                       from sweeper.attempts where command_id = $1
+                     union all select * from a) h)
+         insert into sweeper.dead_letters
+             (kind, run_id, policy, command_id, reason, class, attempts, first_failure_at,
+              last_failure_at)
+         select 'command', $6, $7, $1, $3, $4, history.attempts,
+                coalesce((select min(started_at) from sweeper.attempts
+                           where command_id = $1 and outcome <> 'succeeded'), sweeper.now()),
+                sweeper.now()
+           from history
+         on conflict (command_id) where kind = 'command' and status in ('open', 'redriven')
+         do update set status = 'open', reason = excluded.reason, class = excluded.class,
+                       attempts = excluded.attempts, last_failure_at = excluded.last_failure_at,
+                       failures = sweeper.dead_letters.failures + 1"
+    ))
+    .bind(f.command_id)
+    .bind(f.attempts)
+    .bind(f.error)
+    .bind(f.class)
+    .bind(f.elapsed_seconds)
+    .bind(f.run_id)
+    .bind(f.policy)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Schedules the next attempt `delay_seconds` from now after a failed try or a snooze, with the
+/// attempt row (outcome `failed` or `snoozed`) and its delay.
+pub async fn schedule_retry(
+    conn: &mut PgConnection,
+    f: &Failed<'_>,
+    delay_seconds: f64,
+    snooze: bool,
+) -> sqlx::Result<()> {
+    sqlx::query(&format!(
+        "with c as (
+             update sweeper.commands
+                set state = 'pending', attempts = $2, lease_until = null, lease_owner = null, calling_since = null,
+                    next_attempt_at = sweeper.now() + make_interval(secs => $3),
+                    last_error = $4, last_error_class = $5,
+                    {HOLD_CLEARED}
+              where command_id = $1)
+         insert into sweeper.attempts
+             (command_id, attempt_no, started_at, ended_at, outcome, class, error, delay_seconds)
+         values ($1, $2, sweeper.now() - make_interval(secs => $6), sweeper.now(), $7, $5, $4, $3)"
+    ))
+    .bind(f.command_id)
+    .bind(f.attempts)
+    .bind(delay_seconds)
+    .bind(f.error)
+    .bind(f.class)
+    .bind(f.elapsed_seconds)
+    .bind(if snooze { "snoozed" } else { "failed" })
+    .execute(conn)
+    .await?;
+    Ok(())
+}

@@ -1,0 +1,72 @@
+//! Item outcomes (DESIGN §2.8) and their counts, as the audit and the runs record them.
+
+use serde::Serialize;
+
+/// One item's final outcome in a command (DESIGN §2.8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// The row was deleted.
+    Deleted,
+    /// The row was already gone.
+    AlreadyAbsent,
+    /// An exclusion held the row (the reason names it).
+    Excluded,
+    /// The row is no longer older than the cutoff.
+    NotEligible,
+    /// The action failed for this item (the reason holds the error).
+    Failed,
+    /// A dry run would have deleted the row.
+    WouldDelete,
+    /// An external call succeeded and the row was stamped or left (not deleted).
+    Reconciled,
+}
+
+impl Outcome {
+    /// The name stored in `sweeper.audit.outcome`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Deleted => "deleted",
+            Outcome::AlreadyAbsent => "already_absent",
+            Outcome::Excluded => "excluded",
+            Outcome::NotEligible => "not_eligible",
+            Outcome::Failed => "failed",
+            Outcome::WouldDelete => "would_delete",
+            Outcome::Reconciled => "reconciled",
+        }
+    }
+}
+
+/// Outcome counts of one command.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct Counts {
+    /// Items deleted.
+    pub deleted: i64,
+    /// Items already gone.
+    pub already_absent: i64,
+    /// Items held by an exclusion.
+    pub excluded: i64,
+    /// Items no longer old enough.
+    pub not_eligible: i64,
+    /// Items that failed.
+    pub failed: i64,
+    /// Items a dry run would delete.
+    pub would_delete: i64,
+    /// Items reconciled by an external call.
+    pub reconciled: i64,
+}
+
+impl Counts {
+    /// Counts one more item with outcome `o`.
+    pub fn add(&mut self, o: Outcome) {
+        match o {
+            Outcome::Deleted => self.deleted += 1,
+            Outcome::AlreadyAbsent => self.already_absent += 1,
+            Outcome::Excluded => self.excluded += 1,
+            Outcome::NotEligible => self.not_eligible += 1,
+            Outcome::Failed => self.failed += 1,
+            Outcome::WouldDelete => self.would_delete += 1,
+            Outcome::Reconciled => self.reconciled += 1,
+        }
+    }
+}
