@@ -176,6 +176,7 @@ pub async fn succeed(
 
 /// Holds a command (DESIGN §14): pending again with `attempts` (its try given back), checked
 /// again after `recheck_seconds`; the time since the last check is credited to its age budget.
+/// A push command is marked due for publishing: a queue must bring it back.
 pub async fn hold(
     conn: &mut PgConnection,
     command_id: &str,
@@ -189,6 +190,7 @@ pub async fn hold(
             set state = 'pending', attempts = $2, lease_until = null, lease_owner = null,
                 calling_since = null,
                 next_attempt_at = sweeper.now() + make_interval(secs => $3),
+                publish_due = publish_due or transport <> 'builtin',
                 held_kind = $4, held_reason = $5,
                 held_since = coalesce(held_since, sweeper.now()),
                 age_credit_seconds = age_credit_seconds
@@ -274,7 +276,8 @@ pub async fn quarantine(conn: &mut PgConnection, f: &Failed<'_>) -> sqlx::Result
 }
 
 /// Schedules the next attempt `delay_seconds` from now after a failed try or a snooze, with the
-/// attempt row (outcome `failed` or `snoozed`) and its delay.
+/// attempt row (outcome `failed` or `snoozed`) and its delay. A push command is marked due for
+/// publishing (whoever delivered this try), so the relay publishes it again when it is due.
 pub async fn schedule_retry(
     conn: &mut PgConnection,
     f: &Failed<'_>,
@@ -286,6 +289,7 @@ pub async fn schedule_retry(
              update sweeper.commands
                 set state = 'pending', attempts = $2, lease_until = null, lease_owner = null, calling_since = null,
                     next_attempt_at = sweeper.now() + make_interval(secs => $3),
+                    publish_due = publish_due or transport <> 'builtin',
                     last_error = $4, last_error_class = $5,
                     {HOLD_CLEARED}
               where command_id = $1)

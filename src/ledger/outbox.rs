@@ -79,8 +79,9 @@ pub async fn mark_published(pool: &PgPool, published: &[&Due]) -> sqlx::Result<(
 /// Commits "publish this command again when it is due, and not before `not_before_seconds`"
 /// for a push delivery answered "not now". Returns whether it was recorded: not when the command
 /// is gone or terminal, and not when another delivery is executing it right now (its row is
-/// locked: that execution's own decision stands — a push's failure commits its own republish —
-/// and housekeeping's republish horizon backs it), so the answer never waits on a busy command.
+/// locked). Never waits for a busy command: that execution commits its own decision, and every
+/// failure, snooze or hold of a push command marks it due for publishing by itself
+/// ([`crate::ledger::commands`]), so nothing is left for no queue to deliver.
 pub async fn request_republish(
     pool: &PgPool,
     command_id: &str,

@@ -1,0 +1,373 @@
+//! Finishing a command: its result added to the run (and the closure check when it completes
+//! the run), item dead letters, and the one step every failed try goes through — the decision of
+//! [`crate::retry::decide`], applied as a hold, a quarantine or the next attempt.
+
+use super::*;
+
+/// Records a command's terminal state in its run, under the run-row lock: counts, the pending
+/// counter, and completion when this was the last command of a fully planned run. With
+/// `terminal` false only the counts are added (a command that finished some of its items). A run with a
+/// dead letter that is not resolved completes as `completed_with_dead_letters`.
+///
+/// `item_redrive`: the command re-executed one item whose earlier outcome was `failed`, so that
+/// outcome is superseded. `rules`: run the closure check on completion (None for dry runs and
+/// for quarantined commands, whose rules may not be buildable).
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn finish_in_run(
+    tx: &mut Transaction<'_, Postgres>,
+    run_id: &str,
+    terminal: bool,
+    counts: &Counts,
+    quarantined: bool,
+    item_redrive: bool,
+    rules: Option<&RuleSet>,
+    closure_cap: i64,
+) -> sqlx::Result<String> {
+    let status = ledger::runs::record_command(
+        tx,
+        run_id,
+        &ledger::runs::CommandDone {
+            terminal,
+            quarantined,
+            item_redrive,
+            counts,
+        },
+    )
+    .await?;
+    let completed = matches!(status.as_str(), "completed" | "completed_with_dead_letters");
+    if let (true, Some(rules)) = (completed, rules) {
+        record_closure_check(tx, run_id, rules, closure_cap).await?;
+    }
+    Ok(status)
+}
+
+/// The closure check: how many rows are still eligible under the run's rules, counted up to
+/// `cap` so the statement stays bounded on huge tables. Expected 0 for a completed real run;
+/// dry runs skip it (`remaining_eligible` stays null: they change nothing to check).
+pub async fn record_closure_check(
+    conn: &mut PgConnection,
+    run_id: &str,
+    rules: &RuleSet,
+    cap: i64,
+) -> sqlx::Result<()> {
+    let mut q: QueryBuilder<Postgres> = QueryBuilder::new("select count(*) from (select 1 from ");
+    q.push(rules.table_sql());
+    q.push(" where ");
+    // Rows without a key are held (`null_key`, counted at planning), not remaining.
+    rules.push_has_key(&mut q);
+    q.push(" and ");
+    rules.push_eligible(&mut q);
+    q.push(" limit ");
+    q.push_bind(cap);
+    q.push(") capped");
+    let remaining: i64 = q.build_query_scalar().fetch_one(&mut *conn).await?;
+    ledger::runs::set_remaining_eligible(conn, run_id, remaining, cap).await
+}
+
+/// Item-level dead letters for the items that failed in this command (in its transaction). An
+/// item re-executed by a redrive reopens its own dead letter instead of adding one.
+pub(crate) async fn record_item_dead_letters(
+    tx: &mut Transaction<'_, Postgres>,
+    loaded: &Loaded,
+    command_id: &str,
+    failed: &[(String, String)],
+) -> sqlx::Result<()> {
+    match loaded.redrive_of {
+        Some(dl) => ledger::dead_letter::reopen_item(tx, dl, &failed[0].1).await,
+        None => {
+            ledger::dead_letter::record_items(
+                tx,
+                &loaded.run_id,
+                &loaded.policy,
+                command_id,
+                failed,
+            )
+            .await
+        }
+    }
+}
+
+/// After a failed try (rolled back): snooze, retry later, or quarantine — committed either way,
+/// with an attempt row for the history.
+///
+/// * `throttled`: a snooze. It spends no attempt but counts against `max_age`.
+/// * `transient`: the attempt is spent; retried after full-jitter backoff, or quarantined once
+///   `max_attempts` or `max_age` is spent.
+/// * `permanent`: quarantined now.
+///
+/// A quarantined command gets a dead letter (one per command: a later failure of a redriven
+/// command reopens it) holding its attempt history.
+pub(crate) async fn record_failure(
+    state: &AppState,
+    command_id: &str,
+    executor: Executor,
+    f: Failure,
+    started: Instant,
+    seen: Option<i32>,
+) -> Result<ConsumeOutcome, Failure> {
+    let db = |e: sqlx::Error| Failure::from_db(&e);
+    if matches!(executor, Executor::Delivery) && seen.is_none() {
+        // Nothing was executed (the command row was never locked): not an attempt. If the
+        // ledger answers, the row was busy (a concurrent delivery executing it, a lock or
+        // deadline wait): a "not now", not an unreachable ledger (DESIGN §5).
+        let answers = sqlx::query("select 1 from sweeper.commands where command_id = $1")
+            .bind(command_id)
+            .fetch_optional(&state.pool)
+            .await
+            .is_ok();
+        if !answers {
+            return Err(f);
+        }
+        return Ok(ConsumeOutcome::NotNow {
+            reason: format!(
+                "the command is busy (another delivery may be executing it; {}); nothing was \
+                 recorded, retry later",
+                f.class.as_str()
+            ),
+            retry_after_seconds: state.config.consume.retry_after.seconds() as u64,
+        });
+    }
+    if f.class == FailureClass::Held(HoldKind::Schema)
+        && let Some(p) = state.config.policy_by_command(command_id)
+    {
+        // The target's schema does not match: read its columns afresh at the next try.
+        state.catalog.forget(&p.spec.target.table);
+    }
+    let mut tx = state.pool.begin().await.map_err(db)?;
+    let row = sqlx::query(
+        "select c.state, c.attempts, c.run_id, r.policy,
+                extract(epoch from sweeper.now() - c.due_since)::float8 - c.age_credit_seconds
+                    as age_seconds,
+                greatest(1, extract(epoch from c.next_attempt_at - sweeper.now()))::float8
+                    as due_in_seconds
+           from sweeper.commands c join sweeper.runs r using (run_id)
+          where c.command_id = $1 for update of c",
+    )
+    .bind(command_id)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(db)?;
+    let Some(row) = row else {
+        return Err(f);
+    };
+    let cmd_state: String = row.get("state");
+    let attempts: i32 = row.get("attempts");
+    let run_id: String = row.get("run_id");
+    let policy: String = row.get("policy");
+    let age_seconds: f64 = row.get("age_seconds");
+    if matches!(
+        cmd_state.as_str(),
+        "succeeded" | "quarantined" | "cancelled"
+    ) {
+        return Ok(ConsumeOutcome::Duplicate {
+            command_id: command_id.to_string(),
+            state: cmd_state,
+        });
+    }
+    if let Executor::Claimed(n) = executor
+        && attempts != n
+    {
+        return Ok(ConsumeOutcome::Stale);
+    }
+    if matches!(executor, Executor::Delivery) && seen != Some(attempts) {
+        // A concurrent delivery of the same command already recorded this round's failure:
+        // one failure, one attempt; this one just comes back when the next attempt is due.
+        let due_in: f64 = row.get("due_in_seconds");
+        return Ok(ConsumeOutcome::NotNow {
+            reason: "a concurrent delivery of this command just failed; retry when it is due"
+                .into(),
+            retry_after_seconds: due_in.ceil() as u64,
+        });
+    }
+    let budget = state
+        .config
+        .policy(&policy)
+        .map(|p| p.retry)
+        .unwrap_or_default()
+        .budget();
+    // The attempt number this try ran as (a snooze or a hold gives it back).
+    let this_attempt = match executor {
+        Executor::Delivery => attempts + 1,
+        Executor::Claimed(n) => n,
+    };
+    let elapsed = started.elapsed().as_secs_f64();
+    let decision = crate::retry::decide(
+        &f,
+        this_attempt,
+        age_seconds,
+        &budget,
+        Utc::now(),
+        &mut rand::rng(),
+    );
+    match decision {
+        Decision::Hold { kind, attempts } => {
+            hold_command(state, tx, command_id, kind, attempts, &f.message).await
+        }
+        Decision::Quarantine { attempts, reason } => {
+            let failed = Failed {
+                command_id,
+                run_id: &run_id,
+                policy: &policy,
+                attempts,
+                elapsed,
+            };
+            quarantine_command(state, tx, failed, f.class, reason).await
+        }
+        Decision::Retry {
+            attempts,
+            delay_seconds,
+            snooze,
+        } => {
+            let failed = Failed {
+                command_id,
+                run_id: &run_id,
+                policy: &policy,
+                attempts,
+                elapsed,
+            };
+            schedule_retry(tx, failed, &f, delay_seconds, snooze).await
+        }
+    }
+}
+
+/// The command a failed try was of, with the attempt count to record.
+struct Failed<'a> {
+    command_id: &'a str,
+    run_id: &'a str,
+    policy: &'a str,
+    attempts: i32,
+    /// Seconds the try took.
+    elapsed: f64,
+}
+
+/// Holds a command (DESIGN §14): pending again, its attempt given back, checked again after
+/// [`hold_recheck_seconds`]; the time since the last check is credited to its age budget.
+async fn hold_command(
+    state: &AppState,
+    mut tx: Transaction<'_, Postgres>,
+    command_id: &str,
+    kind: HoldKind,
+    attempts: i32,
+    why: &str,
+) -> Result<ConsumeOutcome, Failure> {
+    let db = |e: sqlx::Error| Failure::from_db(&e);
+    let recheck = hold_recheck_seconds(state);
+    ledger::commands::hold(
+        &mut tx,
+        command_id,
+        attempts,
+        recheck as f64,
+        kind.as_str(),
+        why,
+    )
+    .await
+    .map_err(db)?;
+    tx.commit().await.map_err(db)?;
+    info!(command_id, kind = kind.as_str(), reason = %why, "command held");
+    Ok(ConsumeOutcome::NotNow {
+        reason: format!("held ({}): {why}", kind.as_str()),
+        retry_after_seconds: recheck,
+    })
+}
+
+/// Quarantines a command: its state, the attempt, a dead letter with its history, and the run's
+/// counts, in the caller's transaction (whose row lock on the command it relies on).
+async fn quarantine_command(
+    state: &AppState,
+    mut tx: Transaction<'_, Postgres>,
+    c: Failed<'_>,
+    class: FailureClass,
+    reason: String,
+) -> Result<ConsumeOutcome, Failure> {
+    let db = |e: sqlx::Error| Failure::from_db(&e);
+    ledger::commands::quarantine(
+        &mut tx,
+        &ledger::commands::Failed {
+            command_id: c.command_id,
+            run_id: c.run_id,
+            policy: c.policy,
+            attempts: c.attempts,
+            elapsed_seconds: c.elapsed,
+            error: &reason,
+            class: class.as_str(),
+        },
+    )
+    .await
+    .map_err(db)?;
+    finish_in_run(
+        &mut tx,
+        c.run_id,
+        true,
+        &Counts::default(),
+        true,
+        false,
+        None,
+        state.config.planning.closure_check_cap,
+    )
+    .await
+    .map_err(db)?;
+    tx.commit().await.map_err(db)?;
+    crate::metrics::quarantined(class);
+    warn!(command_id = c.command_id, class = class.as_str(), error = %reason,
+          attempts = c.attempts, "command quarantined");
+    Ok(ConsumeOutcome::Quarantined {
+        command_id: c.command_id.to_string(),
+        error: reason,
+    })
+}
+
+/// Schedules the next attempt of a command after a failed try or a snooze, recording the
+/// attempt with its delay, in the caller's transaction.
+async fn schedule_retry(
+    mut tx: Transaction<'_, Postgres>,
+    c: Failed<'_>,
+    f: &Failure,
+    delay: f64,
+    snooze: bool,
+) -> Result<ConsumeOutcome, Failure> {
+    let db = |e: sqlx::Error| Failure::from_db(&e);
+    ledger::commands::schedule_retry(
+        &mut tx,
+        &ledger::commands::Failed {
+            command_id: c.command_id,
+            run_id: c.run_id,
+            policy: c.policy,
+            attempts: c.attempts,
+            elapsed_seconds: c.elapsed,
+            error: &f.message,
+            class: f.class.as_str(),
+        },
+        delay,
+        snooze,
+    )
+    .await
+    .map_err(db)?;
+    tx.commit().await.map_err(db)?;
+    crate::metrics::attempt_failed(f.class);
+    warn!(command_id = c.command_id, class = f.class.as_str(), error = %f.message,
+          attempt = c.attempts, retry_in_seconds = delay, "not done; next attempt scheduled");
+    // The answer names the class, never the error text (which may quote customer data); the
+    // ledger keeps the text for operators.
+    Ok(ConsumeOutcome::NotNow {
+        reason: if snooze {
+            format!(
+                "snoozed (throttled); the next attempt is due in {}s",
+                delay.ceil()
+            )
+        } else {
+            format!(
+                "attempt {} failed ({}); the next attempt is due in {}s",
+                c.attempts,
+                f.class.as_str(),
+                delay.ceil()
+            )
+        },
+        retry_after_seconds: delay.ceil() as u64,
+    })
+}
+
+/// Seconds between two checks of held work: `consume.retry_after`, at least 5 s (every check
+/// is a claim, a catalog read and a rollback; a push command is republished each time).
+pub fn hold_recheck_seconds(state: &AppState) -> u64 {
+    (state.config.consume.retry_after.seconds() as u64).max(5)
+}

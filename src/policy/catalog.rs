@@ -1,0 +1,122 @@
+//! What the database says a target table looks like: its columns and their types, cached per
+//! process and read again after [`CATALOG_MAX_AGE`] or a schema error.
+
+use super::*;
+
+/// Column facts read from the catalog, so configured values can be cast to each column's type.
+#[derive(Debug, Clone)]
+pub struct TableInfo {
+    /// Column name → (`format_type` text, `typname`, is it NOT NULL).
+    pub columns: HashMap<String, ColumnInfo>,
+}
+
+/// Column name → type (`format_type`, e.g. `boolean`) of a policy's table as this replica
+/// checked it at start-up; rules built later hold the work when a column's type differs.
+pub type CheckedTypes = HashMap<String, String>;
+
+impl TableInfo {
+    /// Every column's type, as [`CheckedTypes`].
+    pub fn types(&self) -> CheckedTypes {
+        self.columns
+            .iter()
+            .map(|(n, c)| (n.clone(), c.type_sql.clone()))
+            .collect()
+    }
+}
+
+/// One column.
+#[derive(Debug, Clone)]
+pub struct ColumnInfo {
+    /// The type as SQL (e.g. `bigint`, `timestamp with time zone`, `character varying(20)`).
+    pub type_sql: String,
+    /// `pg_type.typname` (e.g. `int8`, `timestamptz`).
+    pub type_name: String,
+    /// Whether the column is declared NOT NULL.
+    pub not_null: bool,
+}
+
+impl TableInfo {
+    /// Reads `table`'s columns; `Ok(None)` when the table does not exist.
+    pub async fn load(pool: &PgPool, table: &TableName) -> sqlx::Result<Option<TableInfo>> {
+        let rows: Vec<(String, String, String, bool)> = sqlx::query_as(
+            "select a.attname::text, format_type(a.atttypid, a.atttypmod), t.typname::text,
+                    a.attnotnull
+               from pg_attribute a join pg_type t on t.oid = a.atttypid
+              where a.attrelid = to_regclass($1) and a.attnum > 0 and not a.attisdropped",
+        )
+        .bind(table.quoted())
+        .fetch_all(pool)
+        .await?;
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(TableInfo {
+            columns: rows
+                .into_iter()
+                .map(|(name, type_sql, type_name, not_null)| {
+                    (
+                        name,
+                        ColumnInfo {
+                            type_sql,
+                            type_name,
+                            not_null,
+                        },
+                    )
+                })
+                .collect(),
+        }))
+    }
+
+    pub(super) fn type_of(&self, column: &Ident) -> Result<&str, String> {
+        self.columns
+            .get(column.as_str())
+            .map(|c| c.type_sql.as_str())
+            .ok_or_else(|| format!("column `{}` does not exist", column.as_str()))
+    }
+}
+
+/// Longest a cached view of a table's columns is used before the catalog is read again, so a
+/// schema change that raised no error (a column retyped, or restored) is seen within this.
+pub const CATALOG_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// A per-process cache of [`TableInfo`], filled on first use of each table, read again after
+/// [`CATALOG_MAX_AGE`] or when work on the table is held for its schema.
+#[derive(Debug, Default)]
+pub struct Catalog {
+    tables: std::sync::Mutex<HashMap<TableName, (std::time::Instant, std::sync::Arc<TableInfo>)>>,
+}
+
+impl Catalog {
+    /// The columns of `table`; a missing table holds the work (class `held`).
+    pub async fn get(
+        &self,
+        pool: &PgPool,
+        table: &TableName,
+    ) -> Result<std::sync::Arc<TableInfo>, crate::retry::Failure> {
+        if let Some((at, t)) = self.tables.lock().expect("catalog lock").get(table)
+            && at.elapsed() < CATALOG_MAX_AGE
+        {
+            return Ok(t.clone());
+        }
+        let info = TableInfo::load(pool, table)
+            .await
+            .map_err(|e| crate::retry::Failure::from_db(&e))?
+            .ok_or_else(|| {
+                crate::retry::Failure::held(
+                    HoldKind::Schema,
+                    format!("table {table} does not exist"),
+                )
+            })?;
+        let info = std::sync::Arc::new(info);
+        self.tables
+            .lock()
+            .expect("catalog lock")
+            .insert(table.clone(), (std::time::Instant::now(), info.clone()));
+        Ok(info)
+    }
+
+    /// Forgets `table`, so its next use reads the catalog again (after a schema error).
+    pub fn forget(&self, table: &TableName) {
+        self.tables.lock().expect("catalog lock").remove(table);
+    }
+}

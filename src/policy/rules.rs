@@ -1,0 +1,287 @@
+//! The rules that decide eligibility at the moment of the effect (DESIGN §2.3, §2.10): the
+//! target, the cutoff and every exclusion, turned into SQL with bound parameters.
+
+use super::*;
+
+/// The rules that decide eligibility at the moment of the effect: the target, the cutoff and
+/// every exclusion, turned into SQL with bound parameters.
+#[derive(Debug, Clone)]
+pub struct RuleSet {
+    /// The target (identical in the pinned and current versions, else the command is held).
+    pub target: Target,
+    /// The cutoff bound into every eligibility test.
+    pub cutoff: chrono::DateTime<chrono::Utc>,
+    /// All exclusions that apply.
+    pub exclude: Vec<Exclusion>,
+    /// The pinned action.
+    pub action: ActionSpec,
+    /// `(policy, run_id)`: hold items whose effect is open in another run of the policy.
+    effects: Option<(String, String)>,
+    key_type: String,
+    column_types: HashMap<String, String>,
+}
+
+/// Why a rule set could not be built: the work waits (is *held*) until the database or the
+/// policy is put right.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{detail}")]
+pub struct Held {
+    /// What holds it.
+    pub kind: HoldKind,
+    /// Why, for operators.
+    pub detail: String,
+}
+
+pub use crate::retry::HoldKind;
+
+impl Held {
+    fn schema(detail: String) -> Self {
+        Held {
+            kind: HoldKind::Schema,
+            detail,
+        }
+    }
+
+    /// As a failure of class `held`.
+    pub fn into_failure(self) -> crate::retry::Failure {
+        crate::retry::Failure::held(self.kind, self.detail)
+    }
+}
+
+impl RuleSet {
+    /// The stricter of the pinned and the current version (DESIGN §2.10): exclusions are the
+    /// union, the cutoff is the earlier of the run's and `window − current retain_for`. A current
+    /// version that changes the target, timestamp or action holds the command.
+    pub fn effective(
+        pinned: &PolicySpec,
+        current: Option<&PolicySpec>,
+        run_cutoff: chrono::DateTime<chrono::Utc>,
+        window: chrono::DateTime<chrono::Utc>,
+        table: &TableInfo,
+        checked: Option<&CheckedTypes>,
+    ) -> Result<RuleSet, Held> {
+        let mut exclude = pinned.exclude.clone();
+        let mut cutoff = run_cutoff;
+        if let Some(cur) = current {
+            if cur.target != pinned.target || cur.action != pinned.action {
+                return Err(Held {
+                    kind: HoldKind::PolicyChanged,
+                    detail: "the policy's current version changes its target, timestamp or \
+                             action; an operator must decide what happens to this run"
+                        .into(),
+                });
+            }
+            for e in &cur.exclude {
+                if !exclude.contains(e) {
+                    exclude.push(e.clone());
+                }
+            }
+            let current_cutoff = window - chrono::TimeDelta::seconds(cur.retain_for_seconds);
+            cutoff = cutoff.min(current_cutoff);
+        }
+        // Every column the rules use must exist, with the type this replica checked the policy
+        // against: a retyped column can change what a value matches (`'true'` cast to text
+        // never equals `'t'`), so it holds the work instead of deleting under other rules.
+        let type_of = |c: &Ident| -> Result<&str, Held> {
+            let t = table.type_of(c).map_err(Held::schema)?;
+            match checked.and_then(|m| m.get(c.as_str())) {
+                Some(was) if was != t => Err(Held::schema(format!(
+                    "column `{}` is {t} now; this replica checked the policy against {was}: \
+                     restore the type, or check the policy (sweeper check-config) and restart \
+                     the replicas to accept it",
+                    c.as_str()
+                ))),
+                _ => Ok(t),
+            }
+        };
+        let mut column_types = HashMap::new();
+        let key_type = type_of(&pinned.target.key)?.to_string();
+        type_of(&pinned.target.timestamp)?;
+        for e in &exclude {
+            let t = type_of(&e.column)?;
+            column_types.insert(e.column.as_str().to_string(), t.to_string());
+        }
+        for c in pinned.action.columns() {
+            type_of(c)?;
+        }
+        Ok(RuleSet {
+            target: pinned.target.clone(),
+            cutoff,
+            exclude,
+            action: pinned.action.clone(),
+            effects: None,
+            key_type,
+            column_types,
+        })
+    }
+
+    /// For an action with external calls: also hold every item whose effect is open in another
+    /// run of `policy` (reason `effect_open`, DESIGN §2.4). Planning and execution both apply it.
+    pub fn with_effects(mut self, policy: &str, run_id: &str) -> Self {
+        if self.action.dependency().is_some() {
+            self.effects = Some((policy.to_string(), run_id.to_string()));
+        }
+        self
+    }
+
+    /// `"schema"."table"`.
+    pub fn table_sql(&self) -> String {
+        self.target.table.quoted()
+    }
+
+    /// The key column, quoted.
+    pub fn key_sql(&self) -> String {
+        self.target.key.quoted()
+    }
+
+    /// The key column's SQL type (`bigint`, `uuid`, ...).
+    pub fn key_type(&self) -> &str {
+        &self.key_type
+    }
+
+    /// Pushes the timestamp expression as a `timestamptz`.
+    pub fn push_timestamp(&self, q: &mut QueryBuilder<'_, Postgres>) {
+        match &self.target.timestamp_zone {
+            // The zone name was validated against the IANA database: safe as a literal.
+            Some(zone) => {
+                q.push(format!(
+                    "({} at time zone '{}')",
+                    self.target.timestamp.quoted(),
+                    zone
+                ));
+            }
+            None => {
+                q.push(self.target.timestamp.quoted());
+            }
+        }
+    }
+
+    /// Pushes `(ts < $cutoff)`: strict, and false for a NULL timestamp.
+    pub fn push_old_enough(&self, q: &mut QueryBuilder<'_, Postgres>) {
+        q.push("coalesce(");
+        self.push_timestamp(q);
+        q.push(" < ");
+        q.push_bind(self.cutoff);
+        q.push(", false)");
+    }
+
+    /// Pushes a `CASE` giving the first matching exclusion's reason, or NULL when none holds the
+    /// row. A NULL in a value-tested column protects the row as `unknown:{column}` (DESIGN §2.3).
+    pub fn push_excluded_reason(&self, q: &mut QueryBuilder<'_, Postgres>) {
+        if self.exclude.is_empty() && self.effects.is_none() {
+            q.push("null::text");
+            return;
+        }
+        q.push("(case");
+        if let Some((policy, run_id)) = &self.effects {
+            // Qualified by the table's full name: an effects column could share the key's name.
+            q.push(" when exists (select 1 from sweeper.effects e where e.policy = ");
+            q.push_bind(policy.clone());
+            q.push(format!(
+                " and e.item_key = ({}.{})::text and e.state <> 'closed' and e.run_id <> ",
+                self.table_sql(),
+                self.key_sql()
+            ));
+            q.push_bind(run_id.clone());
+            q.push(") then 'effect_open'");
+        }
+        for e in &self.exclude {
+            let col = e.column.quoted();
+            let ty = &self.column_types[e.column.as_str()];
+            match &e.test {
+                ExclusionTest::Equals { value } => {
+                    q.push(format!(" when {col} is null then "));
+                    q.push_bind(format!("unknown:{}", e.column.as_str()));
+                    q.push(format!(" when {col} = cast("));
+                    q.push_bind(value.clone());
+                    q.push(format!(" as {ty}) then "));
+                    q.push_bind(e.name.clone());
+                }
+                ExclusionTest::In { values } => {
+                    q.push(format!(" when {col} is null then "));
+                    q.push_bind(format!("unknown:{}", e.column.as_str()));
+                    q.push(format!(" when {col} = any(cast("));
+                    q.push_bind(values.clone());
+                    q.push(format!(" as {ty}[])) then "));
+                    q.push_bind(e.name.clone());
+                }
+                ExclusionTest::IsNull => {
+                    q.push(format!(" when {col} is null then "));
+                    q.push_bind(e.name.clone());
+                }
+                ExclusionTest::IsNotNull => {
+                    q.push(format!(" when {col} is not null then "));
+                    q.push_bind(e.name.clone());
+                }
+            }
+        }
+        q.push(" end)");
+    }
+
+    /// Starts the classifying scan used by planning and by execution:
+    /// `select key as sort_key, key::text as item_key, <old enough> as old_enough,
+    /// <timestamp> is null as null_timestamp, <first exclusion> as reason from <table>`; the
+    /// caller adds its `where`.
+    pub fn classify_select(&self) -> QueryBuilder<'static, Postgres> {
+        let mut q = QueryBuilder::new("");
+        self.push_classify_select(&mut q);
+        q
+    }
+
+    /// Pushes [`RuleSet::classify_select`]'s text onto `q` (to nest it in a larger query).
+    pub fn push_classify_select(&self, q: &mut QueryBuilder<'_, Postgres>) {
+        q.push("select ");
+        q.push(self.key_sql());
+        q.push(" as sort_key, ");
+        q.push(self.key_sql());
+        q.push("::text as item_key, ");
+        self.push_old_enough(q);
+        q.push(" as old_enough, ");
+        self.push_timestamp(q);
+        q.push(" is null as null_timestamp, ");
+        self.push_excluded_reason(q);
+        q.push(" as reason from ");
+        q.push(self.table_sql());
+    }
+
+    /// Pushes the full eligibility predicate: old enough and held by no exclusion.
+    pub fn push_eligible(&self, q: &mut QueryBuilder<'_, Postgres>) {
+        q.push("(");
+        self.push_old_enough(q);
+        q.push(" and ");
+        self.push_excluded_reason(q);
+        q.push(" is null)");
+    }
+
+    /// Pushes `key is not null`: a row without a key cannot be named by a command (it is counted
+    /// as held `null_key` instead).
+    pub fn push_has_key(&self, q: &mut QueryBuilder<'_, Postgres>) {
+        q.push(format!("{} is not null", self.key_sql()));
+    }
+
+    /// Pushes `key = any(cast($keys as keytype[]))`.
+    pub fn push_key_in(&self, q: &mut QueryBuilder<'_, Postgres>, keys: Vec<String>) {
+        q.push(format!("{} = any(cast(", self.key_sql()));
+        q.push_bind(keys);
+        q.push(format!(" as {}[]))", self.key_type));
+    }
+}
+
+impl crate::ledger::effects::ItemQuery for RuleSet {
+    /// The item's row judged by these rules, for opening its effect: old enough, the first
+    /// exclusion that holds it, its columns as JSON and a digest of the row.
+    fn push_item(&self, q: &mut QueryBuilder<'_, Postgres>, key: &str) {
+        let table = self.table_sql();
+        q.push("select ");
+        self.push_old_enough(q);
+        q.push(" as old_enough, ");
+        self.push_excluded_reason(q);
+        q.push(format!(
+            " as reason, to_jsonb({table}.*) as fields, md5({table}.*::text) as row_digest \
+             from {table} where {} = cast(",
+            self.key_sql()
+        ));
+        q.push_bind(key.to_string());
+        q.push(format!(" as {})", self.key_type()));
+    }
+}

@@ -1,0 +1,127 @@
+//! A policy's spec: the part that decides eligibility and the action, whose hash is the
+//! policy version (DESIGN §6), and the transport of its commands.
+
+use super::*;
+
+/// What a policy cleans: a table, its key column and the timestamp that ages its rows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Target {
+    /// The table.
+    pub table: TableName,
+    /// The key column: `bigint`, `integer`, `uuid` or `text`, unique (the primary key).
+    pub key: Ident,
+    /// The timestamp column: `timestamptz`, or `timestamp` with `timestamp_zone`.
+    pub timestamp: Ident,
+    /// The IANA zone a `timestamp without time zone` column is written in.
+    pub timestamp_zone: Option<String>,
+}
+
+/// One exclusion: rows it matches are never acted on (DESIGN §2.3).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Exclusion {
+    /// The reason recorded when it holds a row (defaults to the column name).
+    pub name: String,
+    /// The column it tests.
+    pub column: Ident,
+    /// The test.
+    pub test: ExclusionTest,
+}
+
+/// An exclusion's test. Values are kept as text and cast to the column's type in SQL, always as
+/// bound parameters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum ExclusionTest {
+    /// `column = value`; a NULL protects the row (reason `unknown:{column}`).
+    Equals {
+        /// The value, as text.
+        value: String,
+    },
+    /// `column = ANY(values)`; a NULL protects the row (reason `unknown:{column}`).
+    In {
+        /// The values, as text.
+        values: Vec<String>,
+    },
+    /// `column IS NULL`.
+    IsNull,
+    /// `column IS NOT NULL`.
+    IsNotNull,
+}
+
+/// What happens to an eligible item.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ActionSpec {
+    /// Delete the row from the target table, in the command's transaction.
+    DeleteRows,
+    /// Call a dependency's HTTP API per item, then change the row (see [`crate::action`]).
+    Http(Box<crate::policy::action::HttpAction>),
+    /// Delete an object per item from an object store, then change the row.
+    ObjectStore(crate::policy::action::ObjectStoreAction),
+}
+
+impl ActionSpec {
+    /// The dependency an external action calls; `None` for `delete_rows`.
+    pub fn dependency(&self) -> Option<&str> {
+        match self {
+            ActionSpec::DeleteRows => None,
+            ActionSpec::Http(h) => Some(&h.dependency),
+            ActionSpec::ObjectStore(o) => Some(&o.dependency),
+        }
+    }
+
+    /// The item columns the action reads (templates, the object column, a stamped column).
+    pub fn columns(&self) -> Vec<&Ident> {
+        match self {
+            ActionSpec::DeleteRows => vec![],
+            ActionSpec::Http(h) => h.columns.iter().chain(h.then.column()).collect(),
+            ActionSpec::ObjectStore(o) => {
+                std::iter::once(&o.column).chain(o.then.column()).collect()
+            }
+        }
+    }
+}
+
+/// The versioned part of a policy: everything that decides eligibility and the action.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicySpec {
+    /// What is cleaned.
+    pub target: Target,
+    /// `retain_for` in seconds.
+    pub retain_for_seconds: i64,
+    /// Exclusions, in configuration order (the first that matches names the reason).
+    pub exclude: Vec<Exclusion>,
+    /// The action.
+    pub action: ActionSpec,
+}
+
+impl PolicySpec {
+    /// The version: the first 16 hex digits of SHA-256 over the spec's canonical JSON.
+    pub fn version(&self) -> String {
+        let json = serde_json::to_vec(self).expect("a spec always serializes");
+        hex::encode(&Sha256::digest(&json)[..8])
+    }
+}
+
+/// How commands of a policy reach `/consume` (DESIGN §8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Transport {
+    /// The built-in PostgreSQL queue.
+    Builtin,
+    /// Google Cloud Pub/Sub: published by the relay, pushed to `/consume`.
+    Pubsub,
+    /// Upstash QStash: published by the relay, delivered to `/consume` with a signature.
+    Qstash,
+}
+
+impl Transport {
+    /// The name stored on each command.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transport::Builtin => "builtin",
+            Transport::Pubsub => "pubsub",
+            Transport::Qstash => "qstash",
+        }
+    }
+}
