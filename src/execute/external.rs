@@ -484,31 +484,28 @@ async fn close(
             .await
             .map_err(db)?;
     }
-    crate::ledger::commands::append_audit(
-        &mut tx,
-        &crate::ledger::commands::Audited {
-            command_id,
-            attempts_inc: 0,
-            elapsed_seconds: started.elapsed().as_secs_f64(),
-            policy: &l.policy,
-            policy_version: &l.policy_version,
-            run_id: &l.run_id,
-            window: l.window,
-            cutoff: r.cutoff,
-            actor,
-            dry_run: false,
-            keys: &a_keys,
-            outcomes: &a_outcomes,
-            reasons: &a_reasons,
-        },
-    )
-    .await
-    .map_err(db)?;
+    // The audit rows; when every item is done, in the same statement the command succeeds.
+    let audited = crate::ledger::commands::Audited {
+        command_id,
+        attempts_inc: 0,
+        elapsed_seconds: started.elapsed().as_secs_f64(),
+        policy: &l.policy,
+        policy_version: &l.policy_version,
+        run_id: &l.run_id,
+        window: l.window,
+        cutoff: r.cutoff,
+        actor,
+        dry_run: false,
+        keys: &a_keys,
+        outcomes: &a_outcomes,
+        reasons: &a_reasons,
+    };
     if complete {
-        crate::ledger::commands::succeed(&mut tx, command_id, started.elapsed().as_secs_f64())
-            .await
-            .map_err(db)?;
+        crate::ledger::commands::succeed_with_audit(&mut tx, &audited).await
+    } else {
+        crate::ledger::commands::append_audit(&mut tx, &audited).await
     }
+    .map_err(db)?;
     let run_status = finish_in_run(
         &mut tx,
         &l.run_id,

@@ -74,7 +74,8 @@ pub struct Audited<'a> {
 }
 
 /// One statement: the audit rows, the command `succeeded`, its attempt recorded, and a redriven
-/// dead letter of it (or of the item it re-executes) resolved.
+/// dead letter of it (or of the item it re-executes) resolved. Both paths end here: the delete
+/// path in its one transaction, an external action's command once every item's effect closed.
 pub async fn succeed_with_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Result<()> {
     sqlx::query(&format!(
         "with au as (
@@ -87,7 +88,7 @@ pub async fn succeed_with_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sql
              update sweeper.commands
                 set state = 'succeeded', attempts = attempts + $2, finished_at = sweeper.now(),
                     lease_until = null, lease_owner = null, last_error = null, last_error_class = null,
-                    {HOLD_CLEARED}
+                    calling_since = null, {HOLD_CLEARED}
               where command_id = $1
           returning attempts, redrive_of),
          a as (
@@ -118,7 +119,8 @@ pub async fn succeed_with_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sql
     Ok(())
 }
 
-/// The audit rows of items whose external effects closed (no dry runs: they make no calls).
+/// The audit rows of the items of a command that is not done yet (an external action's command
+/// finishes its items over several attempts).
 pub async fn append_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Result<()> {
     sqlx::query(
         "insert into sweeper.audit
@@ -137,38 +139,6 @@ pub async fn append_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Res
     .bind(a.keys)
     .bind(a.outcomes)
     .bind(a.reasons)
-    .execute(conn)
-    .await?;
-    Ok(())
-}
-
-/// The command of an external action `succeeded` (its items' audit rows are appended
-/// separately), its attempt recorded, and a redriven dead letter of it resolved.
-pub async fn succeed(
-    conn: &mut PgConnection,
-    command_id: &str,
-    elapsed_seconds: f64,
-) -> sqlx::Result<()> {
-    sqlx::query(&format!(
-        "with c as (
-             update sweeper.commands
-                set state = 'succeeded', finished_at = sweeper.now(), lease_until = null,
-                    lease_owner = null, last_error = null, last_error_class = null,
-                    calling_since = null, {HOLD_CLEARED}
-              where command_id = $1
-          returning attempts, redrive_of),
-         a as (
-             insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
-             select $1, c.attempts, sweeper.now() - make_interval(secs => $2), sweeper.now(), 'succeeded'
-               from c)
-         update sweeper.dead_letters d
-            set status = 'resolved', resolved_at = sweeper.now()
-          where d.status = 'redriven'
-            and ((d.kind = 'command' and d.command_id = $1)
-                 or d.dead_letter_id = (select redrive_of from c))"
-    ))
-    .bind(command_id)
-    .bind(elapsed_seconds)
     .execute(conn)
     .await?;
     Ok(())
