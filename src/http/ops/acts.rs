@@ -1,0 +1,146 @@
+//! Operator acts on policies and runs: suspend, resume, cancel; and the reason every act takes.
+
+use super::*;
+
+/// The body every operator act takes: why, in the operator's words (1-1000 characters).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ReasonBody {
+    pub(super) reason: String,
+}
+
+/// The body of a bulk redrive: a reason and what to redrive.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct BulkRedriveBody {
+    pub(super) reason: String,
+    #[serde(default)]
+    pub(super) run_id: Option<String>,
+    #[serde(default)]
+    pub(super) class: Option<String>,
+    #[serde(default, deserialize_with = "json_integer")]
+    pub(super) limit: Option<i64>,
+}
+
+/// An optional JSON Schema `integer`: any number with a zero fractional part (`514` and
+/// `514.0` alike; JSON Schema draft 2020-12 §6.1.1), within i64.
+pub(super) fn json_integer<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<i64>, D::Error> {
+    use serde::de::Error;
+    match Option::<serde_json::Number>::deserialize(d)? {
+        None => Ok(None),
+        Some(n) => n
+            .as_i64()
+            .or_else(|| {
+                n.as_f64()
+                    .filter(|f| f.fract() == 0.0 && f.abs() < 9.2e18)
+                    .map(|f| f as i64)
+            })
+            .map(Some)
+            .ok_or_else(|| D::Error::custom(format!("`limit`: {n} is not an integer"))),
+    }
+}
+
+pub(super) trait HasReason {
+    fn reason(&self) -> &str;
+}
+impl HasReason for ReasonBody {
+    fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+impl HasReason for BulkRedriveBody {
+    fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+pub(super) fn reason_of<B: serde::de::DeserializeOwned + HasReason>(
+    body: &[u8],
+) -> Result<B, Problem> {
+    let b: B = serde_json::from_slice(body).map_err(|e| {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "bad-body",
+            format!("send a JSON body {{\"reason\": \"why you do this\"}}: {e}"),
+        )
+    })?;
+    let len = b.reason().trim().chars().count();
+    if !(1..=1000).contains(&len) {
+        return Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "bad-body",
+            "`reason` must be 1-1000 characters",
+        ));
+    }
+    Ok(b)
+}
+
+pub(super) fn require_policy<'a>(
+    state: &'a AppState,
+    policy: &str,
+) -> Result<&'a crate::policy::Policy, Problem> {
+    state.config.policy(policy).ok_or_else(|| {
+        Problem::new(
+            StatusCode::NOT_FOUND,
+            "unknown-policy",
+            format!("no policy named `{policy}` is configured"),
+        )
+    })
+}
+
+/// `POST /policies/{policy}/suspend` `{"reason": ...}` (scope `ops:write`).
+pub async fn suspend_policy(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(policy): Path<String>,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("ops:write")?;
+    require_policy(&state, &policy)?;
+    let b: ReasonBody = reason_of(&body)?;
+    let ps =
+        crate::ledger::control::suspend(&state.pool, &policy, &caller.0.subject, b.reason.trim())
+            .await?;
+    Ok(Json(ps).into_response())
+}
+
+/// `POST /policies/{policy}/resume` `{"reason": ...}` (scope `ops:write`).
+pub async fn resume_policy(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(policy): Path<String>,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("ops:write")?;
+    require_policy(&state, &policy)?;
+    let b: ReasonBody = reason_of(&body)?;
+    let ps =
+        crate::ledger::control::resume(&state.pool, &policy, &caller.0.subject, b.reason.trim())
+            .await?;
+    state.wake_workers.notify_waiters();
+    Ok(Json(ps).into_response())
+}
+
+/// `POST /runs/{run_id}/cancel` `{"reason": ...}` (scope `ops:write`).
+pub async fn cancel_run(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(run_id): Path<String>,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("ops:write")?;
+    let b: ReasonBody = reason_of(&body)?;
+    let c =
+        crate::ledger::control::cancel(&state.pool, &run_id, &caller.0.subject, b.reason.trim())
+            .await
+            .map_err(|e| match e {
+                crate::ledger::control::CancelError::NotFound(_) => unknown_run(&run_id),
+                e @ crate::ledger::control::CancelError::Completed(..) => {
+                    Problem::new(StatusCode::CONFLICT, "conflict", e.to_string())
+                }
+                crate::ledger::control::CancelError::Db(e) => Problem::from(e),
+            })?;
+    Ok(Json(c).into_response())
+}

@@ -1,0 +1,173 @@
+//! `GET /dead-letters`, `GET /dead-letters/{id}`, and the operator's acts on them: redrive
+//! (one, or many by run and class) and abandon.
+
+use super::*;
+
+/// Query of `GET /dead-letters`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeadLettersQuery {
+    run_id: Option<String>,
+    policy: Option<String>,
+    class: Option<String>,
+    state: Option<String>,
+    before: Option<i64>,
+    limit: Option<i64>,
+}
+
+pub(super) const CLASSES: &[&str] = &["transient", "throttled", "permanent"];
+
+/// `GET /dead-letters?run_id=&policy=&class=&state=open|resolved&before=&limit=` (scope
+/// `ops:read`): newest first; `next_before` pages on.
+pub async fn list_dead_letters(
+    State(state): State<AppState>,
+    caller: Caller,
+    query: Result<Query<DeadLettersQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    caller.require("ops:read")?;
+    let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
+    policy_filter(q.policy.as_deref())?;
+    if let Some(c) = &q.class
+        && !CLASSES.contains(&c.as_str())
+    {
+        return Err(bad_query(format!(
+            "class must be one of {}",
+            CLASSES.join(", ")
+        )));
+    }
+    if let Some(s) = &q.state
+        && !matches!(s.as_str(), "open" | "resolved")
+    {
+        return Err(bad_query("state must be open or resolved"));
+    }
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(bad_query("limit must be between 1 and 1000"));
+    }
+    let filter = crate::ledger::dead_letter::Filter {
+        run_id: q.run_id.as_deref(),
+        policy: q.policy.as_deref(),
+        class: q.class.as_deref(),
+        state: q.state.as_deref(),
+    };
+    let items = crate::ledger::dead_letter::list(&state.pool, &filter, q.before, limit).await?;
+    let next_before = (items.len() as i64 == limit)
+        .then(|| items.last().map(|d| d.dead_letter_id))
+        .flatten();
+    Ok(Json(json!({ "dead_letters": items, "next_before": next_before })).into_response())
+}
+
+pub(super) fn unknown_dead_letter(id: i64) -> Problem {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "unknown-dead-letter",
+        format!("no dead letter {id}"),
+    )
+}
+
+/// `GET /dead-letters/{id}` (scope `ops:read`).
+pub async fn get_dead_letter(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<i64>,
+) -> Result<Response, Problem> {
+    caller.require("ops:read")?;
+    let dl = crate::ledger::dead_letter::get(&state.pool, id)
+        .await?
+        .ok_or_else(|| unknown_dead_letter(id))?;
+    let mut body = serde_json::to_value(&dl).map_err(Problem::internal)?;
+    if let Some(run_id) = &dl.run_id {
+        body["replay_safe"] = replay_verdict(&state, run_id).await?;
+    }
+    Ok(Json(body).into_response())
+}
+
+pub(super) fn act_problem(e: crate::ledger::dead_letter::ActError) -> Problem {
+    use crate::ledger::dead_letter::ActError;
+    match e {
+        ActError::NotFound(id) => unknown_dead_letter(id),
+        ActError::Conflict(m) => Problem::new(StatusCode::CONFLICT, "conflict", m),
+        ActError::Db(e) => Problem::from(e),
+    }
+}
+
+/// `POST /dead-letters/{id}/redrive` `{"reason": ...}` (scope `ops:write`).
+pub async fn redrive_dead_letter(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<i64>,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("ops:write")?;
+    let b: ReasonBody = reason_of(&body)?;
+    let r =
+        crate::ledger::dead_letter::redrive(&state.pool, id, &caller.0.subject, b.reason.trim())
+            .await
+            .map_err(act_problem)?;
+    state.wake_workers.notify_waiters();
+    Ok(Json(json!({ "dead_letter_id": id, "result": r })).into_response())
+}
+
+/// `POST /dead-letters/{id}/abandon` `{"reason": ...}` (scope `ops:write`).
+pub async fn abandon_dead_letter(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<i64>,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("ops:write")?;
+    let b: ReasonBody = reason_of(&body)?;
+    let r =
+        crate::ledger::dead_letter::abandon(&state.pool, id, &caller.0.subject, b.reason.trim())
+            .await
+            .map_err(act_problem)?;
+    Ok(Json(json!({ "dead_letter_id": id, "result": r })).into_response())
+}
+
+/// `POST /dead-letters/redrive` `{"reason", "run_id"?, "class"?, "limit"?}` (scope `ops:write`):
+/// redrives open dead letters of a run and/or a class, at most `limit` (default 100, at most
+/// 1000) per call; the queue paces their execution.
+pub async fn redrive_dead_letters(
+    State(state): State<AppState>,
+    caller: Caller,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("ops:write")?;
+    let b: BulkRedriveBody = reason_of(&body)?;
+    if b.run_id.is_none() && b.class.is_none() {
+        return Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "bad-body",
+            "name `run_id`, `class` or both: a bulk redrive never takes everything",
+        ));
+    }
+    if let Some(c) = &b.class
+        && !CLASSES.contains(&c.as_str())
+    {
+        return Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "bad-body",
+            format!("class must be one of {}", CLASSES.join(", ")),
+        ));
+    }
+    let limit = b.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "bad-body",
+            "limit must be between 1 and 1000",
+        ));
+    }
+    let ids = crate::ledger::dead_letter::redrive_many(
+        &state.pool,
+        b.run_id.as_deref(),
+        b.class.as_deref(),
+        limit,
+        &caller.0.subject,
+        b.reason.trim(),
+    )
+    .await
+    .map_err(act_problem)?;
+    state.wake_workers.notify_waiters();
+    Ok(Json(json!({ "redriven": ids })).into_response())
+}

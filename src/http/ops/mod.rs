@@ -1,0 +1,38 @@
+//! On-call endpoints: runs, their audit trail, policies, health (DESIGN §4). Thin handlers over
+//! [`crate::ledger`] and [`crate::audit`].
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::http::{Caller, Problem};
+use crate::ledger;
+use crate::ledger::audit;
+use crate::state::AppState;
+
+mod acts;
+mod dead_letters;
+mod probes;
+mod runs;
+
+pub use acts::{cancel_run, resume_policy, suspend_policy};
+pub use dead_letters::{
+    abandon_dead_letter, get_dead_letter, list_dead_letters, redrive_dead_letter,
+    redrive_dead_letters,
+};
+pub use probes::{healthz, metrics, policies, readyz};
+pub use runs::{get_run, list_runs, run_items};
+
+// Helpers the endpoint groups share.
+#[allow(unused_imports)]
+use acts::{BulkRedriveBody, HasReason, ReasonBody, json_integer, reason_of, require_policy};
+#[allow(unused_imports)]
+use dead_letters::{CLASSES, act_problem, unknown_dead_letter};
+#[allow(unused_imports)]
+use runs::{
+    PlanningState, RUN_STATUSES, StoppedCommand, bad_query, policy_filter, replay_verdict,
+    unknown_run,
+};

@@ -1,0 +1,98 @@
+//! `GET /healthz`, `GET /readyz`, `GET /metrics` (no token) and `GET /policies`.
+
+use super::*;
+
+/// `GET /policies` (scope `ops:read`): loaded policies with their version and the ledger's
+/// current version. No secrets: policies hold none.
+pub async fn policies(State(state): State<AppState>, caller: Caller) -> Result<Response, Problem> {
+    caller.require("ops:read")?;
+    let current = ledger::current_versions(&state.pool).await?;
+    let list: Vec<_> = state
+        .config
+        .policies
+        .iter()
+        .map(|p| {
+            json!({
+                "name": p.name,
+                "version": p.version,
+                "current_version": current.get(p.name.as_str()),
+                "schedule": { "cron": p.schedule.expr(), "timezone": p.schedule.zone_name() },
+                "early_tolerance": p.early_tolerance,
+                "retain_for": crate::config::DurationSpec::from_seconds(p.spec.retain_for_seconds),
+                "target": p.spec.target,
+                "exclude": p.spec.exclude,
+                "action": p.spec.action,
+                "batch_size": p.batch_size,
+                "transport": p.transport,
+            })
+        })
+        .collect();
+    Ok(Json(json!({ "policies": list })).into_response())
+}
+
+/// `GET /healthz`: the process is alive.
+pub async fn healthz() -> Response {
+    (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
+}
+
+/// `GET /readyz`: the database answers and every migration this binary knows is applied.
+pub async fn readyz(State(state): State<AppState>) -> Response {
+    let latest = ledger::MIGRATOR
+        .iter()
+        .map(|m| m.version)
+        .max()
+        .unwrap_or(0);
+    let applied: Result<Option<i64>, _> =
+        sqlx::query_scalar("select max(version) from _sqlx_migrations where success")
+            .fetch_one(&state.pool)
+            .await;
+    match applied {
+        Ok(Some(v)) if v >= latest => {
+            (StatusCode::OK, Json(json!({"status": "ready"}))).into_response()
+        }
+        Ok(_) => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not-ready",
+            "migrations are not current; run `sweeper migrate`",
+        )
+        .retry_after(5)
+        .into_response(),
+        // A database that was never migrated has no migrations table: reachable, not ready.
+        Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01") => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not-ready",
+            "the ledger is not migrated; run `sweeper migrate`",
+        )
+        .retry_after(5)
+        .into_response(),
+        Err(e) => Problem::unavailable(e, 5).into_response(),
+    }
+}
+
+/// `GET /metrics`: Prometheus text (no token: scrape it from inside the cluster).
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    let policies: Vec<&str> = state
+        .config
+        .policies
+        .iter()
+        .map(|p| p.name.as_str())
+        .collect();
+    match crate::metrics::render(
+        &state.pool,
+        &policies,
+        state.config.ledger.hold_alert_after.seconds(),
+    )
+    .await
+    {
+        Ok(text) => (
+            StatusCode::OK,
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => Problem::unavailable(e, 5).into_response(),
+    }
+}

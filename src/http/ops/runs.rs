@@ -1,0 +1,240 @@
+//! `GET /runs`, `GET /runs/{run_id}`, `GET /runs/{run_id}/items`: the runs and their audit
+//! trail, for on-call.
+
+use super::*;
+
+/// Filters of `GET /runs`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunsQuery {
+    policy: Option<String>,
+    status: Option<String>,
+    limit: Option<i64>,
+}
+
+pub(super) const RUN_STATUSES: &[&str] = &[
+    "planning",
+    "running",
+    "completed",
+    "completed_with_dead_letters",
+    "cancelled",
+];
+
+pub(super) fn bad_query(e: impl std::fmt::Display) -> Problem {
+    Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.to_string())
+}
+
+/// A `?policy=` filter must be a possible policy name (400 otherwise, as `openapi.yaml`'s
+/// pattern says): a name no policy can have would silently match nothing.
+pub(super) fn policy_filter(policy: Option<&str>) -> Result<(), Problem> {
+    match policy {
+        Some(p) if crate::policy::PolicyName::parse(p).is_err() => Err(bad_query(
+            "policy must be a policy name: 1-63 characters of a-z, 0-9, `-` and `_`, starting \
+             with a letter or digit",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `GET /runs?policy=&status=&limit=` (scope `ops:read`): newest windows first, at most `limit`
+/// (default 50, at most 500).
+pub async fn list_runs(
+    State(state): State<AppState>,
+    caller: Caller,
+    query: Result<Query<RunsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    caller.require("ops:read")?;
+    let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
+    policy_filter(q.policy.as_deref())?;
+    if let Some(s) = &q.status
+        && !RUN_STATUSES.contains(&s.as_str())
+    {
+        return Err(bad_query(format!(
+            "status `{s}` is not one of {}",
+            RUN_STATUSES.join(", ")
+        )));
+    }
+    let limit = q.limit.unwrap_or(50);
+    if !(1..=500).contains(&limit) {
+        return Err(bad_query("limit must be between 1 and 500"));
+    }
+    let runs =
+        ledger::list_runs(&state.pool, q.policy.as_deref(), q.status.as_deref(), limit).await?;
+    Ok(Json(json!({ "runs": runs })).into_response())
+}
+
+/// (pages_done, done, consecutive failures, last_error, last_error_at) of a planning job.
+pub(super) type PlanningState = (
+    i32,
+    bool,
+    i32,
+    Option<String>,
+    Option<chrono::DateTime<chrono::Utc>>,
+);
+
+/// (command_id, state, attempts, last_error, last_error_class) of a stopped command.
+pub(super) type StoppedCommand = (String, String, i32, Option<String>, Option<String>);
+
+/// `GET /runs/{run_id}` (scope `ops:read`): the run with its commands per state.
+pub async fn get_run(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(run_id): Path<String>,
+) -> Result<Response, Problem> {
+    caller.require("ops:read")?;
+    let mut conn = state.pool.acquire().await?;
+    let run = ledger::get_run(&mut conn, &run_id)
+        .await?
+        .ok_or_else(|| unknown_run(&run_id))?;
+    drop(conn);
+    let commands = ledger::command_states(&state.pool, &run_id).await?;
+    let stopped: Vec<StoppedCommand> = sqlx::query_as(
+        "select command_id, state, attempts, last_error, last_error_class from sweeper.commands
+          where run_id = $1 and state in ('quarantined', 'cancelled')
+          order by batch_no limit 100",
+    )
+    .bind(&run_id)
+    .fetch_all(&state.pool)
+    .await?;
+    let planning: Option<PlanningState> = sqlx::query_as(
+        "select pages_done, done, failures, last_error, last_error_at
+               from sweeper.planning_jobs where run_id = $1",
+    )
+    .bind(&run_id)
+    .fetch_optional(&state.pool)
+    .await?;
+    let held = ledger::run_hold(
+        &state.pool,
+        &run_id,
+        state.config.ledger.hold_alert_after.seconds(),
+    )
+    .await?;
+    let verdict = replay_verdict(&state, &run_id).await?;
+    let open = crate::ledger::dead_letter::list(
+        &state.pool,
+        &crate::ledger::dead_letter::Filter {
+            run_id: Some(&run_id),
+            state: Some("open"),
+            ..Default::default()
+        },
+        None,
+        100,
+    )
+    .await?;
+    let mut body = serde_json::to_value(&run).map_err(Problem::internal)?;
+    body["commands"] = json!(commands);
+    body["held"] = held.unwrap_or(serde_json::Value::Null);
+    body["planning"] = match planning {
+        Some((pages_done, done, failures, last_error, last_error_at)) => json!({
+            "pages_done": pages_done, "done": done, "consecutive_failures": failures,
+            "last_error": last_error, "last_error_at": last_error_at,
+        }),
+        None => serde_json::Value::Null,
+    };
+    body["stopped_commands"] = json!(
+        stopped
+            .into_iter()
+            .map(|(command_id, state, attempts, error, class)| json!({
+                "command_id": command_id, "state": state, "attempts": attempts,
+                "last_error": error, "last_error_class": class, "replay_safe": verdict,
+            }))
+            .collect::<Vec<_>>()
+    );
+    body["open_dead_letters"] = json!(
+        open.into_iter()
+            .map(|d| {
+                let mut v = serde_json::to_value(&d).unwrap_or_default();
+                v["replay_safe"] = verdict.clone();
+                v
+            })
+            .collect::<Vec<_>>()
+    );
+    Ok(Json(body).into_response())
+}
+
+pub(super) fn unknown_run(run_id: &str) -> Problem {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "unknown-run",
+        format!("no run `{run_id}`"),
+    )
+}
+
+/// Query of `GET /runs/{run_id}/items`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ItemsQuery {
+    cursor: Option<String>,
+    limit: Option<i64>,
+    outcome: Option<String>,
+}
+
+/// `GET /runs/{run_id}/items?cursor=&limit=&outcome=` (scope `ops:read`): the run's audit rows in
+/// log order, `limit` per page (default 100, at most 1000). `next_cursor` is null on the last page.
+pub async fn run_items(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(run_id): Path<String>,
+    query: Result<Query<ItemsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    caller.require("ops:read")?;
+    let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
+    let after = match &q.cursor {
+        None => 0,
+        Some(c) => c
+            .parse::<i64>()
+            .ok()
+            .filter(|v| *v >= 0)
+            .ok_or_else(|| bad_query("cursor must be a value returned as next_cursor"))?,
+    };
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(bad_query("limit must be between 1 and 1000"));
+    }
+    let mut conn = state.pool.acquire().await?;
+    if ledger::get_run(&mut conn, &run_id).await?.is_none() {
+        return Err(unknown_run(&run_id));
+    }
+    drop(conn);
+    let items = audit::items_page(&state.pool, &run_id, after, limit, q.outcome.as_deref()).await?;
+    let next_cursor = (items.len() as i64 == limit)
+        .then(|| items.last().map(|i| i.audit_id.to_string()))
+        .flatten();
+    Ok(Json(json!({ "items": items, "next_cursor": next_cursor })).into_response())
+}
+
+/// Whether replaying the run's commands is safe, and why: the effect is idempotent (one
+/// transaction per command for `delete_rows`), the cutoff is fixed on the run, and the pinned
+/// policy version is still the one that would apply.
+pub(super) async fn replay_verdict(
+    state: &AppState,
+    run_id: &str,
+) -> Result<serde_json::Value, Problem> {
+    let row: Option<(String, String, Option<String>)> = sqlx::query_as(
+        "select r.policy, r.policy_version,
+                (select version from sweeper.policy_versions v where v.policy = r.policy
+                  order by seq desc limit 1)
+           from sweeper.runs r where r.run_id = $1",
+    )
+    .bind(run_id)
+    .fetch_optional(&state.pool)
+    .await?;
+    let Some((_policy, pinned, current)) = row else {
+        return Ok(json!({"safe": false, "reasons": ["the run no longer exists"]}));
+    };
+    let version_current = current.as_deref() == Some(pinned.as_str());
+    let mut reasons = vec![
+        "effect idempotent: a command's deletes, audit rows and state commit in one transaction"
+            .to_string(),
+        "cutoff fixed: stored on the run and bound into every query".to_string(),
+    ];
+    if version_current {
+        reasons.push(format!("pinned policy version {pinned} is still current"));
+    } else {
+        reasons.push(format!(
+            "pinned policy version {pinned} is no longer current ({}): a replay applies the stricter of both",
+            current.as_deref().unwrap_or("none")
+        ));
+    }
+    Ok(json!({ "safe": version_current, "reasons": reasons }))
+}
