@@ -219,7 +219,7 @@ pub async fn render(
         gauge!("sweeper_dead_letters_open").set(open as f64);
         gauge!("sweeper_dead_letters_oldest_open_age_seconds").set(oldest_open.unwrap_or(0.0));
         counter!("sweeper_quarantined_total").absolute(quarantined_total as u64);
-        for s in ["pending", "leased", "succeeded", "quarantined", "cancelled"] {
+        for s in crate::ledger::CommandState::ALL.map(crate::ledger::CommandState::as_str) {
             let n = states
                 .iter()
                 .find(|(k, _)| k == s)
@@ -229,13 +229,7 @@ pub async fn render(
         }
         gauge!("sweeper_oldest_due_command_age_seconds").set(oldest_due.unwrap_or(0.0));
         gauge!("sweeper_planning_jobs_failing").set(planning_failing as f64);
-        for s in [
-            "planning",
-            "running",
-            "completed",
-            "completed_with_dead_letters",
-            "cancelled",
-        ] {
+        for s in crate::ledger::RunStatus::ALL.map(crate::ledger::RunStatus::as_str) {
             let n = runs
                 .iter()
                 .find(|(k, _)| k == s)

@@ -131,7 +131,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             .json()
             .await?;
         let s = r["status"].as_str().unwrap_or("");
-        if matches!(s, "completed" | "completed_with_dead_letters" | "cancelled") {
+        if crate::ledger::is_terminal_run_status(s) {
             break r;
         }
         if started.elapsed() > Duration::from_secs(600) {

@@ -381,7 +381,10 @@ async fn close(
     .fetch_optional(&mut *tx)
     .await
     .map_err(db)?;
-    if fence.as_ref().is_none_or(|(a, s)| *a != n || s != "leased") {
+    if fence
+        .as_ref()
+        .is_none_or(|(a, s)| *a != n || s != crate::ledger::CommandState::Leased.as_str())
+    {
         return Ok(Closed::Stale);
     }
 

@@ -34,7 +34,7 @@ pub(crate) async fn finish_in_run(
         },
     )
     .await?;
-    let completed = matches!(status.as_str(), "completed" | "completed_with_dead_letters");
+    let completed = ledger::RunStatus::parse(&status).is_some_and(ledger::RunStatus::is_completed);
     if let (true, Some(rules)) = (completed, rules) {
         record_closure_check(tx, run_id, rules, closure_cap).await?;
     }
@@ -155,10 +155,7 @@ pub(crate) async fn record_failure(
     let run_id: String = row.get("run_id");
     let policy: String = row.get("policy");
     let age_seconds: f64 = row.get("age_seconds");
-    if matches!(
-        cmd_state.as_str(),
-        "succeeded" | "quarantined" | "cancelled"
-    ) {
+    if ledger::CommandState::parse(&cmd_state).is_some_and(ledger::CommandState::is_terminal) {
         return Ok(ConsumeOutcome::Duplicate {
             command_id: command_id.to_string(),
             state: cmd_state,

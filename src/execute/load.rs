@@ -76,10 +76,7 @@ pub(super) async fn load(
         }));
     };
     let cmd_state: String = row.get("state");
-    if matches!(
-        cmd_state.as_str(),
-        "succeeded" | "quarantined" | "cancelled"
-    ) {
+    if ledger::CommandState::parse(&cmd_state).is_some_and(ledger::CommandState::is_terminal) {
         return Ok(Step::Done(ConsumeOutcome::Duplicate {
             command_id: command_id.to_string(),
             state: cmd_state,

@@ -20,6 +20,9 @@ pub mod pauses;
 pub mod planning;
 pub mod queue;
 pub mod runs;
+pub mod states;
+
+pub use states::{CommandState, RunStatus};
 
 /// The ledger's migrations, embedded in the binary (`migrations/`).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -144,10 +147,7 @@ impl Run {
 
 /// Whether a run status is final.
 pub fn is_terminal_run_status(status: &str) -> bool {
-    matches!(
-        status,
-        "completed" | "completed_with_dead_letters" | "cancelled"
-    )
+    RunStatus::parse(status).is_some_and(RunStatus::is_terminal)
 }
 
 const RUN_COLUMNS: &str = "run_id, policy, policy_version, window_at, cutoff, dry_run, status,
@@ -225,11 +225,10 @@ pub async fn command_states(pool: &PgPool, run_id: &str) -> sqlx::Result<BTreeMa
     .bind(run_id)
     .fetch_all(pool)
     .await?;
-    let mut out: BTreeMap<String, i64> =
-        ["pending", "leased", "succeeded", "quarantined", "cancelled"]
-            .into_iter()
-            .map(|s| (s.to_string(), 0))
-            .collect();
+    let mut out: BTreeMap<String, i64> = CommandState::ALL
+        .into_iter()
+        .map(|s| (s.as_str().to_string(), 0))
+        .collect();
     out.extend(rows);
     Ok(out)
 }

@@ -32,7 +32,4 @@ use acts::{BulkRedriveBody, HasReason, ReasonBody, json_integer, reason_of, requ
 #[allow(unused_imports)]
 use dead_letters::{CLASSES, act_problem, unknown_dead_letter};
 #[allow(unused_imports)]
-use runs::{
-    PlanningState, RUN_STATUSES, StoppedCommand, bad_query, policy_filter, replay_verdict,
-    unknown_run,
-};
+use runs::{PlanningState, StoppedCommand, bad_query, policy_filter, replay_verdict, unknown_run};

@@ -12,14 +12,6 @@ pub struct RunsQuery {
     limit: Option<i64>,
 }
 
-pub(super) const RUN_STATUSES: &[&str] = &[
-    "planning",
-    "running",
-    "completed",
-    "completed_with_dead_letters",
-    "cancelled",
-];
-
 pub(super) fn bad_query(e: impl std::fmt::Display) -> Problem {
     Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.to_string())
 }
@@ -47,11 +39,13 @@ pub async fn list_runs(
     let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
     policy_filter(q.policy.as_deref())?;
     if let Some(s) = &q.status
-        && !RUN_STATUSES.contains(&s.as_str())
+        && ledger::RunStatus::parse(s).is_none()
     {
         return Err(bad_query(format!(
             "status `{s}` is not one of {}",
-            RUN_STATUSES.join(", ")
+            ledger::RunStatus::ALL
+                .map(ledger::RunStatus::as_str)
+                .join(", ")
         )));
     }
     let limit = q.limit.unwrap_or(50);
