@@ -24,66 +24,7 @@ pub(super) async fn attempt(
         Step::Run(l) => l,
     };
     if loaded.rules.action.dependency().is_some() && !loaded.dry_run {
-        // max_concurrent_commands: the slot taken in `load` ends with this transaction, so
-        // the commands calling right now are counted instead, serialized per policy.
-        let cap = state
-            .config
-            .policy(&loaded.policy)
-            .map(|p| p.max_concurrent_commands as i64)
-            .unwrap_or(1);
-        sqlx::query("select pg_advisory_xact_lock(hashtext('sweeper:calling:' || $1))")
-            .bind(&loaded.policy)
-            .execute(&mut *tx)
-            .await?;
-        let calling: i64 = sqlx::query_scalar(
-            "select count(*) from sweeper.commands c join sweeper.runs r using (run_id)
-              where r.policy = $2 and c.command_id <> $1 and c.state = 'leased'
-                and c.calling_since is not null and c.lease_until > sweeper.now()",
-        )
-        .bind(command_id)
-        .bind(&loaded.policy)
-        .fetch_one(&mut *tx)
-        .await?;
-        if calling >= cap {
-            tx.rollback().await?;
-            return Err(AttemptError::Failed(Failure::throttled(
-                Utc::now() + state.config.consume.retry_after.delta(),
-                format!(
-                    "policy {} already has {cap} commands calling (max_concurrent_commands)",
-                    loaded.policy
-                ),
-            )));
-        }
-        // No transaction may span the calls: the command is leased instead (DESIGN §5,
-        // concurrent deliveries), and a delivery that finds a live lease is a "not now".
-        let n = match executor {
-            Executor::Claimed(n) => n,
-            Executor::Delivery => {
-                if loaded.lease_left > 0.0 {
-                    tx.rollback().await?;
-                    return Ok(Attempted::Done(ConsumeOutcome::NotNow {
-                        reason: "another execution of this command holds its lease (its \
-                                 external calls may be in flight)"
-                            .into(),
-                        retry_after_seconds: loaded.lease_left.ceil() as u64,
-                    }));
-                }
-                // The delivery counts as an attempt before anything is called, so a delivery
-                // that crashes the process every time still spends the budget.
-                let n = ledger::commands::lease_for_delivery(
-                    &mut tx,
-                    command_id,
-                    state.replica_id,
-                    state.config.queue.lease.seconds() as f64,
-                )
-                .await?;
-                *seen = Some(n);
-                n
-            }
-        };
-        ledger::commands::mark_calling(&mut tx, command_id).await?;
-        tx.commit().await?;
-        return Ok(Attempted::External(loaded, n));
+        return lease_for_calls(state, tx, command_id, executor, loaded, seen).await;
     }
     let rules = &loaded.rules;
     if per_item {
@@ -93,106 +34,19 @@ pub(super) async fn attempt(
             .await?;
     }
 
-    // Lock the candidates in key order (overlapping runs cannot deadlock) and classify each from
-    // the same snapshot that deletes. A dry run locks nothing.
-    let mut q = rules.classify_select();
-    q.push(" where ");
-    rules.push_key_in(&mut q, loaded.keys.clone());
-    q.push(format!(" order by {}", rules.key_sql()));
-    if !loaded.dry_run {
-        q.push(" for update");
-    }
-    let rows = q.build().fetch_all(&mut *tx).await?;
-
-    let mut outcomes: HashMap<String, (Outcome, Option<String>)> = HashMap::new();
-    let mut eligible = Vec::new();
-    for r in &rows {
-        let key: String = r.get("item_key");
-        let old_enough: bool = r.get("old_enough");
-        let reason: Option<String> = r.get("reason");
-        let o = match (reason, old_enough) {
-            (Some(reason), _) => (Outcome::Excluded, Some(reason)),
-            (None, false) => (Outcome::NotEligible, None),
-            (None, true) => {
-                eligible.push(key.clone());
-                let o = if loaded.dry_run {
-                    Outcome::WouldDelete
-                } else {
-                    Outcome::Deleted
-                };
-                (o, None)
-            }
-        };
-        outcomes.insert(key, o);
-    }
-
+    let (mut outcomes, eligible) = classify(&mut tx, &loaded).await?;
     if !loaded.dry_run && !eligible.is_empty() {
-        if per_item {
-            for key in &eligible {
-                let mut sp = sqlx::Connection::begin(&mut *tx).await?;
-                match delete(&mut sp, rules, vec![key.clone()]).await {
-                    Ok(deleted) => {
-                        sp.commit().await?;
-                        if deleted.is_empty() {
-                            outcomes.insert(key.clone(), (Outcome::NotEligible, None));
-                        }
-                    }
-                    Err(e) => {
-                        sp.rollback().await?;
-                        let f = Failure::from_db(&e);
-                        if f.class != FailureClass::Permanent {
-                            return Err(AttemptError::Failed(f));
-                        }
-                        outcomes.insert(key.clone(), (Outcome::Failed, Some(f.message)));
-                    }
-                }
-            }
-        } else {
-            crate::crash_point!("consume_before_delete");
-            let deleted = match delete(&mut tx, rules, eligible.clone()).await {
-                Ok(d) => d,
-                Err(e) => {
-                    let f = Failure::from_db(&e);
-                    return Err(if f.class == FailureClass::Permanent {
-                        AttemptError::BulkFailed(f)
-                    } else {
-                        AttemptError::Failed(f)
-                    });
-                }
-            };
-            // Rows are locked, so the delete removes exactly the eligible set; anything it did
-            // not remove is reported as it is, never as deleted.
-            let deleted: HashSet<String> = deleted.into_iter().collect();
-            for key in &eligible {
-                if !deleted.contains(key) {
-                    outcomes.insert(key.clone(), (Outcome::NotEligible, None));
-                }
-            }
-        }
+        delete_eligible(&mut tx, rules, &eligible, per_item, &mut outcomes).await?;
     }
 
     // One audit row per key of the command, in key order as stored.
-    let mut counts = Counts::default();
-    let mut a_keys = Vec::with_capacity(loaded.keys.len());
-    let mut a_outcomes = Vec::with_capacity(loaded.keys.len());
-    let mut a_reasons: Vec<Option<String>> = Vec::with_capacity(loaded.keys.len());
-    for key in &loaded.keys {
-        let (o, reason) = outcomes
-            .remove(key)
-            .unwrap_or((Outcome::AlreadyAbsent, None));
-        counts.add(o);
-        a_keys.push(key.clone());
-        a_outcomes.push(o.as_str());
-        a_reasons.push(reason);
-    }
-    // A failed item is an item-level dead letter; its neighbours complete.
-    let failed: Vec<(String, String)> = a_keys
-        .iter()
-        .zip(&a_outcomes)
-        .zip(&a_reasons)
-        .filter(|((_, o), _)| **o == Outcome::Failed.as_str())
-        .map(|((k, _), r)| (k.clone(), r.clone().unwrap_or_default()))
-        .collect();
+    let AuditRows {
+        counts,
+        keys: a_keys,
+        outcomes: a_outcomes,
+        reasons: a_reasons,
+        failed,
+    } = audit_rows(&loaded.keys, outcomes);
     if !failed.is_empty() {
         record_item_dead_letters(&mut tx, &loaded, command_id, &failed).await?;
     }
@@ -249,6 +103,218 @@ pub(super) async fn attempt(
     }))
 }
 
+/// An action with external calls: no transaction may span them (DESIGN §2.6), so the command is
+/// leased as this attempt — within `max_concurrent_commands` commands calling per policy,
+/// serialized by a transaction-scoped advisory lock — and the calls run outside it
+/// ([`super::external`]). A delivery that finds a live lease is a "not now".
+async fn lease_for_calls(
+    state: &AppState,
+    mut tx: Transaction<'_, Postgres>,
+    command_id: &str,
+    executor: Executor,
+    loaded: Box<Loaded>,
+    seen: &mut Option<i32>,
+) -> Result<Attempted, AttemptError> {
+    // max_concurrent_commands: the slot taken in `load` ends with this transaction, so
+    // the commands calling right now are counted instead, serialized per policy.
+    let cap = state
+        .config
+        .policy(&loaded.policy)
+        .map(|p| p.max_concurrent_commands as i64)
+        .unwrap_or(1);
+    sqlx::query("select pg_advisory_xact_lock(hashtext('sweeper:calling:' || $1))")
+        .bind(&loaded.policy)
+        .execute(&mut *tx)
+        .await?;
+    let calling: i64 = sqlx::query_scalar(
+        "select count(*) from sweeper.commands c join sweeper.runs r using (run_id)
+          where r.policy = $2 and c.command_id <> $1 and c.state = 'leased'
+            and c.calling_since is not null and c.lease_until > sweeper.now()",
+    )
+    .bind(command_id)
+    .bind(&loaded.policy)
+    .fetch_one(&mut *tx)
+    .await?;
+    if calling >= cap {
+        tx.rollback().await?;
+        return Err(AttemptError::Failed(Failure::throttled(
+            Utc::now() + state.config.consume.retry_after.delta(),
+            format!(
+                "policy {} already has {cap} commands calling (max_concurrent_commands)",
+                loaded.policy
+            ),
+        )));
+    }
+    // No transaction may span the calls: the command is leased instead (DESIGN §5,
+    // concurrent deliveries), and a delivery that finds a live lease is a "not now".
+    let n = match executor {
+        Executor::Claimed(n) => n,
+        Executor::Delivery => {
+            if loaded.lease_left > 0.0 {
+                tx.rollback().await?;
+                return Ok(Attempted::Done(ConsumeOutcome::NotNow {
+                    reason: "another execution of this command holds its lease (its \
+                             external calls may be in flight)"
+                        .into(),
+                    retry_after_seconds: loaded.lease_left.ceil() as u64,
+                }));
+            }
+            // The delivery counts as an attempt before anything is called, so a delivery
+            // that crashes the process every time still spends the budget.
+            let n = ledger::commands::lease_for_delivery(
+                &mut tx,
+                command_id,
+                state.replica_id,
+                state.config.queue.lease.seconds() as f64,
+            )
+            .await?;
+            *seen = Some(n);
+            n
+        }
+    };
+    ledger::commands::mark_calling(&mut tx, command_id).await?;
+    tx.commit().await?;
+    Ok(Attempted::External(loaded, n))
+}
+
+/// Each item's outcome as the snapshot that deletes sees it, and the keys to delete: the
+/// candidates locked in key order (overlapping runs cannot deadlock; a dry run locks nothing),
+/// classified by the rules — excluded (which exclusion), not eligible, or to delete (in a dry
+/// run, would delete). Keys absent from the result are already gone.
+async fn classify(
+    tx: &mut Transaction<'_, Postgres>,
+    loaded: &Loaded,
+) -> Result<(ItemOutcomes, Vec<String>), AttemptError> {
+    let rules = &loaded.rules;
+    let mut q = rules.classify_select();
+    q.push(" where ");
+    rules.push_key_in(&mut q, loaded.keys.clone());
+    q.push(format!(" order by {}", rules.key_sql()));
+    if !loaded.dry_run {
+        q.push(" for update");
+    }
+    let rows = q.build().fetch_all(&mut **tx).await?;
+    let mut outcomes: ItemOutcomes = HashMap::new();
+    let mut eligible = Vec::new();
+    for r in &rows {
+        let key: String = r.get("item_key");
+        let old_enough: bool = r.get("old_enough");
+        let reason: Option<String> = r.get("reason");
+        let o = match (reason, old_enough) {
+            (Some(reason), _) => (Outcome::Excluded, Some(reason)),
+            (None, false) => (Outcome::NotEligible, None),
+            (None, true) => {
+                eligible.push(key.clone());
+                let o = if loaded.dry_run {
+                    Outcome::WouldDelete
+                } else {
+                    Outcome::Deleted
+                };
+                (o, None)
+            }
+        };
+        outcomes.insert(key, o);
+    }
+    Ok((outcomes, eligible))
+}
+
+/// Deletes the eligible rows, with every predicate repeated in the delete: in one statement, or
+/// (`per_item`, after the bulk statement failed permanently) one savepoint per item, so a bad
+/// item is `failed` with its error and its neighbours are deleted. A row the delete did not
+/// remove is reported as it is (`not_eligible`), never as deleted.
+async fn delete_eligible(
+    tx: &mut Transaction<'_, Postgres>,
+    rules: &RuleSet,
+    eligible: &[String],
+    per_item: bool,
+    outcomes: &mut ItemOutcomes,
+) -> Result<(), AttemptError> {
+    if per_item {
+        for key in eligible {
+            let mut sp = sqlx::Connection::begin(&mut **tx).await?;
+            match delete(&mut sp, rules, vec![key.clone()]).await {
+                Ok(deleted) => {
+                    sp.commit().await?;
+                    if deleted.is_empty() {
+                        outcomes.insert(key.clone(), (Outcome::NotEligible, None));
+                    }
+                }
+                Err(e) => {
+                    sp.rollback().await?;
+                    let f = Failure::from_db(&e);
+                    if f.class != FailureClass::Permanent {
+                        return Err(AttemptError::Failed(f));
+                    }
+                    outcomes.insert(key.clone(), (Outcome::Failed, Some(f.message)));
+                }
+            }
+        }
+    } else {
+        crate::crash_point!("consume_before_delete");
+        let deleted = match delete(tx, rules, eligible.to_vec()).await {
+            Ok(d) => d,
+            Err(e) => {
+                let f = Failure::from_db(&e);
+                return Err(if f.class == FailureClass::Permanent {
+                    AttemptError::BulkFailed(f)
+                } else {
+                    AttemptError::Failed(f)
+                });
+            }
+        };
+        // Rows are locked, so the delete removes exactly the eligible set; anything it did
+        // not remove is reported as it is, never as deleted.
+        let deleted: HashSet<String> = deleted.into_iter().collect();
+        for key in eligible {
+            if !deleted.contains(key) {
+                outcomes.insert(key.clone(), (Outcome::NotEligible, None));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The audit rows of a command, and what they add up to.
+#[derive(Debug, PartialEq)]
+pub(super) struct AuditRows {
+    pub(super) counts: Counts,
+    pub(super) keys: Vec<String>,
+    pub(super) outcomes: Vec<&'static str>,
+    pub(super) reasons: Vec<Option<String>>,
+    /// The failed items, `(key, reason)`: each becomes an item dead letter; its neighbours
+    /// complete.
+    pub(super) failed: Vec<(String, String)>,
+}
+
+/// One audit row per key of the command, in the command's key order; a key with no outcome is
+/// `already_absent` (its row was gone).
+pub(super) fn audit_rows(keys: &[String], mut outcomes: ItemOutcomes) -> AuditRows {
+    let mut rows = AuditRows {
+        counts: Counts::default(),
+        keys: Vec::with_capacity(keys.len()),
+        outcomes: Vec::with_capacity(keys.len()),
+        reasons: Vec::with_capacity(keys.len()),
+        failed: Vec::new(),
+    };
+    for key in keys {
+        let (o, reason) = outcomes
+            .remove(key)
+            .unwrap_or((Outcome::AlreadyAbsent, None));
+        rows.counts.add(o);
+        if o == Outcome::Failed {
+            rows.failed
+                .push((key.clone(), reason.clone().unwrap_or_default()));
+        }
+        rows.keys.push(key.clone());
+        rows.outcomes.push(o.as_str());
+        rows.reasons.push(reason);
+    }
+    rows
+}
+
+/// Each item's outcome and reason, by key.
+type ItemOutcomes = HashMap<String, (Outcome, Option<String>)>;
+
 /// `DELETE … WHERE key = ANY($keys) AND <eligible> RETURNING key`: the predicates are repeated
 /// in the delete itself, so nothing ineligible can be removed whatever happened before.
 pub(super) async fn delete(
@@ -264,4 +330,41 @@ pub(super) async fn delete(
     rules.push_eligible(&mut q);
     q.push(format!(" returning {}::text", rules.key_sql()));
     q.build_query_scalar().fetch_all(conn).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_key_gets_one_audit_row_and_missing_rows_are_already_absent() {
+        let keys: Vec<String> = ["3", "1", "2", "4"].map(String::from).to_vec();
+        let outcomes: ItemOutcomes = [
+            ("1".to_string(), (Outcome::Deleted, None)),
+            (
+                "2".to_string(),
+                (Outcome::Excluded, Some("legal_hold".to_string())),
+            ),
+            ("4".to_string(), (Outcome::Failed, Some("fk".to_string()))),
+        ]
+        .into_iter()
+        .collect();
+        let rows = audit_rows(&keys, outcomes);
+        assert_eq!(rows.keys, keys);
+        assert_eq!(
+            rows.outcomes,
+            ["already_absent", "deleted", "excluded", "failed"]
+        );
+        assert_eq!(rows.reasons[2].as_deref(), Some("legal_hold"));
+        assert_eq!(rows.failed, vec![("4".to_string(), "fk".to_string())]);
+        assert_eq!(
+            (
+                rows.counts.deleted,
+                rows.counts.already_absent,
+                rows.counts.excluded,
+                rows.counts.failed
+            ),
+            (1, 1, 1, 1)
+        );
+    }
 }
