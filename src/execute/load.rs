@@ -12,17 +12,68 @@ pub(super) async fn load(
     executor: Executor,
     seen: &mut Option<i32>,
 ) -> Result<Step, AttemptError> {
-    // One statement: lock the command row; read its run, its policy's suspension and current
-    // version; set this transaction's lock and statement timeouts; and take one of the policy's
-    // `max_concurrent_commands` slots (transaction-scoped advisory locks shared by all
-    // replicas, released at commit, rollback or crash).
+    let Some(c) = lock_command(state, tx, command_id).await? else {
+        return unknown_command(tx, command_id).await;
+    };
+    *seen = Some(c.attempts);
+    if let Some(step) = gate(state, &c, command_id, executor)? {
+        return Ok(step);
+    }
+    let rules = rules_for(state, tx, &c).await?;
+    Ok(Step::Run(Box::new(Loaded {
+        run_id: c.run_id,
+        policy: c.policy,
+        policy_version: c.policy_version,
+        window: c.window_at,
+        dry_run: c.dry_run,
+        keys: c.item_keys,
+        rules,
+        redrive_of: c.redrive_of,
+        lease_left: c.lease_left,
+    })))
+}
+
+/// The command row, locked, with what the gate needs to know about its run and policy.
+#[derive(sqlx::FromRow)]
+struct LockedCommand {
+    state: String,
+    item_keys: Vec<String>,
+    attempts: i32,
+    run_id: String,
+    held_kind: Option<String>,
+    held_reason: Option<String>,
+    due_in_seconds: f64,
+    redrive_of: Option<i64>,
+    policy: String,
+    policy_version: String,
+    window_at: DateTime<Utc>,
+    cutoff: DateTime<Utc>,
+    dry_run: bool,
+    /// Seconds another execution's lease still runs (0: none).
+    lease_left: f64,
+    suspended: bool,
+    /// The newest version any replica registered.
+    current_version: String,
+    /// Whether this transaction took one of the policy's `max_concurrent_commands` slots.
+    slot_free: bool,
+}
+
+/// One statement: lock the command row; read its run, its policy's suspension and current
+/// version; set this transaction's lock and statement timeouts; and take one of the policy's
+/// `max_concurrent_commands` slots (transaction-scoped advisory locks shared by all replicas,
+/// released at commit, rollback or crash). `None` when the ledger has no such command.
+async fn lock_command(
+    state: &AppState,
+    tx: &mut Transaction<'_, Postgres>,
+    command_id: &str,
+) -> sqlx::Result<Option<LockedCommand>> {
     let (names, caps): (Vec<&str>, Vec<i32>) = state
         .config
         .policies
         .iter()
         .map(|p| (p.name.as_str(), p.max_concurrent_commands as i32))
         .unzip();
-    let row = sqlx::query(
+    sqlx::query_as(
         "select c.state, c.item_keys, c.attempts, c.run_id, c.held_kind, c.held_reason,
                 greatest(0, extract(epoch from c.next_attempt_at - (select sweeper.now())))::float8
                     as due_in_seconds,
@@ -52,66 +103,78 @@ pub(super) async fn load(
     .bind(&names)
     .bind(&caps)
     .fetch_optional(&mut **tx)
-    .await?;
-    let Some(row) = row else {
-        let run_status: Option<String> = match command_id.rsplit_once(':') {
-            Some((run_id, _)) => {
-                sqlx::query_scalar("select status from sweeper.runs where run_id = $1")
-                    .bind(run_id)
-                    .fetch_optional(&mut **tx)
-                    .await?
-            }
-            None => None,
-        };
-        let command_id = command_id.to_string();
-        return Ok(Step::Done(match run_status {
-            Some(s) if ledger::is_terminal_run_status(&s) => {
-                info!(
-                    command_id,
-                    "delivery for an unknown command of a terminal run; acknowledged"
-                );
-                ConsumeOutcome::UnknownOfTerminalRun { command_id }
-            }
-            _ => ConsumeOutcome::Unknown { command_id },
-        }));
+    .await
+}
+
+/// A command the ledger does not know: nothing to do if its run is terminal (its commands were
+/// purged), else unknown.
+async fn unknown_command(
+    tx: &mut Transaction<'_, Postgres>,
+    command_id: &str,
+) -> Result<Step, AttemptError> {
+    let run_status: Option<String> = match command_id.rsplit_once(':') {
+        Some((run_id, _)) => {
+            sqlx::query_scalar("select status from sweeper.runs where run_id = $1")
+                .bind(run_id)
+                .fetch_optional(&mut **tx)
+                .await?
+        }
+        None => None,
     };
-    let cmd_state: String = row.get("state");
-    if ledger::CommandState::parse(&cmd_state).is_some_and(ledger::CommandState::is_terminal) {
-        return Ok(Step::Done(ConsumeOutcome::Duplicate {
+    let command_id = command_id.to_string();
+    Ok(Step::Done(match run_status {
+        Some(s) if ledger::is_terminal_run_status(&s) => {
+            info!(
+                command_id,
+                "delivery for an unknown command of a terminal run; acknowledged"
+            );
+            ConsumeOutcome::UnknownOfTerminalRun { command_id }
+        }
+        _ => ConsumeOutcome::Unknown { command_id },
+    }))
+}
+
+/// Whether the locked command may run now: `Some(step)` when it may not (a duplicate, a stale
+/// claim, not due, held, suspended, a replica behind the ledger's version), an error for what
+/// counts as a failed try (past its attempts, the concurrency cap).
+fn gate(
+    state: &AppState,
+    c: &LockedCommand,
+    command_id: &str,
+    executor: Executor,
+) -> Result<Option<Step>, AttemptError> {
+    let not_now = |reason: String, retry_after_seconds: u64| {
+        Ok(Some(Step::Done(ConsumeOutcome::NotNow {
+            reason,
+            retry_after_seconds,
+        })))
+    };
+    if ledger::CommandState::parse(&c.state).is_some_and(ledger::CommandState::is_terminal) {
+        return Ok(Some(Step::Done(ConsumeOutcome::Duplicate {
             command_id: command_id.to_string(),
-            state: cmd_state,
-        }));
+            state: c.state.clone(),
+        })));
     }
-    let attempts: i32 = row.get("attempts");
-    *seen = Some(attempts);
     if let Executor::Claimed(n) = executor
-        && attempts != n
+        && c.attempts != n
     {
-        return Ok(Step::Done(ConsumeOutcome::Stale));
+        return Ok(Some(Step::Done(ConsumeOutcome::Stale)));
     }
-    let due_in: f64 = row.get("due_in_seconds");
-    if due_in > 0.0
-        && let (Some(kind), Some(why)) = (
-            row.get::<Option<String>, _>("held_kind"),
-            row.get::<Option<String>, _>("held_reason"),
-        )
-    {
-        return Ok(Step::Done(ConsumeOutcome::NotNow {
-            reason: format!("held ({kind}): {why}; checked again in {}s", due_in.ceil()),
-            retry_after_seconds: due_in.ceil() as u64,
-        }));
-    }
+    let due_in = c.due_in_seconds;
     if due_in > 0.0 {
-        return Ok(Step::Done(ConsumeOutcome::NotNow {
-            reason: format!(
+        let reason = match (&c.held_kind, &c.held_reason) {
+            (Some(kind), Some(why)) => {
+                format!("held ({kind}): {why}; checked again in {}s", due_in.ceil())
+            }
+            _ => format!(
                 "the command's next attempt is due in {}s (its window, or its backoff after a failure)",
                 due_in.ceil()
             ),
-            retry_after_seconds: due_in.ceil() as u64,
-        }));
+        };
+        return not_now(reason, due_in.ceil() as u64);
     }
-    let policy: String = row.get("policy");
-    if let (Executor::Claimed(n), Some(p)) = (executor, state.config.policy(&policy))
+    let policy = &c.policy;
+    if let (Executor::Claimed(n), Some(p)) = (executor, state.config.policy(policy))
         && n > p.retry.max_attempts as i32
     {
         // Claims count attempts even when the worker dies before recording a result, so a
@@ -123,35 +186,29 @@ pub(super) async fn load(
         ))));
     }
     let retry_after = state.config.consume.retry_after.seconds() as u64;
-    if row.get::<bool, _>("suspended") {
-        return Ok(Step::Done(ConsumeOutcome::NotNow {
-            reason: format!("policy {policy} is suspended"),
-            retry_after_seconds: retry_after.max(60),
-        }));
+    if c.suspended {
+        return not_now(format!("policy {policy} is suspended"), retry_after.max(60));
     }
-    let policy_version: String = row.get("policy_version");
-    let window: DateTime<Utc> = row.get("window_at");
-    let cutoff: DateTime<Utc> = row.get("cutoff");
-    let current_version: String = row.get("current_version");
     // A replica must not act under rules older than the newest any replica registered.
-    let max_concurrent = match state.config.policy(&policy) {
-        Some(p) if p.version == current_version => p.max_concurrent_commands,
+    let max_concurrent = match state.config.policy(policy) {
+        Some(p) if p.version == c.current_version => p.max_concurrent_commands,
         Some(_) => {
-            return Ok(Step::Done(ConsumeOutcome::NotNow {
-                reason: format!(
-                    "this replica's configuration of policy {policy} is older than the ledger's current version {current_version}"
+            return not_now(
+                format!(
+                    "this replica's configuration of policy {policy} is older than the ledger's current version {}",
+                    c.current_version
                 ),
-                retry_after_seconds: retry_after,
-            }));
+                retry_after,
+            );
         }
         None => {
-            return Ok(Step::Done(ConsumeOutcome::NotNow {
-                reason: format!("this replica's configuration lacks policy {policy}"),
-                retry_after_seconds: retry_after,
-            }));
+            return not_now(
+                format!("this replica's configuration lacks policy {policy}"),
+                retry_after,
+            );
         }
     };
-    if !row.get::<bool, _>("slot_free") {
+    if !c.slot_free {
         return Err(AttemptError::Failed(Failure::throttled(
             Utc::now() + state.config.consume.retry_after.delta(),
             format!(
@@ -159,37 +216,36 @@ pub(super) async fn load(
             ),
         )));
     }
-    let pinned = state.specs.get(tx, &policy, &policy_version).await?;
-    let current = if current_version == policy_version {
+    Ok(None)
+}
+
+/// The rules the command runs under: the stricter of its run's pinned version and the current
+/// one, over the target's columns as this replica checked them (a schema that does not match
+/// holds the work).
+async fn rules_for(
+    state: &AppState,
+    tx: &mut Transaction<'_, Postgres>,
+    c: &LockedCommand,
+) -> Result<RuleSet, AttemptError> {
+    let pinned = state.specs.get(tx, &c.policy, &c.policy_version).await?;
+    let current = if c.current_version == c.policy_version {
         None
     } else {
-        Some(state.specs.get(tx, &policy, &current_version).await?)
+        Some(state.specs.get(tx, &c.policy, &c.current_version).await?)
     };
     let table = state
         .catalog
         .get(&state.pool, &pinned.target.table)
         .await
         .map_err(AttemptError::Failed)?;
-    let run_id: String = row.get("run_id");
-    let rules = RuleSet::effective(
+    Ok(RuleSet::effective(
         &pinned,
         current.as_deref(),
-        cutoff,
-        window,
+        c.cutoff,
+        c.window_at,
         &table,
-        state.checked_types.get(&policy),
+        state.checked_types.get(&c.policy),
     )
     .map_err(|held| AttemptError::Failed(held.into_failure()))?
-    .with_effects(&policy, &run_id);
-    Ok(Step::Run(Box::new(Loaded {
-        run_id,
-        policy,
-        policy_version,
-        window,
-        dry_run: row.get("dry_run"),
-        keys: row.get("item_keys"),
-        rules,
-        redrive_of: row.get("redrive_of"),
-        lease_left: row.get("lease_left"),
-    })))
+    .with_effects(&c.policy, &c.run_id))
 }
