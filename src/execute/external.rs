@@ -186,120 +186,23 @@ pub(crate) async fn run(
                 }
                 Decision::Call { n, fields } => (n, fields),
             };
-            let idempotency_key = format!("{}:{}:{}", l.policy, key, effect_n);
-            let mut waited = false;
-            let result = loop {
-                let admitted = match state.dependencies.admit(&state.pool, &rt).await {
-                    Ok(a) => a,
-                    Err(f) => break Err(f),
-                };
-                let result = match &l.rules.action {
-                    ActionSpec::Http(h) => {
-                        crate::execute::call::call_http(&rt, h, &fields, &idempotency_key).await
-                    }
-                    ActionSpec::ObjectStore(o) => {
-                        crate::execute::call::delete_object(&rt, o, &fields).await
-                    }
-                    ActionSpec::DeleteRows => unreachable!("delete_rows has no external call"),
-                };
-                drop(admitted);
-                if let CallResult::Throttled {
-                    pause: Some(p),
-                    reason,
-                } = &result
-                    && !waited
-                    && !p.is_zero()
-                    && *p <= rt.spec.pause_wait
-                {
-                    // A short pause (at most `pause_wait`): stored for every replica, waited out
-                    // here by the next admission (outside any transaction), then the item is
-                    // called again once.
-                    crate::metrics::dependency_call(&dep, "throttled");
-                    if let Err(f) = state
-                        .dependencies
-                        .pause(&state.pool, &dep, *p, reason)
-                        .await
-                    {
-                        break Err(f);
-                    }
-                    waited = true;
-                    continue;
-                }
-                break Ok(result);
+            let call = Call {
+                state,
+                rt: &rt,
+                l: &l,
+                dep: &dep,
+                retry: &retry,
+                attempt: n,
             };
-            let result = match result {
-                Ok(r) => r,
-                Err(f) => {
+            match call.item(key, effect_n, &fields).await {
+                ItemStep::Called(o) => called.push((key.clone(), o)),
+                ItemStep::Failed(reason) => {
+                    finals.push((key.clone(), Outcome::Failed, Some(reason)))
+                }
+                ItemStep::Transient(f) => transient = Some(f),
+                ItemStep::Stop(f) => {
                     stop = Some(f);
                     break;
-                }
-            };
-            match result {
-                CallResult::Done(outcome) => {
-                    crate::metrics::dependency_call(
-                        &dep,
-                        if outcome == Outcome::AlreadyAbsent {
-                            "already_absent"
-                        } else {
-                            "done"
-                        },
-                    );
-                    crate::crash_point!("effect_before_called");
-                    let marked = crate::ledger::effects::mark_called(
-                        &state.pool,
-                        &l.policy,
-                        key,
-                        &l.run_id,
-                        outcome.as_str(),
-                    )
-                    .await;
-                    if let Err(e) = marked {
-                        // Left `calling`: the next attempt calls again with the same key.
-                        stop = Some(db(e));
-                        break;
-                    }
-                    crate::crash_point!("effect_after_called");
-                    called.push((key.clone(), outcome));
-                }
-                CallResult::ItemFailed(reason) => {
-                    crate::metrics::dependency_call(&dep, "permanent");
-                    finals.push((key.clone(), Outcome::Failed, Some(reason)));
-                }
-                CallResult::Throttled { pause, reason } => {
-                    crate::metrics::dependency_call(&dep, "throttled");
-                    let pause = pause.filter(|p| !p.is_zero()).unwrap_or_else(|| {
-                        std::time::Duration::from_secs_f64(
-                            retry
-                                .backoff()
-                                .delay_seconds(n.max(1) as u32, &mut rand::rng())
-                                .max(1.0),
-                        )
-                    });
-                    let pause = pause.max(std::time::Duration::from_secs(1));
-                    if let Err(f) = state
-                        .dependencies
-                        .pause(&state.pool, &dep, pause, &reason)
-                        .await
-                    {
-                        stop = Some(f);
-                        break;
-                    }
-                    stop = Some(Failure::throttled(
-                        chrono::Utc::now()
-                            + chrono::TimeDelta::milliseconds(pause.as_millis() as i64),
-                        format!("{reason}; paused for {:.1}s", pause.as_secs_f64()),
-                    ));
-                    break;
-                }
-                CallResult::Failed(f) if f.class == FailureClass::Permanent => {
-                    crate::metrics::dependency_call(&dep, "permanent");
-                    stop = Some(f);
-                    break;
-                }
-                CallResult::Failed(f) => {
-                    // This item is retried later; its neighbours go on.
-                    crate::metrics::dependency_call(&dep, "transient");
-                    transient = Some(f);
                 }
             }
         }
@@ -338,6 +241,138 @@ pub(crate) async fn run(
         }
         (Ok(Closed::Done { .. }), Some(f)) | (Err(f), _) => {
             record_failure(state, command_id, executor, f, started, Some(n)).await
+        }
+    }
+}
+
+/// What one item's call came to.
+enum ItemStep {
+    /// The call succeeded and its effect is marked `called`.
+    Called(Outcome),
+    /// The dependency refused this item for good (an item dead letter; its neighbours go on).
+    Failed(String),
+    /// This item is retried later; its neighbours go on.
+    Transient(Failure),
+    /// The command stops here (throttled, a permanent failure, the ledger).
+    Stop(Failure),
+}
+
+/// One item's call, with what every call of the command shares.
+struct Call<'a> {
+    state: &'a AppState,
+    rt: &'a std::sync::Arc<crate::dependency::Runtime>,
+    l: &'a Loaded,
+    dep: &'a str,
+    retry: &'a crate::policy::RetryPolicy,
+    /// The attempt the command runs as (scales the backoff of a throttle without Retry-After).
+    attempt: i32,
+}
+
+impl Call<'_> {
+    /// Calls the dependency for `key` (effect `effect_n`, so idempotency key
+    /// `{policy}:{item}:{n}`), admitted by the dependency's limits and pause; a short pause (at
+    /// most `pause_wait`) is stored for every replica and waited out once; then classifies the
+    /// result and, on success, marks the effect `called`.
+    async fn item(&self, key: &str, effect_n: i32, fields: &serde_json::Value) -> ItemStep {
+        let (state, l, dep) = (self.state, self.l, self.dep);
+        let idempotency_key = format!("{}:{}:{}", l.policy, key, effect_n);
+        let mut waited = false;
+        let result = loop {
+            let admitted = match state.dependencies.admit(&state.pool, self.rt).await {
+                Ok(a) => a,
+                Err(f) => return ItemStep::Stop(f),
+            };
+            let result = match &l.rules.action {
+                ActionSpec::Http(h) => {
+                    crate::execute::call::call_http(self.rt, h, fields, &idempotency_key).await
+                }
+                ActionSpec::ObjectStore(o) => {
+                    crate::execute::call::delete_object(self.rt, o, fields).await
+                }
+                ActionSpec::DeleteRows => unreachable!("delete_rows has no external call"),
+            };
+            drop(admitted);
+            if let CallResult::Throttled {
+                pause: Some(p),
+                reason,
+            } = &result
+                && !waited
+                && !p.is_zero()
+                && *p <= self.rt.spec.pause_wait
+            {
+                // A short pause (at most `pause_wait`): stored for every replica, waited out
+                // here by the next admission (outside any transaction), then the item is
+                // called again once.
+                crate::metrics::dependency_call(dep, "throttled");
+                if let Err(f) = state.dependencies.pause(&state.pool, dep, *p, reason).await {
+                    return ItemStep::Stop(f);
+                }
+                waited = true;
+                continue;
+            }
+            break result;
+        };
+        match result {
+            CallResult::Done(outcome) => {
+                crate::metrics::dependency_call(
+                    dep,
+                    if outcome == Outcome::AlreadyAbsent {
+                        "already_absent"
+                    } else {
+                        "done"
+                    },
+                );
+                crate::crash_point!("effect_before_called");
+                let marked = crate::ledger::effects::mark_called(
+                    &state.pool,
+                    &l.policy,
+                    key,
+                    &l.run_id,
+                    outcome.as_str(),
+                )
+                .await;
+                if let Err(e) = marked {
+                    // Left `calling`: the next attempt calls again with the same key.
+                    return ItemStep::Stop(db(e));
+                }
+                crate::crash_point!("effect_after_called");
+                ItemStep::Called(outcome)
+            }
+            CallResult::ItemFailed(reason) => {
+                crate::metrics::dependency_call(dep, "permanent");
+                ItemStep::Failed(reason)
+            }
+            CallResult::Throttled { pause, reason } => {
+                crate::metrics::dependency_call(dep, "throttled");
+                let pause = pause.filter(|p| !p.is_zero()).unwrap_or_else(|| {
+                    std::time::Duration::from_secs_f64(
+                        self.retry
+                            .backoff()
+                            .delay_seconds(self.attempt.max(1) as u32, &mut rand::rng())
+                            .max(1.0),
+                    )
+                });
+                let pause = pause.max(std::time::Duration::from_secs(1));
+                if let Err(f) = state
+                    .dependencies
+                    .pause(&state.pool, dep, pause, &reason)
+                    .await
+                {
+                    return ItemStep::Stop(f);
+                }
+                ItemStep::Stop(Failure::throttled(
+                    chrono::Utc::now() + chrono::TimeDelta::milliseconds(pause.as_millis() as i64),
+                    format!("{reason}; paused for {:.1}s", pause.as_secs_f64()),
+                ))
+            }
+            CallResult::Failed(f) if f.class == FailureClass::Permanent => {
+                crate::metrics::dependency_call(dep, "permanent");
+                ItemStep::Stop(f)
+            }
+            CallResult::Failed(f) => {
+                crate::metrics::dependency_call(dep, "transient");
+                ItemStep::Transient(f)
+            }
         }
     }
 }
