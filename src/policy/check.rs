@@ -79,310 +79,361 @@ pub fn check_schedule(p: &Policy) -> Option<Finding> {
 
 async fn check_policy(pool: &PgPool, p: &Policy, out: &mut Vec<Finding>) -> sqlx::Result<()> {
     out.extend(check_schedule(p));
-    let mut say = |level, message: String| {
-        out.push(Finding {
-            level,
-            policy: p.name.to_string(),
-            message,
-        })
-    };
     let t = &p.spec.target;
     let Some(info) = TableInfo::load(pool, &t.table).await? else {
-        say(
-            Level::Error,
-            format!("target.table: table {} does not exist", t.table),
-        );
+        out.push(Finding {
+            level: Level::Error,
+            policy: p.name.to_string(),
+            message: format!("target.table: table {} does not exist", t.table),
+        });
         return Ok(());
     };
-    let col = |name: &str| info.columns.get(name);
+    let mut c = Check { pool, p, info, out };
+    c.privileges().await?;
+    c.key().await?;
+    c.action_columns().await?;
+    c.timestamp().await?;
+    c.exclusions().await?;
+    c.foreign_keys().await
+}
 
-    // The connecting role's table privileges: SELECT to plan, UPDATE for the row locks every
-    // command takes (`FOR UPDATE` needs it) and for a stamping action, DELETE when rows go.
-    let deletes = match &p.spec.action {
-        crate::policy::ActionSpec::DeleteRows => true,
-        crate::policy::ActionSpec::Http(h) => {
-            matches!(h.then, crate::policy::action::Then::DeleteRow)
-        }
-        crate::policy::ActionSpec::ObjectStore(o) => {
-            matches!(o.then, crate::policy::action::Then::DeleteRow)
-        }
-    };
-    let missing: Vec<String> = sqlx::query_scalar(
-        "select p from unnest($2::text[]) p where not has_table_privilege(to_regclass($1), p)",
-    )
-    .bind(t.table.quoted())
-    .bind(
-        ["SELECT", "UPDATE"]
-            .into_iter()
-            .chain(deletes.then_some("DELETE"))
-            .collect::<Vec<_>>(),
-    )
-    .fetch_all(pool)
-    .await?;
-    if !missing.is_empty() {
-        say(
-            Level::Error,
-            format!(
-                "target.table: the database role lacks {} on {} (commands lock rows with \
-                 SELECT ... FOR UPDATE, which needs UPDATE; grant {} to it)",
-                missing.join(", "),
-                t.table,
-                missing.join(", ")
-            ),
-        );
+/// One policy's checks against its table, each a section of findings.
+struct Check<'a> {
+    pool: &'a PgPool,
+    p: &'a Policy,
+    info: TableInfo,
+    out: &'a mut Vec<Finding>,
+}
+
+impl Check<'_> {
+    fn say(&mut self, level: Level, message: String) {
+        self.out.push(Finding {
+            level,
+            policy: self.p.name.to_string(),
+            message,
+        });
     }
 
-    match col(t.key.as_str()) {
-        None => say(
-            Level::Error,
-            format!(
-                "target.key: column {} does not exist in {}",
-                t.key.as_str(),
-                t.table
-            ),
-        ),
-        Some(c) if !matches!(c.type_name.as_str(), "int8" | "int4" | "uuid" | "text") => say(
-            Level::Error,
-            format!(
-                "target.key: column {} is {}; the key must be bigint, integer, uuid or text",
-                t.key.as_str(),
-                c.type_sql
-            ),
-        ),
-        Some(_) => {
-            let (unique, leading): (bool, bool) = sqlx::query_as(
-                "select coalesce(bool_or(i.indisunique and i.indnatts = 1), false),
-                        coalesce(bool_or(true), false)
-                   from pg_index i
-                   join pg_attribute a on a.attrelid = i.indrelid and a.attnum = i.indkey[0]
-                  where i.indrelid = to_regclass($1) and a.attname = $2",
-            )
-            .bind(t.table.quoted())
-            .bind(t.key.as_str())
-            .fetch_one(pool)
-            .await?;
-            if col(t.key.as_str()).is_some_and(|c| !c.not_null) {
-                say(
-                    Level::Warning,
-                    format!(
-                        "target.key: column {} admits NULL; a row whose key is NULL can never be \
-                         named by a command, so it is kept and reported on every run as held \
-                         `null_key` (declare the column NOT NULL)",
-                        t.key.as_str()
-                    ),
-                );
-            }
-            if !unique {
-                say(
-                    Level::Error,
-                    format!(
-                        "target.key: column {} has no unique index (primary key or unique constraint); \
-                         a key must name exactly one row",
-                        t.key.as_str()
-                    ),
-                );
-            } else if !leading {
-                say(
-                    Level::Warning,
-                    format!(
-                        "target.key: no index leads with {}; planning scans in key order",
-                        t.key.as_str()
-                    ),
-                );
-            }
-        }
+    fn col(&self, name: &str) -> Option<crate::policy::ColumnInfo> {
+        self.info.columns.get(name).cloned()
     }
 
-    // Columns an external action reads or stamps.
-    for c in p.spec.action.columns() {
-        if col(c.as_str()).is_none() {
-            say(
+    /// The connecting role's table privileges: SELECT to plan, UPDATE for the row locks every
+    /// command takes (`FOR UPDATE` needs it) and for a stamping action, DELETE when rows go.
+    async fn privileges(&mut self) -> sqlx::Result<()> {
+        let t = &self.p.spec.target;
+        let deletes = match &self.p.spec.action {
+            crate::policy::ActionSpec::DeleteRows => true,
+            crate::policy::ActionSpec::Http(h) => {
+                matches!(h.then, crate::policy::action::Then::DeleteRow)
+            }
+            crate::policy::ActionSpec::ObjectStore(o) => {
+                matches!(o.then, crate::policy::action::Then::DeleteRow)
+            }
+        };
+        let missing: Vec<String> = sqlx::query_scalar(
+            "select p from unnest($2::text[]) p where not has_table_privilege(to_regclass($1), p)",
+        )
+        .bind(t.table.quoted())
+        .bind(
+            ["SELECT", "UPDATE"]
+                .into_iter()
+                .chain(deletes.then_some("DELETE"))
+                .collect::<Vec<_>>(),
+        )
+        .fetch_all(self.pool)
+        .await?;
+        if !missing.is_empty() {
+            self.say(
                 Level::Error,
                 format!(
-                    "action: column {} (named by the action) does not exist in {}",
-                    c.as_str(),
-                    t.table
+                    "target.table: the database role lacks {} on {} (commands lock rows with \
+                     SELECT ... FOR UPDATE, which needs UPDATE; grant {} to it)",
+                    missing.join(", "),
+                    t.table,
+                    missing.join(", ")
                 ),
             );
         }
-    }
-    let stamped = match &p.spec.action {
-        crate::policy::ActionSpec::Http(h) => h.then.column(),
-        crate::policy::ActionSpec::ObjectStore(o) => o.then.column(),
-        crate::policy::ActionSpec::DeleteRows => None,
-    };
-    if let Some(c) = stamped.and_then(|s| col(s.as_str()).map(|c| (s, c)))
-        && !matches!(c.1.type_name.as_str(), "timestamptz" | "timestamp")
-    {
-        say(
-            Level::Error,
-            format!(
-                "action.then.set: column {} is {}; it is stamped with the database clock and must \
-                 be a nullable timestamptz",
-                c.0.as_str(),
-                c.1.type_sql
-            ),
-        );
+        Ok(())
     }
 
-    match (col(t.timestamp.as_str()), &t.timestamp_zone) {
-        (None, _) => say(
-            Level::Error,
-            format!(
-                "target.timestamp: column {} does not exist in {}",
-                t.timestamp.as_str(),
-                t.table
+    /// The key column: its type, its unique index, NULLs.
+    async fn key(&mut self) -> sqlx::Result<()> {
+        let t = &self.p.spec.target;
+        match self.col(t.key.as_str()) {
+            None => self.say(
+                Level::Error,
+                format!(
+                    "target.key: column {} does not exist in {}",
+                    t.key.as_str(),
+                    t.table
+                ),
             ),
-        ),
-        (Some(c), None) if c.type_name == "timestamptz" => {}
-        (Some(c), Some(_)) if c.type_name == "timestamp" => {}
-        (Some(c), None) if c.type_name == "timestamp" => say(
-            Level::Error,
-            format!(
-                "target.timestamp: column {} is timestamp without time zone; set target.timestamp_zone \
-                 to the IANA zone its values are written in",
-                t.timestamp.as_str()
+            Some(c) if !matches!(c.type_name.as_str(), "int8" | "int4" | "uuid" | "text") => self.say(
+                Level::Error,
+                format!(
+                    "target.key: column {} is {}; the key must be bigint, integer, uuid or text",
+                    t.key.as_str(),
+                    c.type_sql
+                ),
             ),
-        ),
-        (Some(c), Some(_)) if c.type_name == "timestamptz" => say(
-            Level::Error,
-            format!(
-                "target.timestamp_zone: column {} is timestamptz, which carries its own zone; remove timestamp_zone",
-                t.timestamp.as_str()
-            ),
-        ),
-        (Some(c), _) => say(
-            Level::Error,
-            format!(
-                "target.timestamp: column {} is {}; it must be timestamptz (or timestamp with timestamp_zone)",
-                t.timestamp.as_str(),
-                c.type_sql
-            ),
-        ),
+            Some(_) => {
+                let (unique, leading): (bool, bool) = sqlx::query_as(
+                    "select coalesce(bool_or(i.indisunique and i.indnatts = 1), false),
+                            coalesce(bool_or(true), false)
+                       from pg_index i
+                       join pg_attribute a on a.attrelid = i.indrelid and a.attnum = i.indkey[0]
+                      where i.indrelid = to_regclass($1) and a.attname = $2",
+                )
+                .bind(t.table.quoted())
+                .bind(t.key.as_str())
+                .fetch_one(self.pool)
+                .await?;
+                if self.col(t.key.as_str()).is_some_and(|c| !c.not_null) {
+                    self.say(
+                        Level::Warning,
+                        format!(
+                            "target.key: column {} admits NULL; a row whose key is NULL can never be \
+                             named by a command, so it is kept and reported on every run as held \
+                             `null_key` (declare the column NOT NULL)",
+                            t.key.as_str()
+                        ),
+                    );
+                }
+                if !unique {
+                    self.say(
+                        Level::Error,
+                        format!(
+                            "target.key: column {} has no unique index (primary key or unique constraint); \
+                             a key must name exactly one row",
+                            t.key.as_str()
+                        ),
+                    );
+                } else if !leading {
+                    self.say(
+                        Level::Warning,
+                        format!(
+                            "target.key: no index leads with {}; planning scans in key order",
+                            t.key.as_str()
+                        ),
+                    );
+                }
+            }
+        }
+        Ok(())
     }
-    if col(t.timestamp.as_str()).is_some_and(|c| !c.not_null) {
-        say(
-            Level::Warning,
-            format!(
-                "target.timestamp: column {} admits NULL; a row whose timestamp is NULL is never \
-                 eligible, so it is kept and reported on every run as held `null_timestamp`",
-                t.timestamp.as_str()
-            ),
-        );
+
+    /// Columns an external action reads or stamps.
+    async fn action_columns(&mut self) -> sqlx::Result<()> {
+        let t = &self.p.spec.target;
+        for c in self.p.spec.action.columns() {
+            if self.col(c.as_str()).is_none() {
+                self.say(
+                    Level::Error,
+                    format!(
+                        "action: column {} (named by the action) does not exist in {}",
+                        c.as_str(),
+                        t.table
+                    ),
+                );
+            }
+        }
+        let stamped = match &self.p.spec.action {
+            crate::policy::ActionSpec::Http(h) => h.then.column(),
+            crate::policy::ActionSpec::ObjectStore(o) => o.then.column(),
+            crate::policy::ActionSpec::DeleteRows => None,
+        };
+        if let Some(c) = stamped.and_then(|s| self.col(s.as_str()).map(|c| (s, c)))
+            && !matches!(c.1.type_name.as_str(), "timestamptz" | "timestamp")
+        {
+            self.say(
+                Level::Error,
+                format!(
+                    "action.then.set: column {} is {}; it is stamped with the database clock and must \
+                     be a nullable timestamptz",
+                    c.0.as_str(),
+                    c.1.type_sql
+                ),
+            );
+        }
+        Ok(())
     }
-    if col(t.timestamp.as_str()).is_some() {
-        let indexed: bool = sqlx::query_scalar(
-            "select exists (select 1 from pg_index i
-                              join pg_attribute a on a.attrelid = i.indrelid and a.attnum = i.indkey[0]
-                             where i.indrelid = to_regclass($1) and a.attname = $2)",
-        )
-        .bind(t.table.quoted())
-        .bind(t.timestamp.as_str())
-        .fetch_one(pool)
-        .await?;
-        if !indexed {
-            say(
+
+    /// The timestamp column: its type and zone, NULLs, an index for the scans.
+    async fn timestamp(&mut self) -> sqlx::Result<()> {
+        let t = &self.p.spec.target;
+        match (self.col(t.timestamp.as_str()), &t.timestamp_zone) {
+            (None, _) => self.say(
+                Level::Error,
+                format!(
+                    "target.timestamp: column {} does not exist in {}",
+                    t.timestamp.as_str(),
+                    t.table
+                ),
+            ),
+            (Some(c), None) if c.type_name == "timestamptz" => {}
+            (Some(c), Some(_)) if c.type_name == "timestamp" => {}
+            (Some(c), None) if c.type_name == "timestamp" => self.say(
+                Level::Error,
+                format!(
+                    "target.timestamp: column {} is timestamp without time zone; set target.timestamp_zone \
+                     to the IANA zone its values are written in",
+                    t.timestamp.as_str()
+                ),
+            ),
+            (Some(c), Some(_)) if c.type_name == "timestamptz" => self.say(
+                Level::Error,
+                format!(
+                    "target.timestamp_zone: column {} is timestamptz, which carries its own zone; remove timestamp_zone",
+                    t.timestamp.as_str()
+                ),
+            ),
+            (Some(c), _) => self.say(
+                Level::Error,
+                format!(
+                    "target.timestamp: column {} is {}; it must be timestamptz (or timestamp with timestamp_zone)",
+                    t.timestamp.as_str(),
+                    c.type_sql
+                ),
+            ),
+        }
+        if self.col(t.timestamp.as_str()).is_some_and(|c| !c.not_null) {
+            self.say(
                 Level::Warning,
                 format!(
-                    "target.timestamp: no index leads with {}; the closure check after each run scans the table \
-                     (create index on {} ({}))",
-                    t.timestamp.as_str(),
-                    t.table,
+                    "target.timestamp: column {} admits NULL; a row whose timestamp is NULL is never \
+                     eligible, so it is kept and reported on every run as held `null_timestamp`",
                     t.timestamp.as_str()
                 ),
             );
         }
+        if self.col(t.timestamp.as_str()).is_some() {
+            let indexed: bool = sqlx::query_scalar(
+                "select exists (select 1 from pg_index i
+                                  join pg_attribute a on a.attrelid = i.indrelid and a.attnum = i.indkey[0]
+                                 where i.indrelid = to_regclass($1) and a.attname = $2)",
+            )
+            .bind(t.table.quoted())
+            .bind(t.timestamp.as_str())
+            .fetch_one(self.pool)
+            .await?;
+            if !indexed {
+                self.say(
+                    Level::Warning,
+                    format!(
+                        "target.timestamp: no index leads with {}; the closure check after each run scans the table \
+                         (create index on {} ({}))",
+                        t.timestamp.as_str(),
+                        t.table,
+                        t.timestamp.as_str()
+                    ),
+                );
+            }
+        }
+        Ok(())
     }
 
-    for (i, e) in p.spec.exclude.iter().enumerate() {
-        let Some(c) = col(e.column.as_str()) else {
-            say(
-                Level::Error,
+    /// Each exclusion: its column, its values against the column's type.
+    async fn exclusions(&mut self) -> sqlx::Result<()> {
+        let t = &self.p.spec.target;
+        for (i, e) in self.p.spec.exclude.iter().enumerate() {
+            let Some(c) = self.col(e.column.as_str()) else {
+                self.say(
+                    Level::Error,
+                    format!(
+                        "exclude[{i}]: column {} does not exist in {}",
+                        e.column.as_str(),
+                        t.table
+                    ),
+                );
+                continue;
+            };
+            // A boolean or a number written for a column of another kind would be cast to that
+            // type as text and match something else than meant (`true` against a text column is
+            // the string 'true', never 't').
+            for lit in self.p.exclusion_literals.get(i).into_iter().flatten() {
+                let textual = matches!(
+                    c.type_name.as_str(),
+                    "text" | "varchar" | "bpchar" | "name" | "citext"
+                );
+                let mismatch = match lit {
+                    crate::policy::Literal::Bool => c.type_name != "bool",
+                    crate::policy::Literal::Number => textual || c.type_name == "bool",
+                    crate::policy::Literal::Text => false,
+                };
+                if mismatch {
+                    self.say(
+                        Level::Error,
+                        format!(
+                            "exclude[{i}]: a {} value is given for column {}, which is {}: write the \
+                             value as a string exactly as the column holds it",
+                            match lit {
+                                crate::policy::Literal::Bool => "boolean",
+                                crate::policy::Literal::Number => "number",
+                                crate::policy::Literal::Text => "string",
+                            },
+                            e.column.as_str(),
+                            c.type_sql
+                        ),
+                    );
+                }
+            }
+            let values: Vec<String> = match &e.test {
+                ExclusionTest::Equals { value } => vec![value.clone()],
+                ExclusionTest::In { values } => values.clone(),
+                ExclusionTest::IsNull | ExclusionTest::IsNotNull => vec![],
+            };
+            for v in values {
+                let sql = format!("select cast($1 as {}) is not null", c.type_sql);
+                if let Err(err) = sqlx::query(&sql).bind(&v).execute(self.pool).await {
+                    let why = err
+                        .as_database_error()
+                        .map(|d| d.message().to_string())
+                        .unwrap_or_else(|| err.to_string());
+                    self.say(
+                        Level::Error,
+                        format!(
+                            "exclude[{i}]: value `{v}` is not a valid {} for column {}: {why}",
+                            c.type_sql,
+                            e.column.as_str()
+                        ),
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Foreign keys that reference the target, with their ON DELETE rule.
+    async fn foreign_keys(&mut self) -> sqlx::Result<()> {
+        let t = &self.p.spec.target;
+        let fks: Vec<(String, String, String)> = sqlx::query_as(
+            "select conname::text, conrelid::regclass::text,
+                    case confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT'
+                                     when 'c' then 'CASCADE' when 'n' then 'SET NULL'
+                                     when 'd' then 'SET DEFAULT' end
+               from pg_constraint where contype = 'f' and confrelid = to_regclass($1)",
+        )
+        .bind(t.table.quoted())
+        .fetch_all(self.pool)
+        .await?;
+        for (name, from, rule) in fks {
+            let consequence = match rule.as_str() {
+                "CASCADE" => {
+                    "deleting a row also deletes its referencing rows, which are not audited"
+                }
+                "SET NULL" | "SET DEFAULT" => "deleting a row rewrites its referencing rows",
+                _ => "a row that is still referenced cannot be deleted and is recorded as `failed`",
+            };
+            self.say(
+                Level::Warning,
                 format!(
-                    "exclude[{i}]: column {} does not exist in {}",
-                    e.column.as_str(),
+                    "foreign key {name} on {from} references {} with ON DELETE {rule}: {consequence}",
                     t.table
                 ),
             );
-            continue;
-        };
-        // A boolean or a number written for a column of another kind would be cast to that
-        // type as text and match something else than meant (`true` against a text column is
-        // the string 'true', never 't').
-        for lit in p.exclusion_literals.get(i).into_iter().flatten() {
-            let textual = matches!(
-                c.type_name.as_str(),
-                "text" | "varchar" | "bpchar" | "name" | "citext"
-            );
-            let mismatch = match lit {
-                crate::policy::Literal::Bool => c.type_name != "bool",
-                crate::policy::Literal::Number => textual || c.type_name == "bool",
-                crate::policy::Literal::Text => false,
-            };
-            if mismatch {
-                say(
-                    Level::Error,
-                    format!(
-                        "exclude[{i}]: a {} value is given for column {}, which is {}: write the \
-                         value as a string exactly as the column holds it",
-                        match lit {
-                            crate::policy::Literal::Bool => "boolean",
-                            crate::policy::Literal::Number => "number",
-                            crate::policy::Literal::Text => "string",
-                        },
-                        e.column.as_str(),
-                        c.type_sql
-                    ),
-                );
-            }
         }
-        let values: Vec<String> = match &e.test {
-            ExclusionTest::Equals { value } => vec![value.clone()],
-            ExclusionTest::In { values } => values.clone(),
-            ExclusionTest::IsNull | ExclusionTest::IsNotNull => vec![],
-        };
-        for v in values {
-            let sql = format!("select cast($1 as {}) is not null", c.type_sql);
-            if let Err(err) = sqlx::query(&sql).bind(&v).execute(pool).await {
-                let why = err
-                    .as_database_error()
-                    .map(|d| d.message().to_string())
-                    .unwrap_or_else(|| err.to_string());
-                say(
-                    Level::Error,
-                    format!(
-                        "exclude[{i}]: value `{v}` is not a valid {} for column {}: {why}",
-                        c.type_sql,
-                        e.column.as_str()
-                    ),
-                );
-            }
-        }
+        Ok(())
     }
-
-    let fks: Vec<(String, String, String)> = sqlx::query_as(
-        "select conname::text, conrelid::regclass::text,
-                case confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT'
-                                 when 'c' then 'CASCADE' when 'n' then 'SET NULL'
-                                 when 'd' then 'SET DEFAULT' end
-           from pg_constraint where contype = 'f' and confrelid = to_regclass($1)",
-    )
-    .bind(t.table.quoted())
-    .fetch_all(pool)
-    .await?;
-    for (name, from, rule) in fks {
-        let consequence = match rule.as_str() {
-            "CASCADE" => "deleting a row also deletes its referencing rows, which are not audited",
-            "SET NULL" | "SET DEFAULT" => "deleting a row rewrites its referencing rows",
-            _ => "a row that is still referenced cannot be deleted and is recorded as `failed`",
-        };
-        say(
-            Level::Warning,
-            format!(
-                "foreign key {name} on {from} references {} with ON DELETE {rule}: {consequence}",
-                t.table
-            ),
-        );
-    }
-    Ok(())
 }
