@@ -158,9 +158,9 @@ impl Config {
         Self::validate(raw)
     }
 
-    fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
+    fn validate(mut raw: RawConfig) -> Result<Config, ConfigError> {
         let mut errors = Vec::new();
-        let database_url = match raw.database_url {
+        let database_url = match raw.database_url.take() {
             Some(url) if !url.expose_secret().trim().is_empty() => url,
             _ => {
                 errors.push(
@@ -177,176 +177,14 @@ impl Config {
             ));
             SocketAddr::from(([127, 0, 0, 1], 8080))
         });
-        if raw.database.max_connections < 2 {
-            errors.push("database.max_connections: must be at least 2".into());
-        }
-        if raw.queue.lease <= raw.consume.statement_timeout {
-            errors.push(format!(
-                "queue.lease ({}) must be longer than consume.statement_timeout ({}): a lease that \
-                 expires mid-command lets a second worker run it",
-                raw.queue.lease, raw.consume.statement_timeout
-            ));
-        }
-        if !(1..=100).contains(&raw.queue.claim_batch)
-            || raw.consume.command_deadline.seconds() * raw.queue.claim_batch as i64
-                >= raw.queue.lease.seconds()
-        {
-            errors.push(format!(
-                "queue.claim_batch ({}) must be 1-100, and claim_batch × consume.command_deadline ({}) \
-                 shorter than queue.lease ({}): a claimed command must not outlive its lease",
-                raw.queue.claim_batch, raw.consume.command_deadline, raw.queue.lease
-            ));
-        }
-        if raw.consume.command_deadline < raw.consume.statement_timeout
-            || raw.consume.command_deadline >= raw.queue.lease
-        {
-            errors.push(format!(
-                "consume.command_deadline ({}) must be at least consume.statement_timeout ({}) and \
-                 shorter than queue.lease ({})",
-                raw.consume.command_deadline, raw.consume.statement_timeout, raw.queue.lease
-            ));
-        }
-        if raw.ledger.command_retention.seconds() < 8 * 86_400
-            || raw.ledger.command_retention <= raw.queue.lease
-        {
-            errors.push(format!(
-                "ledger.command_retention ({}) must be at least 8d and longer than queue.lease: \
-                 a command may be redelivered until every transport's horizon has passed",
-                raw.ledger.command_retention
-            ));
-        }
-        if !(1..=10_000).contains(&raw.consume.max_in_flight) {
-            errors.push("consume.max_in_flight: must be between 1 and 10000".into());
-        }
-        if !(1..=100_000).contains(&raw.ledger.purge_batch) {
-            errors.push("ledger.purge_batch: must be between 1 and 100000".into());
-        }
-        if raw.planning.page_rows < 1 || raw.planning.page_rows > 1_000_000 {
-            errors.push("planning.page_rows: must be between 1 and 1000000".into());
-        }
-        if raw.planning.closure_check_cap < 1 {
-            errors.push("planning.closure_check_cap: must be at least 1".into());
-        }
-        for (name, d) in [
-            ("consume.lock_timeout", raw.consume.lock_timeout),
-            ("consume.statement_timeout", raw.consume.statement_timeout),
-            ("consume.retry_after", raw.consume.retry_after),
-            ("queue.poll_interval", raw.queue.poll_interval),
-            ("planning.lease", raw.planning.lease),
-            ("database.acquire_timeout", raw.database.acquire_timeout),
-            ("database.lock_timeout", raw.database.lock_timeout),
-            ("database.statement_timeout", raw.database.statement_timeout),
-            ("queue.drain", raw.queue.drain),
-            (
-                "ledger.housekeeping_interval",
-                raw.ledger.housekeeping_interval,
-            ),
-            ("ledger.hold_alert_after", raw.ledger.hold_alert_after),
-        ] {
-            if d.seconds() < 1 {
-                errors.push(format!("{name}: must be at least 1s"));
-            }
-        }
+        check_limits(&raw, &mut errors);
 
         let credentials = crate::auth::Credentials::from_config(&raw.auth, &mut errors);
 
-        let mut dependencies: Vec<crate::dependency::Dependency> = Vec::new();
-        for (i, d) in raw.dependency.into_iter().enumerate() {
-            let label = if d.name.is_empty() {
-                format!("dependency[{i}]")
-            } else {
-                format!("dependency[{}]", d.name)
-            };
-            if dependencies.iter().any(|x| x.name == d.name) {
-                errors.push(format!(
-                    "{label}: a dependency of this name is defined twice"
-                ));
-                continue;
-            }
-            match crate::dependency::Dependency::from_config(d) {
-                Ok(dep) => dependencies.push(dep),
-                Err(es) => errors.extend(es.into_iter().map(|e| format!("{label}.{e}"))),
-            }
-        }
+        let dependencies = dependencies_from(raw.dependency, &mut errors);
 
-        let mut names = HashSet::new();
-        let mut policies = Vec::new();
-        for (i, mut p) in raw.policy.into_iter().enumerate() {
-            let label = if p.name.is_empty() {
-                format!("policy[{i}]")
-            } else {
-                format!("policy[{}]", p.name)
-            };
-            if !names.insert(p.name.clone()) {
-                errors.push(format!("{label}: a policy of this name is defined twice"));
-                continue;
-            }
-            // The dependency's retry settings fill what the policy leaves unset.
-            let dep = p
-                .action
-                .as_ref()
-                .and_then(|a| a.dependency.as_deref())
-                .and_then(|d| dependencies.iter().find(|x| x.name == d));
-            if let Some(dr) = dep.and_then(|d| d.retry.clone()) {
-                let pr = p.retry.take();
-                let pick = |a: Option<DurationSpec>, b: Option<DurationSpec>| a.or(b);
-                p.retry = Some(crate::policy::RetryConfig {
-                    max_attempts: pr.as_ref().and_then(|r| r.max_attempts).or(dr.max_attempts),
-                    base: pick(pr.as_ref().and_then(|r| r.base), dr.base),
-                    cap: pick(pr.as_ref().and_then(|r| r.cap), dr.cap),
-                    max_age: pick(pr.as_ref().and_then(|r| r.max_age), dr.max_age),
-                });
-            }
-            match Policy::from_config(p) {
-                Ok(policy) => {
-                    if let Some(d) = policy.spec.action.dependency() {
-                        let object = matches!(
-                            policy.spec.action,
-                            crate::policy::ActionSpec::ObjectStore(_)
-                        );
-                        match dependencies.iter().find(|x| x.name == d) {
-                            None => errors.push(format!(
-                                "{label}.action.dependency: no [[dependency]] is named `{d}`"
-                            )),
-                            Some(x) if x.kind.is_object_store() != object => errors.push(format!(
-                                "{label}.action.dependency: `{d}` is {} dependency, the action needs {}",
-                                if x.kind.is_object_store() { "an object-store" } else { "an http" },
-                                if object { "an object store" } else { "an http one" }
-                            )),
-                            Some(_) => {}
-                        }
-                    }
-                    policies.push(policy)
-                }
-                Err(es) => errors.extend(es.into_iter().map(|e| format!("{label}.{e}"))),
-            }
-        }
+        let policies = policies_from(raw.policy, &dependencies, &mut errors);
 
-        if raw.http.header_read_timeout.seconds() < 1
-            || raw.http.request_timeout <= raw.consume.command_deadline
-        {
-            errors.push(format!(
-                "http: header_read_timeout must be at least 1s and request_timeout ({}) longer \
-                 than consume.command_deadline ({})",
-                raw.http.request_timeout, raw.consume.command_deadline
-            ));
-        }
-        if raw
-            .tls
-            .as_ref()
-            .is_some_and(|t| t.reload_check.seconds() < 1)
-        {
-            errors.push("tls.reload_check: must be at least 1s".into());
-        }
-        if raw
-            .pubsub
-            .as_ref()
-            .is_some_and(|p| p.relay_interval.seconds() < 1 || p.republish_after.seconds() < 60)
-        {
-            errors.push(
-                "pubsub: relay_interval must be at least 1s and republish_after at least 1m".into(),
-            );
-        }
         if raw.pubsub.is_none()
             && let Some(p) = policies
                 .iter()
@@ -400,6 +238,195 @@ impl Config {
     pub fn policy_by_command(&self, command_id: &str) -> Option<&Policy> {
         self.policy(command_id.split(':').next()?)
     }
+}
+
+/// Cross-field and range checks of the settings sections, each problem pushed onto `errors`:
+/// a lease longer than a command's statements and deadline, retention past every redelivery
+/// horizon, the request timeout past the command deadline, intervals of at least a second.
+fn check_limits(raw: &RawConfig, errors: &mut Vec<String>) {
+    if raw.database.max_connections < 2 {
+        errors.push("database.max_connections: must be at least 2".into());
+    }
+    if raw.queue.lease <= raw.consume.statement_timeout {
+        errors.push(format!(
+            "queue.lease ({}) must be longer than consume.statement_timeout ({}): a lease that \
+             expires mid-command lets a second worker run it",
+            raw.queue.lease, raw.consume.statement_timeout
+        ));
+    }
+    if !(1..=100).contains(&raw.queue.claim_batch)
+        || raw.consume.command_deadline.seconds() * raw.queue.claim_batch as i64
+            >= raw.queue.lease.seconds()
+    {
+        errors.push(format!(
+            "queue.claim_batch ({}) must be 1-100, and claim_batch × consume.command_deadline ({}) \
+             shorter than queue.lease ({}): a claimed command must not outlive its lease",
+            raw.queue.claim_batch, raw.consume.command_deadline, raw.queue.lease
+        ));
+    }
+    if raw.consume.command_deadline < raw.consume.statement_timeout
+        || raw.consume.command_deadline >= raw.queue.lease
+    {
+        errors.push(format!(
+            "consume.command_deadline ({}) must be at least consume.statement_timeout ({}) and \
+             shorter than queue.lease ({})",
+            raw.consume.command_deadline, raw.consume.statement_timeout, raw.queue.lease
+        ));
+    }
+    if raw.ledger.command_retention.seconds() < 8 * 86_400
+        || raw.ledger.command_retention <= raw.queue.lease
+    {
+        errors.push(format!(
+            "ledger.command_retention ({}) must be at least 8d and longer than queue.lease: \
+             a command may be redelivered until every transport's horizon has passed",
+            raw.ledger.command_retention
+        ));
+    }
+    if !(1..=10_000).contains(&raw.consume.max_in_flight) {
+        errors.push("consume.max_in_flight: must be between 1 and 10000".into());
+    }
+    if !(1..=100_000).contains(&raw.ledger.purge_batch) {
+        errors.push("ledger.purge_batch: must be between 1 and 100000".into());
+    }
+    if raw.planning.page_rows < 1 || raw.planning.page_rows > 1_000_000 {
+        errors.push("planning.page_rows: must be between 1 and 1000000".into());
+    }
+    if raw.planning.closure_check_cap < 1 {
+        errors.push("planning.closure_check_cap: must be at least 1".into());
+    }
+    for (name, d) in [
+        ("consume.lock_timeout", raw.consume.lock_timeout),
+        ("consume.statement_timeout", raw.consume.statement_timeout),
+        ("consume.retry_after", raw.consume.retry_after),
+        ("queue.poll_interval", raw.queue.poll_interval),
+        ("planning.lease", raw.planning.lease),
+        ("database.acquire_timeout", raw.database.acquire_timeout),
+        ("database.lock_timeout", raw.database.lock_timeout),
+        ("database.statement_timeout", raw.database.statement_timeout),
+        ("queue.drain", raw.queue.drain),
+        (
+            "ledger.housekeeping_interval",
+            raw.ledger.housekeeping_interval,
+        ),
+        ("ledger.hold_alert_after", raw.ledger.hold_alert_after),
+    ] {
+        if d.seconds() < 1 {
+            errors.push(format!("{name}: must be at least 1s"));
+        }
+    }
+    if raw.http.header_read_timeout.seconds() < 1
+        || raw.http.request_timeout <= raw.consume.command_deadline
+    {
+        errors.push(format!(
+            "http: header_read_timeout must be at least 1s and request_timeout ({}) longer \
+             than consume.command_deadline ({})",
+            raw.http.request_timeout, raw.consume.command_deadline
+        ));
+    }
+    if raw
+        .tls
+        .as_ref()
+        .is_some_and(|t| t.reload_check.seconds() < 1)
+    {
+        errors.push("tls.reload_check: must be at least 1s".into());
+    }
+    if raw
+        .pubsub
+        .as_ref()
+        .is_some_and(|p| p.relay_interval.seconds() < 1 || p.republish_after.seconds() < 60)
+    {
+        errors.push(
+            "pubsub: relay_interval must be at least 1s and republish_after at least 1m".into(),
+        );
+    }
+}
+
+/// The dependencies, validated; names must be unique.
+fn dependencies_from(
+    raw: Vec<crate::dependency::DependencyConfig>,
+    errors: &mut Vec<String>,
+) -> Vec<crate::dependency::Dependency> {
+    let mut dependencies: Vec<crate::dependency::Dependency> = Vec::new();
+    for (i, d) in raw.into_iter().enumerate() {
+        let label = if d.name.is_empty() {
+            format!("dependency[{i}]")
+        } else {
+            format!("dependency[{}]", d.name)
+        };
+        if dependencies.iter().any(|x| x.name == d.name) {
+            errors.push(format!(
+                "{label}: a dependency of this name is defined twice"
+            ));
+            continue;
+        }
+        match crate::dependency::Dependency::from_config(d) {
+            Ok(dep) => dependencies.push(dep),
+            Err(es) => errors.extend(es.into_iter().map(|e| format!("{label}.{e}"))),
+        }
+    }
+    dependencies
+}
+
+/// The policies, validated; names must be unique, a dependency's retry settings fill what the
+/// policy leaves unset, and an action's dependency must exist and be of the action's kind.
+fn policies_from(
+    raw: Vec<PolicyConfig>,
+    dependencies: &[crate::dependency::Dependency],
+    errors: &mut Vec<String>,
+) -> Vec<Policy> {
+    let mut names = HashSet::new();
+    let mut policies = Vec::new();
+    for (i, mut p) in raw.into_iter().enumerate() {
+        let label = if p.name.is_empty() {
+            format!("policy[{i}]")
+        } else {
+            format!("policy[{}]", p.name)
+        };
+        if !names.insert(p.name.clone()) {
+            errors.push(format!("{label}: a policy of this name is defined twice"));
+            continue;
+        }
+        // The dependency's retry settings fill what the policy leaves unset.
+        let dep = p
+            .action
+            .as_ref()
+            .and_then(|a| a.dependency.as_deref())
+            .and_then(|d| dependencies.iter().find(|x| x.name == d));
+        if let Some(dr) = dep.and_then(|d| d.retry.clone()) {
+            let pr = p.retry.take();
+            let pick = |a: Option<DurationSpec>, b: Option<DurationSpec>| a.or(b);
+            p.retry = Some(crate::policy::RetryConfig {
+                max_attempts: pr.as_ref().and_then(|r| r.max_attempts).or(dr.max_attempts),
+                base: pick(pr.as_ref().and_then(|r| r.base), dr.base),
+                cap: pick(pr.as_ref().and_then(|r| r.cap), dr.cap),
+                max_age: pick(pr.as_ref().and_then(|r| r.max_age), dr.max_age),
+            });
+        }
+        match Policy::from_config(p) {
+            Ok(policy) => {
+                if let Some(d) = policy.spec.action.dependency() {
+                    let object = matches!(
+                        policy.spec.action,
+                        crate::policy::ActionSpec::ObjectStore(_)
+                    );
+                    match dependencies.iter().find(|x| x.name == d) {
+                        None => errors.push(format!(
+                            "{label}.action.dependency: no [[dependency]] is named `{d}`"
+                        )),
+                        Some(x) if x.kind.is_object_store() != object => errors.push(format!(
+                            "{label}.action.dependency: `{d}` is {} dependency, the action needs {}",
+                            if x.kind.is_object_store() { "an object-store" } else { "an http" },
+                            if object { "an object store" } else { "an http one" }
+                        )),
+                        Some(_) => {}
+                    }
+                }
+                policies.push(policy)
+            }
+            Err(es) => errors.extend(es.into_iter().map(|e| format!("{label}.{e}"))),
+        }
+    }
+    policies
 }
 
 #[cfg(test)]
