@@ -9,14 +9,20 @@
 //! `--batch N` (250), `--naive-sample N` (20000), `--triggers N` (25), `--wrk-seconds N` (5),
 //! `--json PATH` (target/bench/sweeper.json), `--smoke` (small sizes, for CI).
 
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio::sync::Mutex;
 
-const BIN: &str = env!("CARGO_BIN_EXE_sweeper");
+#[allow(dead_code)]
+#[path = "../tests/kit/mod.rs"]
+mod kit;
+
+use kit::db::{copy_database, database_url, drop_database};
+use kit::process::{Launch, Server};
+
 const SECRET: &str = "bench-secret-bench-secret-bench-secret-0123";
 
 #[derive(Debug, Clone)]
@@ -76,40 +82,6 @@ fn opts() -> Opts {
     o
 }
 
-fn server_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-fn db_url(name: &str) -> String {
-    let mut u = url::Url::parse(&server_url()).unwrap();
-    u.set_path(&format!("/{name}"));
-    u.to_string()
-}
-
-async fn admin() -> PgConnection {
-    PgConnection::connect(&server_url())
-        .await
-        .expect("PostgreSQL answers")
-}
-
-async fn drop_db(name: &str) {
-    let mut a = admin().await;
-    sqlx::query(&format!("drop database if exists {name} with (force)"))
-        .execute(&mut a)
-        .await
-        .unwrap();
-}
-
-async fn copy_db(template: &str, name: &str) {
-    drop_db(name).await;
-    let mut a = admin().await;
-    sqlx::query(&format!("create database {name} template {template}"))
-        .execute(&mut a)
-        .await
-        .unwrap();
-}
-
 fn policy_toml(batch: usize) -> String {
     format!(
         r#"
@@ -125,11 +97,11 @@ max_concurrent_commands = 16
     )
 }
 
-fn config_toml(db: &str, port: u16, workers: usize, batch: usize) -> String {
+fn config_toml(db: &str, workers: usize, batch: usize) -> String {
     format!(
         r#"
 database_url = "{url}"
-listen = "127.0.0.1:{port}"
+listen = "127.0.0.1:0"
 [database]
 max_connections = 12
 [queue]
@@ -140,21 +112,20 @@ audience = "sweeper"
 keys = [ {{ kid = "bench", secret = "{SECRET}" }} ]
 {policy}
 "#,
-        url = db_url(db),
+        url = database_url(db),
         policy = policy_toml(batch)
     )
 }
 
 fn token() -> String {
-    let issuer = sweeper::auth::Issuer {
-        iss: "bench".into(),
-        audience: "sweeper".into(),
-        keys: vec![("bench".into(), secrecy::SecretString::from(SECRET))],
-    };
-    let scopes: Vec<String> = ["trigger:*", "consume", "ops:read", "ops:write"]
-        .map(String::from)
-        .to_vec();
-    sweeper::auth::mint(&issuer, "bench", &scopes, 7_200).unwrap()
+    kit::client::mint(
+        "bench",
+        "bench",
+        SECRET,
+        "bench",
+        &kit::client::ALL_SCOPES,
+        7_200,
+    )
 }
 
 fn window() -> chrono::DateTime<chrono::Utc> {
@@ -167,14 +138,7 @@ fn window() -> chrono::DateTime<chrono::Utc> {
 /// Seeds a database: the ledger migrated, `demo.tickets` with `rows` rows of ~200 bytes, ~70 %
 /// older than the cutoff, ~2 % on legal hold (deterministic: the generator is seeded).
 async fn seed(name: &str, rows: i64) {
-    drop_db(name).await;
-    let mut a = admin().await;
-    sqlx::query(&format!("create database {name}"))
-        .execute(&mut a)
-        .await
-        .unwrap();
-    let pool = PgPool::connect(&db_url(name)).await.unwrap();
-    sweeper::ledger::MIGRATOR.run(&pool).await.unwrap();
+    let pool = kit::db::create_migrated(name).await;
     let mut c = pool.acquire().await.unwrap();
     for stmt in [
         "create schema demo",
@@ -228,7 +192,7 @@ async fn eligible_count(pool: &PgPool) -> i64 {
 /// The physical limit: sweeper's own delete_rows statements per command (the consume pipeline,
 /// called in process: no HTTP, no queue, no service), `conns` commands at a time.
 async fn physical(db: &str, batch: usize, conns: usize) -> f64 {
-    let config = sweeper::settings::Config::from_toml(&config_toml(db, 0, 0, batch)).unwrap();
+    let config = sweeper::settings::Config::from_toml(&config_toml(db, 0, batch)).unwrap();
     let policy = config.policies[0].clone();
     let app = sweeper::app::Application::build(config).await.unwrap();
     let state = app.state();
@@ -287,7 +251,7 @@ async fn physical(db: &str, batch: usize, conns: usize) -> f64 {
 
 /// The naive job: one DELETE and one audit INSERT per row, autocommit, over `sample` rows.
 async fn naive(db: &str, sample: i64) -> f64 {
-    let mut c = PgConnection::connect(&db_url(db)).await.unwrap();
+    let mut c = PgConnection::connect(&database_url(db)).await.unwrap();
     let ids: Vec<i64> = sqlx::query_scalar(
         "select id from demo.tickets where closed_at < $1 and not legal_hold order by id limit $2",
     )
@@ -316,72 +280,20 @@ async fn naive(db: &str, sample: i64) -> f64 {
     ids.len() as f64 / started.elapsed().as_secs_f64()
 }
 
-struct Server {
-    child: Child,
-    base: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Server {
-    async fn start(db: &str, workers: usize, batch: usize) -> Server {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let dir = std::env::temp_dir().join(format!("sweeper-bench-{port}"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("sweeper.toml");
-        std::fs::write(&path, config_toml(db, port, workers, batch)).unwrap();
-        let child = Command::new(BIN)
-            .args(["serve", "--config", path.to_str().unwrap()])
-            .env_remove("DATABASE_URL")
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let base = format!("http://127.0.0.1:{port}");
-        let started = Instant::now();
-        while reqwest::get(format!("{base}/readyz"))
-            .await
-            .map(|r| r.status() != 200)
-            .unwrap_or(true)
-        {
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "server did not start"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Server { child, base }
-    }
-
-    /// Peak resident set size so far, in MB (VmHWM).
-    fn peak_rss_mb(&self) -> f64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .unwrap_or_default();
-        status
-            .lines()
-            .find(|l| l.starts_with("VmHWM:"))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|kb| kb.parse::<f64>().ok())
-            .map(|kb| kb / 1024.0)
-            .unwrap_or(f64::NAN)
-    }
+/// Starts `sweeper serve` on database `db` with `workers` built-in workers.
+async fn serve(db: &str, workers: usize, batch: usize) -> Server {
+    let how = Launch {
+        ready_within: Some(Duration::from_secs(60)),
+        ..Default::default()
+    };
+    Server::launch(&config_toml(db, workers, batch), how).await
 }
 
 /// Sweeper end to end: a real server process, a real HTTP trigger, the built-in queue draining
 /// the run with `workers` workers; items/s from the trigger to the run's completion, and the
 /// server's peak RSS.
 async fn sweeper_builtin(db: &str, batch: usize, workers: usize) -> (f64, f64) {
-    let server = Server::start(db, workers, batch).await;
+    let server = serve(db, workers, batch).await;
     let started = Instant::now();
     let r = reqwest::Client::new()
         .post(format!(
@@ -396,7 +308,7 @@ async fn sweeper_builtin(db: &str, batch: usize, workers: usize) -> (f64, f64) {
     assert_eq!(r.status(), 202);
     let run: Value = r.json().await.unwrap();
     let run_id = run["run_id"].as_str().unwrap().to_string();
-    let pool = PgPool::connect(&db_url(db)).await.unwrap();
+    let pool = PgPool::connect(&database_url(db)).await.unwrap();
     let deleted: i64 = loop {
         let (status, deleted): (String, i64) =
             sqlx::query_as("select status, deleted from sweeper.runs where run_id = $1")
@@ -418,7 +330,7 @@ async fn sweeper_builtin(db: &str, batch: usize, workers: usize) -> (f64, f64) {
 /// Trigger latency with a backlog: `n` dry-run triggers (each a new run) against a table of
 /// `backlog` rows, sequentially; returns (p50, p99) in milliseconds.
 async fn trigger_latency(db: &str, batch: usize, n: usize) -> (f64, f64) {
-    let server = Server::start(db, 0, batch).await;
+    let server = serve(db, 0, batch).await;
     let client = reqwest::Client::new();
     let url = format!(
         "{}/trigger/ticket-retention?dry_run=true&window={}",
@@ -474,8 +386,8 @@ async fn fast_path(db: &str, batch: usize, seconds: u64) -> Option<(f64, f64)> {
         eprintln!("wrk is not installed (apt-get install wrk): skipping the fast-path ratio");
         return None;
     }
-    let server = Server::start(db, 0, batch).await;
-    let pool = PgPool::connect(&db_url(db)).await.unwrap();
+    let server = serve(db, 0, batch).await;
+    let pool = PgPool::connect(&database_url(db)).await.unwrap();
     let command: String = sqlx::query_scalar(
         "select command_id from sweeper.commands where state = 'succeeded' limit 1",
     )
@@ -534,7 +446,7 @@ async fn main() {
     eprintln!("seeding {} rows ...", o.rows);
     seed(&seed_db, o.rows).await;
     let eligible = {
-        let p = PgPool::connect(&db_url(&seed_db)).await.unwrap();
+        let p = PgPool::connect(&database_url(&seed_db)).await.unwrap();
         let n = eligible_count(&p).await;
         p.close().await;
         n
@@ -555,7 +467,7 @@ async fn main() {
     let mut rss: Vec<f64> = Vec::new();
     for rep in 0..o.reps {
         for (i, name) in contenders.iter().enumerate() {
-            copy_db(&seed_db, work).await;
+            copy_database(&seed_db, work).await;
             let v = match *name {
                 "physical_1conn" => physical(work, o.batch, 1).await,
                 "physical_2conn" => physical(work, o.batch, 2).await,
@@ -577,14 +489,14 @@ async fn main() {
     }
     // The fast path needs a completed run: the last copy has one.
     let fast = fast_path(work, o.batch, o.wrk_seconds).await;
-    drop_db(work).await;
+    drop_database(work).await;
 
     let backlog_db = format!("sweeper_bench_backlog_{}", o.backlog);
     eprintln!("seeding the {}-row backlog ...", o.backlog);
     seed(&backlog_db, o.backlog).await;
     let (p50, p99) = trigger_latency(&backlog_db, o.batch, o.triggers).await;
-    drop_db(&backlog_db).await;
-    drop_db(&seed_db).await;
+    drop_database(&backlog_db).await;
+    drop_database(&seed_db).await;
 
     let med: Vec<f64> = results.iter_mut().map(|v| median(v)).collect();
     let [phys1, phys2, naive_ips, sw1, sw2] = [med[0], med[1], med[2], med[3], med[4]];

@@ -58,6 +58,13 @@ struct LockedCommand {
     slot_free: bool,
 }
 
+/// The advisory-lock key (hashed with `hashtext`, the slot number as the second key) of
+/// `policy`'s `max_concurrent_commands` slots. Public so a test can hold a slot as another
+/// replica would.
+pub fn slot_lock_key(policy: &str) -> String {
+    format!("sweeper:{policy}")
+}
+
 /// One statement: lock the command row; read its run, its policy's suspension and current
 /// version; set this transaction's lock and statement timeouts; and take one of the policy's
 /// `max_concurrent_commands` slots (transaction-scoped advisory locks shared by all replicas,
@@ -90,7 +97,7 @@ async fn lock_command(
                           from generate_series(0, coalesce((select cap from unnest($4::text[], $5::int4[])
                                                                   as caps(policy, cap)
                                                              where caps.policy = r.policy), 1) - 1) s
-                         where pg_try_advisory_xact_lock(hashtext('sweeper:' || r.policy), s))
+                         where pg_try_advisory_xact_lock(hashtext($6 || r.policy), s))
                     as slot_free
            from sweeper.commands c join sweeper.runs r using (run_id)
            left join sweeper.policy_state ps on ps.policy = r.policy
@@ -102,6 +109,7 @@ async fn lock_command(
     .bind(format!("{}s", state.config.consume.statement_timeout.seconds()))
     .bind(&names)
     .bind(&caps)
+    .bind(slot_lock_key(""))
     .fetch_optional(&mut **tx)
     .await
 }

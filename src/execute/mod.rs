@@ -17,6 +17,7 @@ mod load;
 pub use envelope::{RAW_BODY_LIMIT, quarantine_envelope};
 pub(crate) use finish::{finish_in_run, record_failure, record_item_dead_letters};
 pub use finish::{hold_recheck_seconds, record_closure_check};
+pub use load::slot_lock_key;
 
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;

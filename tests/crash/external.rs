@@ -6,12 +6,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use serde_json::Value;
 use sqlx::PgPool;
 
-use super::{Server, advance, start_with, token, wait_crashed};
+use super::{advance, api};
 use crate::common::*;
 use crate::ext_common::*;
+use crate::kit::process::{Launch, Server};
 use crate::standin::{Call, StandIn, ok};
 
 async fn prepare() -> (TestDb, PgPool) {
@@ -25,46 +25,29 @@ async fn prepare() -> (TestDb, PgPool) {
     (db, pool)
 }
 
+/// Triggers `policy` for `window` (a new run, or the one the window has); returns its id.
 async fn trigger(server: &Server, policy: &str, window: &str) -> String {
-    let r = reqwest::Client::new()
-        .post(format!("{}/trigger/{policy}?window={window}", server.base))
-        .bearer_auth(token())
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status() == 202 || r.status() == 200, "{}", r.status());
-    let run: Value = r.json().await.unwrap();
-    run["run_id"].as_str().unwrap().to_string()
+    let a = api(server)
+        .trigger(policy, &format!("?window={window}"))
+        .await;
+    assert!(a.status == 202 || a.status == 200, "{}", a.status);
+    a.body["run_id"].as_str().unwrap().to_string()
 }
 
+/// Waits (up to 90 s) until the run is terminal; returns its status, logging the dead letters'
+/// reasons when it did not simply complete.
 async fn wait_status(pool: &PgPool, run_id: &str) -> String {
-    let started = Instant::now();
-    loop {
-        let status: String =
-            sqlx::query_scalar("select status from sweeper.runs where run_id = $1")
-                .bind(run_id)
-                .fetch_one(pool)
-                .await
-                .unwrap();
-        if status.starts_with("completed") || status == "cancelled" {
-            if status != "completed" {
-                let why: Vec<(String, String)> = sqlx::query_as(
-                    "select class, reason from sweeper.dead_letters where run_id = $1",
-                )
+    let status = crate::kit::ledger::wait_run_terminal(pool, run_id, Duration::from_secs(90)).await;
+    if status != "completed" {
+        let why: Vec<(String, String)> =
+            sqlx::query_as("select class, reason from sweeper.dead_letters where run_id = $1")
                 .bind(run_id)
                 .fetch_all(pool)
                 .await
                 .unwrap();
-                eprintln!("run {run_id} ended {status}: {why:?}");
-            }
-            return status;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(90),
-            "run {run_id} still {status}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        eprintln!("run {run_id} ended {status}: {why:?}");
     }
+    status
 }
 
 fn item_of(c: &Call) -> i64 {
@@ -138,8 +121,8 @@ batch_size = 5
 action = { kind = "http", dependency = "ledger-api", method = "DELETE", path = "/objects/{id}", then = "nothing" }
 "#;
     let text = config_toml(&db.url, 3, "[planning]\npage_rows = 50", &policies);
-    let a = start_with(&text, &[], None).await;
-    let b = start_with(&text, &[], None).await;
+    let a = Server::start(&text).await;
+    let b = Server::start(&text).await;
     let r1 = trigger(&a, "reconcile", "2026-09-01").await;
     let r2 = trigger(&b, "other", "2026-09-01").await;
     assert_eq!(wait_status(&pool, &r1).await, "completed");
@@ -334,7 +317,14 @@ action = {{ kind = "object_store", dependency = "{dep}", column = "object_key", 
         + &policy("uploads-nowhere", "nowhere");
     let text = config_toml(&db.url, 2, "", &policies);
     let env = [("TEST_S3_KEY", "testing"), ("TEST_S3_SECRET", "testing")];
-    let server = start_with(&text, &env, None).await;
+    let server = Server::launch(
+        &text,
+        Launch {
+            env: &env,
+            ..Default::default()
+        },
+    )
+    .await;
 
     let r = trigger(&server, "uploads-nowhere", "2026-09-01").await;
     assert_eq!(wait_status(&pool, &r).await, "completed_with_dead_letters");
@@ -392,12 +382,19 @@ async fn crash_around_the_effect(point: &str) -> Vec<Call> {
     let policies = dependency("payments", &provider.url(), "")
         + &payments_policy("reconcile", "payments", 5, "", "");
     let text = config_toml(&db.url, 1, "", &policies);
-    let mut crashing = start_with(&text, &[], Some(point)).await;
+    let mut crashing = Server::launch(
+        &text,
+        Launch {
+            crash_at: Some(point),
+            ..Default::default()
+        },
+    )
+    .await;
     let r1 = trigger(&crashing, "reconcile", "2026-09-01").await;
-    wait_crashed(&mut crashing).await;
+    crashing.wait_crashed().await;
     assert_eq!(provider.calls().len(), 1, "crashed after the first call");
 
-    let server = start_with(&text, &[], None).await;
+    let server = Server::start(&text).await;
     // An overlapping run: the open effect holds item 1; the others are done by this run.
     let r2 = trigger(&server, "reconcile", "2026-09-02").await;
     assert_eq!(wait_status(&pool, &r2).await, "completed");

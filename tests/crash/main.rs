@@ -4,7 +4,7 @@
 //! command terminal, every eligible row deleted once, one audit outcome per item, no held row
 //! touched, no command lost.
 
-#[allow(dead_code)]
+#[allow(dead_code, unused_imports)]
 #[path = "../integration/common.rs"]
 mod common;
 #[path = "../integration/emulator.rs"]
@@ -13,6 +13,9 @@ mod emulator;
 #[path = "../integration/ext_common.rs"]
 mod ext_common;
 mod external;
+#[allow(dead_code)]
+#[path = "../kit/mod.rs"]
+mod kit;
 mod pubsub;
 mod shutdown;
 #[allow(dead_code)]
@@ -20,27 +23,15 @@ mod shutdown;
 mod standin;
 mod tls;
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::Value;
+use kit::client::{ALL_SCOPES, mint};
+use kit::ledger::advance_clock as advance;
+use kit::process::{Launch, Server};
 use sqlx::PgPool;
 
-const BIN: &str = env!("CARGO_BIN_EXE_sweeper");
 const WINDOW: &str = "2026-09-01T02:00:00Z";
-
-struct Server {
-    child: Child,
-    base: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn config(db_url: &str, workers: usize) -> String {
     config_toml(
@@ -51,126 +42,34 @@ fn config(db_url: &str, workers: usize) -> String {
     )
 }
 
+/// The ticket configuration with `workers` built-in workers, aborting at `crash_at` if given.
 async fn start(db_url: &str, workers: usize, crash_at: Option<&str>) -> Server {
-    start_with(&config(db_url, workers), &[], crash_at).await
-}
-
-/// Starts `sweeper serve` on a free port with the configuration `text` (its `listen` replaced)
-/// and extra environment variables; waits until it is ready.
-async fn start_with(text: &str, env: &[(&str, &str)], crash_at: Option<&str>) -> Server {
-    start_on(free_port(), text, env, crash_at).await
-}
-
-/// [`start_with`] on a given port (a restart on the same port keeps a push endpoint valid).
-async fn start_on(port: u16, text: &str, env: &[(&str, &str)], crash_at: Option<&str>) -> Server {
-    let text = text.replace("127.0.0.1:0", &format!("127.0.0.1:{port}"));
-    let dir = std::env::temp_dir().join(format!("sweeper-crash-{}", uuid::Uuid::new_v4().simple()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("sweeper.toml");
-    std::fs::write(&path, &text).unwrap();
-    let mut cmd = Command::new(BIN);
-    cmd.args(["serve", "--config", path.to_str().unwrap()])
-        .env_remove("DATABASE_URL")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    if let Some(point) = crash_at {
-        cmd.env("SWEEPER_CRASH_AT", point);
-    }
-    let child = cmd.spawn().unwrap();
-    let base = format!("http://127.0.0.1:{port}");
-    if text.contains("\n[tls]") {
-        // HTTPS: the caller waits for readiness with a client that trusts its certificate.
-        return Server { child, base };
-    }
-    let started = Instant::now();
-    while reqwest::get(format!("{base}/readyz"))
-        .await
-        .map(|r| r.status() != 200)
-        .unwrap_or(true)
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "server did not start"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Server { child, base }
-}
-
-/// Waits until the process aborted at its crash point.
-async fn wait_crashed(server: &mut Server) {
-    let started = Instant::now();
-    loop {
-        if let Some(status) = server.child.try_wait().unwrap() {
-            assert!(
-                !status.success(),
-                "the server exited cleanly instead of crashing"
-            );
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the crash point was never reached"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn token() -> String {
-    let issuer = sweeper::auth::Issuer {
-        iss: "sweeper-test".into(),
-        audience: "sweeper".into(),
-        keys: vec![("k2".into(), secrecy::SecretString::from(SECRET))],
+    let how = Launch {
+        crash_at,
+        ..Default::default()
     };
-    let scopes: Vec<String> = ["trigger:*", "consume", "ops:read", "ops:write"]
-        .map(String::from)
-        .to_vec();
-    sweeper::auth::mint(&issuer, "crash-test", &scopes, 600).unwrap()
+    Server::launch(&config(db_url, workers), how).await
 }
 
+/// A token with every scope from the tests' issuer.
+fn token() -> String {
+    mint("sweeper-test", "k2", SECRET, "crash-test", &ALL_SCOPES, 600)
+}
+
+/// The API of `server`, with [`token`].
+fn api(server: &Server) -> Client {
+    Client::new(&server.base, token())
+}
+
+/// Triggers the ticket policy for the current window; returns the new run's id.
 async fn trigger(server: &Server) -> String {
-    let r = reqwest::Client::new()
-        .post(format!("{}/trigger/ticket-retention", server.base))
-        .bearer_auth(token())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    let run: Value = r.json().await.unwrap();
-    run["run_id"].as_str().unwrap().to_string()
+    api(server).trigger_new("ticket-retention", "").await
 }
 
+/// Waits (up to 60 s, reading the ledger) until the run completed.
 async fn wait_terminal(pool: &PgPool, run_id: &str) {
-    let started = Instant::now();
-    loop {
-        let status: String =
-            sqlx::query_scalar("select status from sweeper.runs where run_id = $1")
-                .bind(run_id)
-                .fetch_one(pool)
-                .await
-                .unwrap();
-        if status.starts_with("completed") || status == "cancelled" {
-            assert_eq!(status, "completed");
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "run {run_id} still {status}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-async fn advance(pool: &PgPool, seconds: i64) {
-    let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("select sweeper.now()")
-        .fetch_one(pool)
-        .await
-        .unwrap();
-    set_clock(pool, now + chrono::TimeDelta::seconds(seconds)).await;
+    let status = kit::ledger::wait_run_terminal(pool, run_id, Duration::from_secs(60)).await;
+    assert_eq!(status, "completed");
 }
 
 /// A database with 400 tickets, the clock at the window; returns (db, pool, eligible ids).
@@ -187,20 +86,9 @@ async fn prepare() -> (TestDb, PgPool, Vec<i64>) {
 
 /// The durable end state every crash must leave.
 async fn assert_end_state(pool: &PgPool, run_id: &str, eligible: &[i64]) {
-    let states: Vec<String> =
-        sqlx::query_scalar("select distinct state from sweeper.commands where run_id = $1")
-            .bind(run_id)
-            .fetch_all(pool)
-            .await
-            .unwrap();
+    let states = kit::ledger::command_states(pool, run_id).await;
     assert_eq!(states, vec!["succeeded"], "every planned command terminal");
-    let planned: Vec<i64> = sqlx::query_scalar(
-        "select k::bigint from sweeper.commands, unnest(item_keys) k where run_id = $1 order by 1",
-    )
-    .bind(run_id)
-    .fetch_all(pool)
-    .await
-    .unwrap();
+    let planned = kit::ledger::planned_int_keys(pool, run_id).await;
     assert_eq!(
         planned, eligible,
         "every eligible key in exactly one command"
@@ -241,7 +129,7 @@ async fn a_crash_while_planning_resumes_from_the_persisted_cursor() {
     let (db, pool, eligible) = prepare().await;
     let mut server = start(&db.url, 0, Some("plan_after_page")).await;
     let run_id = trigger(&server).await;
-    wait_crashed(&mut server).await;
+    server.wait_crashed().await;
     let pages: i32 =
         sqlx::query_scalar("select pages_done from sweeper.planning_jobs where run_id = $1")
             .bind(&run_id)
@@ -260,7 +148,7 @@ async fn a_crash_after_the_delete_before_commit_loses_nothing() {
     let (db, pool, eligible) = prepare().await;
     let mut server = start(&db.url, 1, Some("consume_before_commit")).await;
     let run_id = trigger(&server).await;
-    wait_crashed(&mut server).await;
+    server.wait_crashed().await;
     let audit: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
         .fetch_one(&pool)
         .await
@@ -319,7 +207,7 @@ async fn a_crash_after_commit_before_the_answer_is_absorbed_by_redelivery() {
         first.is_err(),
         "the process died before answering: {first:?}"
     );
-    wait_crashed(&mut server).await;
+    server.wait_crashed().await;
     let state: String =
         sqlx::query_scalar("select state from sweeper.commands where command_id = $1")
             .bind(&commands[0])
@@ -334,7 +222,10 @@ async fn a_crash_after_commit_before_the_answer_is_absorbed_by_redelivery() {
         .await
         .unwrap();
     assert_eq!(again.status(), 200);
-    assert_eq!(again.json::<Value>().await.unwrap()["result"], "duplicate");
+    assert_eq!(
+        again.json::<serde_json::Value>().await.unwrap()["result"],
+        "duplicate"
+    );
     for id in &commands[1..] {
         let r = deliver(server.base.clone(), id.clone()).await.unwrap();
         assert_eq!(r.status(), 200);
@@ -348,7 +239,7 @@ async fn a_crash_while_holding_a_lease_is_reclaimed_after_it_expires() {
     let (db, pool, eligible) = prepare().await;
     let mut server = start(&db.url, 1, Some("worker_after_claim")).await;
     let run_id = trigger(&server).await;
-    wait_crashed(&mut server).await;
+    server.wait_crashed().await;
     let leased: Vec<(String, i32)> =
         sqlx::query_as("select command_id, attempts from sweeper.commands where state = 'leased'")
             .fetch_all(&pool)

@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use crate::common::*;
 use crate::emulator::{emulator, subscribe};
-use crate::{advance, assert_end_state, prepare, start_on, trigger, wait_crashed};
+use crate::kit::process::{Launch, Server};
+use crate::{advance, assert_end_state, prepare, trigger};
 
 #[tokio::test]
 async fn a_server_killed_with_pushes_in_flight_completes_the_run_after_a_restart() {
@@ -25,9 +26,17 @@ async fn a_server_killed_with_pushes_in_flight_completes_the_run_after_a_restart
     let base = format!("http://127.0.0.1:{port}");
     subscribe(&em, &base, 10).await;
     // The first push aborts the process after its delete, before its commit.
-    let mut server = start_on(port, &text, &[], Some("consume_before_commit")).await;
+    let mut server = Server::launch(
+        &text,
+        Launch {
+            port: Some(port),
+            crash_at: Some("consume_before_commit"),
+            ..Default::default()
+        },
+    )
+    .await;
     let run_id = trigger(&server).await;
-    wait_crashed(&mut server).await;
+    server.wait_crashed().await;
     let (audit, published): (i64, i64) = sqlx::query_as(
         "select (select count(*) from sweeper.audit),
                 (select count(*) from sweeper.commands where published_at is not null)",
@@ -43,7 +52,14 @@ async fn a_server_killed_with_pushes_in_flight_completes_the_run_after_a_restart
     // Pushes fail against the dead port for a while.
     tokio::time::sleep(Duration::from_secs(2)).await;
 
-    let _server = start_on(port, &text, &[], None).await;
+    let _server = Server::launch(
+        &text,
+        Launch {
+            port: Some(port),
+            ..Default::default()
+        },
+    )
+    .await;
     // Past the dead process's planning and relay leases, so this one resumes both.
     advance(&pool, 61).await;
     let started = Instant::now();

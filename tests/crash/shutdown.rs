@@ -1,7 +1,6 @@
 //! SIGTERM is bounded by `queue.drain` plus a few seconds, whatever other sessions hold: a row
 //! lock on a command this replica leased, or a lock on the whole commands table.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use sqlx::{Connection, PgConnection};
@@ -24,7 +23,7 @@ async fn sigterm_with(hold: &str) {
         &ticket_policy(10),
     );
     let ticket = lock_ticket(&db.url, eligible[0]).await;
-    let mut server = start_with(&text, &[], None).await;
+    let mut server = Server::start(&text).await;
     trigger(&server).await;
     // The worker claimed four commands and is waiting for the ticket of the first.
     let started = Instant::now();
@@ -62,27 +61,12 @@ async fn sigterm_with(hold: &str) {
     });
     tokio::time::sleep(Duration::from_millis(500)).await;
     let sigterm = Instant::now();
-    let pid = server.child.id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
-    loop {
-        if let Some(status) = server.child.try_wait().unwrap() {
-            assert!(status.success(), "{hold}: exit status {status}");
-            eprintln!("{hold}: exited {:?} after SIGTERM", sigterm.elapsed());
-            break;
-        }
-        assert!(
-            sigterm.elapsed() < Duration::from_secs(DRAIN_SECONDS + 6),
-            "{hold}: still running {:?} after SIGTERM",
-            sigterm.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    server.terminate();
+    let status = server
+        .wait_exit(Duration::from_secs(DRAIN_SECONDS + 6))
+        .await;
+    assert!(status.success(), "{hold}: exit status {status}");
+    eprintln!("{hold}: exited {:?} after SIGTERM", sigterm.elapsed());
     holder.abort();
     release_ticket(ticket).await;
 }

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
 
-use super::start_with;
 use crate::common::*;
+use crate::kit::process::{Launch, Server};
 
 /// A CA and a leaf for 127.0.0.1 signed by it: (ca pem, leaf cert pem, leaf key pem).
 fn chain(name: &str) -> (String, String, String) {
@@ -45,10 +45,17 @@ async fn healthz(client: &reqwest::Client, url: &str) -> Result<reqwest::Version
     Ok(r.version())
 }
 
-async fn start_with_setup(text: &str, db: &TestDb) -> super::Server {
+async fn start_with_setup(text: &str, db: &TestDb) -> Server {
     let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
     sqlx::raw_sql(TICKETS).execute(&pool).await.unwrap();
-    start_with(text, &[], None).await
+    Server::launch(
+        text,
+        Launch {
+            ready_within: None,
+            ..Default::default()
+        },
+    )
+    .await
 }
 
 fn write(dir: &std::path::Path, leaf: &(String, String, String)) {

@@ -1,31 +1,9 @@
 //! The `sweeper` binary: `check-config`, `token`, and `serve` as a real process under different
 //! time zones.
 
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
-
 use crate::common::*;
+use crate::kit::process::{Launch, Server, sweeper, write_config};
 use serde_json::Value;
-
-const BIN: &str = env!("CARGO_BIN_EXE_sweeper");
-
-fn write_config(text: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("sweeper-test-{}", uuid::Uuid::new_v4().simple()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("sweeper.toml");
-    std::fs::write(&path, text).unwrap();
-    path
-}
-
-fn sweeper(args: &[&str]) -> Command {
-    let mut c = Command::new(BIN);
-    c.args(args)
-        .env_remove("DATABASE_URL")
-        .env_remove("SWEEPER_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    c
-}
 
 #[tokio::test]
 async fn check_config_names_each_mismatch_with_the_database() {
@@ -240,48 +218,20 @@ async fn the_token_command_mints_tokens_the_server_accepts() {
     assert_eq!(denied.status(), 403);
 }
 
-/// Starts `sweeper serve` as a child process with `tz` as its time zone; returns it and its URL.
-async fn serve_process(db_url: &str, tz: &str) -> (std::process::Child, String) {
+/// Starts `sweeper serve` as a child process with `tz` as its time zone.
+async fn serve_process(db_url: &str, tz: &str) -> Server {
     serve_process_with(db_url, tz, &ticket_policy(10)).await
 }
 
 /// [`serve_process`] with other policies (and dependencies).
-async fn serve_process_with(
-    db_url: &str,
-    tz: &str,
-    policies: &str,
-) -> (std::process::Child, String) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let text =
-        config_toml(db_url, 2, "", policies).replace("127.0.0.1:0", &format!("127.0.0.1:{port}"));
-    let path = write_config(&text);
-    let child = Command::new(BIN)
-        .args(["serve", "--config", path.to_str().unwrap()])
-        .env_remove("DATABASE_URL")
-        .env("TZ", tz)
-        .env("PGTZ", tz)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
-    let started = Instant::now();
-    while reqwest::get(format!("{base}/readyz"))
-        .await
-        .map(|r| r.status() != 200)
-        .unwrap_or(true)
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "server did not start"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    (child, base)
+async fn serve_process_with(db_url: &str, tz: &str, policies: &str) -> Server {
+    let text = config_toml(db_url, 2, "", policies);
+    let env = [("TZ", tz), ("PGTZ", tz)];
+    let how = Launch {
+        env: &env,
+        ..Default::default()
+    };
+    Server::launch(&text, how).await
 }
 
 #[tokio::test]
@@ -309,19 +259,12 @@ async fn the_selected_set_is_the_same_under_utc_and_tokyo() {
     let token = app.ops_token();
     let mut sets = Vec::new();
     for tz in ["UTC", "Asia/Tokyo"] {
-        let (mut child, base) = serve_process(&app.db.url, tz).await;
-        let r = reqwest::Client::new()
-            .post(format!("{base}/trigger/ticket-retention?dry_run=true"))
-            .bearer_auth(&token)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 202);
-        let run: Value = r.json().await.unwrap();
-        let run_id = run["run_id"].as_str().unwrap().to_string();
+        let server = serve_process(&app.db.url, tz).await;
+        let run_id = Client::new(&server.base, token.clone())
+            .trigger_new("ticket-retention", "?dry_run=true")
+            .await;
         let done = app.wait_terminal(&run_id).await;
-        let _ = child.kill();
-        let _ = child.wait();
+        drop(server);
         assert_eq!(done["cutoff"], "2026-06-03T02:00:00Z");
         let mut keys: Vec<String> = app
             .audit(&run_id)
@@ -655,15 +598,9 @@ async fn every_documented_series_is_exported_from_start_up() {
         "{}\n[[dependency]]\nname = \"payments\"\nbase_url = \"https://api.payments.example\"\n",
         ticket_policy(10)
     );
-    let (mut child, base) = serve_process_with(&db.url, "UTC", &policies).await;
-    let text = reqwest::get(format!("{base}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let _ = child.kill();
-    let _ = child.wait();
+    let server = serve_process_with(&db.url, "UTC", &policies).await;
+    let text = Client::new(&server.base, String::new()).metrics().await;
+    drop(server);
     let readme =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
     for series in sweeper::metrics::SERIES {

@@ -1,12 +1,14 @@
 //! The test harness: a fresh database per test (cloned from a migrated template), a real server on
 //! a random port, real HTTP, real JWTs, and the ledger's clock moved by a test-only offset.
 
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
-
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection, PgPool};
+
+pub use crate::kit::client::{Answer, Client};
+pub use crate::kit::db::{TestDb, at, server_url};
+pub use crate::kit::ledger::{set_clock, wait_transient_failure};
+pub use crate::kit::process::free_port;
 use sweeper::app::{AppState, Application};
 use sweeper::auth::Issuer;
 use sweeper::settings::Config;
@@ -14,126 +16,6 @@ use tokio_util::sync::CancellationToken;
 
 pub const SECRET: &str = "test-secret-test-secret-test-secret-0123456789";
 pub const OTHER_SECRET: &str = "another-secret-another-secret-another-secret-99";
-
-/// The PostgreSQL server the tests use (`DATABASE_URL`'s server, default the local one).
-pub fn server_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-pub fn database_url(name: &str) -> String {
-    let mut u = url::Url::parse(&server_url()).unwrap();
-    u.set_path(&format!("/{name}"));
-    u.to_string()
-}
-
-static TEMPLATE: OnceLock<String> = OnceLock::new();
-
-/// Creates (once per test process) a database with the ledger migrated, to clone per test.
-fn template() -> &'static str {
-    TEMPLATE.get_or_init(|| {
-        let name = format!("sweeper_tpl_{}", std::process::id());
-        let n = name.clone();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Runtime::new().unwrap();
-            rt.block_on(async {
-                let mut admin = PgConnection::connect(&server_url()).await.unwrap();
-                // Leftovers of earlier, killed test processes.
-                let stale: Vec<String> = sqlx::query_scalar(
-                    "select datname::text from pg_database
-                      where datname like 'sweeper_tpl_%' or datname like 'sweeper_t_%'",
-                )
-                .fetch_all(&mut admin)
-                .await
-                .unwrap();
-                for db in stale {
-                    let pid: Option<&str> = db.rsplit('_').next();
-                    let alive = pid
-                        .and_then(|p| p.parse::<u32>().ok())
-                        .map(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
-                        .unwrap_or(false);
-                    if !alive {
-                        let _ = sqlx::query(&format!("drop database if exists {db} with (force)"))
-                            .execute(&mut admin)
-                            .await;
-                    }
-                }
-                sqlx::query(&format!("create database {n}"))
-                    .execute(&mut admin)
-                    .await
-                    .unwrap();
-                let pool = PgPool::connect(&database_url(&n)).await.unwrap();
-                sweeper::ledger::MIGRATOR.run(&pool).await.unwrap();
-                pool.close().await;
-            });
-        })
-        .join()
-        .unwrap();
-        name
-    })
-}
-
-/// A test database, dropped when this value drops (even when the test panics).
-pub struct TestDb {
-    pub name: String,
-    pub url: String,
-}
-
-impl TestDb {
-    pub async fn create() -> TestDb {
-        let tpl = template();
-        // The pid suffix lets a later process tell our leftovers from a live run's databases.
-        let name = format!(
-            "sweeper_t_{}_{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..12],
-            std::process::id()
-        );
-        let mut admin = PgConnection::connect(&server_url()).await.unwrap();
-        sqlx::query(&format!("create database {name} template {tpl}"))
-            .execute(&mut admin)
-            .await
-            .unwrap();
-        TestDb {
-            url: database_url(&name),
-            name,
-        }
-    }
-}
-
-impl Drop for TestDb {
-    fn drop(&mut self) {
-        let name = self.name.clone();
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Runtime::new().unwrap();
-            rt.block_on(async {
-                if let Ok(mut admin) = PgConnection::connect(&server_url()).await {
-                    let _ = sqlx::query(&format!("drop database if exists {name} with (force)"))
-                        .execute(&mut admin)
-                        .await;
-                }
-            });
-        })
-        .join();
-    }
-}
-
-/// Sets the ledger clock so that `sweeper.now()` reads `at` (approximately: the offset is taken
-/// against the database clock now).
-pub async fn set_clock(pool: &PgPool, at: DateTime<Utc>) {
-    sqlx::query(
-        "insert into sweeper.clock_offset (singleton, offset_seconds)
-         values (true, extract(epoch from ($1::timestamptz - clock_timestamp())))
-         on conflict (singleton) do update set offset_seconds = excluded.offset_seconds",
-    )
-    .bind(at)
-    .execute(pool)
-    .await
-    .unwrap();
-}
-
-pub fn at(s: &str) -> DateTime<Utc> {
-    sweeper::window::parse_rfc3339(s).unwrap()
-}
 
 /// The standard demo table used by most tests.
 pub const TICKETS: &str = "
@@ -187,6 +69,8 @@ impl Default for Spawn {
 
 pub struct TestApp {
     pub base: String,
+    /// The API with a token holding every scope.
+    pub api: Client,
     pub state: AppState,
     pub pool: PgPool,
     pub client: reqwest::Client,
@@ -269,8 +153,19 @@ impl TestApp {
         let state = app.state();
         let shutdown = CancellationToken::new();
         let server = tokio::spawn(app.run_until(shutdown.clone()));
+        let api = Client::new(
+            &base,
+            sweeper::auth::mint(
+                &issuer,
+                "test-operator",
+                &crate::kit::client::ALL_SCOPES.map(String::from),
+                600,
+            )
+            .unwrap(),
+        );
         TestApp {
             base,
+            api,
             state,
             pool,
             client: reqwest::Client::new(),
@@ -306,38 +201,23 @@ impl TestApp {
         r.send().await.unwrap()
     }
 
+    /// `GET path` with every scope, asserting 200.
     pub async fn get_json(&self, path: &str) -> Value {
-        let r = self
-            .client
-            .get(format!("{}{path}", self.base))
-            .bearer_auth(self.ops_token())
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200, "GET {path}");
-        r.json().await.unwrap()
+        self.api.expect(200, reqwest::Method::GET, path, None).await
     }
 
     /// Triggers `policy` with a `?window=` and returns (status, run json).
     pub async fn trigger(&self, policy: &str, query: &str) -> (u16, Value) {
-        let r = self
-            .post(
-                &format!("/trigger/{policy}{query}"),
-                Some(&self.ops_token()),
-            )
-            .await;
-        let status = r.status().as_u16();
-        (status, r.json().await.unwrap())
+        let a = self.api.trigger(policy, query).await;
+        (a.status, a.body)
     }
 
-    pub async fn consume(&self, command_id: &str) -> reqwest::Response {
-        self.client
-            .post(format!("{}/consume", self.base))
-            .bearer_auth(self.token(&["consume"]))
-            .json(&serde_json::json!({ "command_id": command_id }))
-            .send()
+    /// `POST /consume` for `command_id` with a `consume`-only token.
+    pub async fn consume(&self, command_id: &str) -> Answer {
+        self.api
+            .with_token(self.token(&["consume"]))
+            .consume(command_id)
             .await
-            .unwrap()
     }
 
     /// Waits until the run's planning is done.
@@ -359,28 +239,11 @@ impl TestApp {
 
     /// Waits until the run is terminal; returns it.
     pub async fn wait_terminal(&self, run_id: &str) -> Value {
-        self.wait_until(run_id, "terminal", |r| {
-            matches!(
-                r["status"].as_str(),
-                Some("completed" | "completed_with_dead_letters" | "cancelled")
-            )
-        })
-        .await
+        self.api.wait_terminal(run_id).await
     }
 
     pub async fn wait_until(&self, run_id: &str, what: &str, f: impl Fn(&Value) -> bool) -> Value {
-        let started = Instant::now();
-        loop {
-            let r = self.get_json(&format!("/runs/{run_id}")).await;
-            if f(&r) {
-                return r;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "run {run_id} not {what} after 60 s: {r}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        self.api.wait_run(run_id, what, f).await
     }
 
     /// Drives the built-in queue until nothing is due.
@@ -397,24 +260,12 @@ impl TestApp {
     }
 
     pub async fn command_ids(&self, run_id: &str) -> Vec<String> {
-        sqlx::query_scalar(
-            "select command_id from sweeper.commands where run_id = $1 order by batch_no",
-        )
-        .bind(run_id)
-        .fetch_all(&self.pool)
-        .await
-        .unwrap()
+        crate::kit::ledger::command_ids(&self.pool, run_id).await
     }
 
     /// (item_key, outcome, reason) of every audit row of a run.
-    pub async fn audit(&self, run_id: &str) -> Vec<(String, String, Option<String>)> {
-        sqlx::query_as(
-            "select item_key, outcome, reason from sweeper.audit where run_id = $1 order by audit_id",
-        )
-        .bind(run_id)
-        .fetch_all(&self.pool)
-        .await
-        .unwrap()
+    pub async fn audit(&self, run_id: &str) -> Vec<crate::kit::ledger::AuditRow> {
+        crate::kit::ledger::audit(&self.pool, run_id).await
     }
 
     pub async fn ticket_ids(&self) -> Vec<i64> {
@@ -479,16 +330,6 @@ pub async fn seed_mixed(pool: &PgPool, n: i64, window: DateTime<Utc>) -> Vec<i64
     eligible
 }
 
-/// A free loopback port, for a server whose address must be known before it starts (a public
-/// URL in its configuration, or a restart on the same port).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Locks ticket `id` (`SELECT ... FOR UPDATE`) in a transaction on a connection of its own;
 /// [`release_ticket`] commits it. Commands touching the row fail on `lock_timeout` meanwhile.
 pub async fn lock_ticket(db_url: &str, id: i64) -> PgConnection {
@@ -505,23 +346,4 @@ pub async fn lock_ticket(db_url: &str, id: i64) -> PgConnection {
 /// Ends [`lock_ticket`]'s transaction.
 pub async fn release_ticket(mut c: PgConnection) {
     sqlx::query("commit").execute(&mut c).await.unwrap();
-}
-
-/// Waits (up to 60 s) until some attempt has failed transiently.
-pub async fn wait_transient_failure(pool: &PgPool) {
-    let started = Instant::now();
-    while sqlx::query_scalar::<_, i64>(
-        "select count(*) from sweeper.attempts where outcome = 'failed' and class = 'transient'",
-    )
-    .fetch_one(pool)
-    .await
-    .unwrap()
-        == 0
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "no attempt failed transiently"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }

@@ -117,11 +117,11 @@ async fn duplicate_and_concurrent_deliveries_delete_once_and_audit_once() {
     assert!(commands.len() >= 3);
 
     // Twice in a row.
-    let first: Value = app.consume(&commands[0]).await.json().await.unwrap();
+    let first: Value = app.consume(&commands[0]).await.body;
     assert_eq!(first["result"], "executed", "{first}");
     let again = app.consume(&commands[0]).await;
-    assert_eq!(again.status(), 200);
-    let again: Value = again.json().await.unwrap();
+    assert_eq!(again.status, 200);
+    let again: Value = again.body;
     assert_eq!(again["result"], "duplicate");
 
     // Ten at once.
@@ -159,7 +159,7 @@ async fn duplicate_and_concurrent_deliveries_delete_once_and_audit_once() {
     // The rest through the queue, and then every command delivered once more.
     app.drain().await;
     for c in &commands {
-        let r: Value = app.consume(c).await.json().await.unwrap();
+        let r: Value = app.consume(c).await.body;
         assert_eq!(r["result"], "duplicate");
     }
     let run = app.wait_terminal(&run_id).await;
@@ -335,7 +335,7 @@ async fn a_stricter_configuration_mid_run_wins_and_older_replicas_wait() {
     );
     assert_eq!(new.ticket_ids().await, vec![1, 2, 3]);
 
-    let r: Value = new.consume(&command).await.json().await.unwrap();
+    let r: Value = new.consume(&command).await.body;
     assert_eq!(r["result"], "executed", "{r}");
     let audit: BTreeMap<String, (String, Option<String>)> = new
         .audit(&run_id)

@@ -4,6 +4,10 @@
 use std::time::Duration;
 
 use crate::common::*;
+use crate::kit::ledger::{
+    advance_clock, force_all_dead_letters_abandoned, force_claimed, force_envelope_dead_letter,
+    force_quarantined, hold_concurrency_slot,
+};
 use serde_json::{Value, json};
 use sqlx::{Connection, PgConnection};
 use sweeper::app::worker::{WorkerStep, run_one_command};
@@ -51,11 +55,7 @@ async fn dead_letters(app: &TestApp) -> Vec<Value> {
 }
 
 async fn advance(app: &TestApp, seconds: i64) {
-    let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("select sweeper.now()")
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    set_clock(&app.pool, now + chrono::TimeDelta::seconds(seconds)).await;
+    advance_clock(&app.pool, seconds).await;
 }
 
 #[tokio::test]
@@ -116,7 +116,7 @@ async fn a_command_failing_transiently_is_quarantined_once_after_max_attempts_an
 
     // Later duplicate deliveries add nothing.
     for _ in 0..3 {
-        let r: Value = app.consume(&command).await.json().await.unwrap();
+        let r: Value = app.consume(&command).await.body;
         assert_eq!(r["result"], "duplicate");
     }
     assert_eq!(dead_letters(&app).await.len(), 1);
@@ -187,11 +187,7 @@ async fn a_command_snoozed_past_max_age_is_quarantined_as_throttled_without_spen
     seed_mixed(&app.pool, 5, at(WINDOW)).await;
     let run_id = planned_run(&app).await;
     // Another executor holds the policy's only slot.
-    let mut holder = PgConnection::connect(&app.db.url).await.unwrap();
-    sqlx::query("select pg_advisory_lock(hashtext('sweeper:ticket-retention'), 0)")
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let _holder = hold_concurrency_slot(&app.db.url, "ticket-retention", 0).await;
     for _ in 0..4 {
         match run_one_command(&app.state).await.unwrap() {
             WorkerStep::Ran(ConsumeOutcome::NotNow { reason, .. }) => {
@@ -406,7 +402,7 @@ async fn a_suspended_policy_claims_nothing_until_resumed() {
         WorkerStep::Idle
     ));
     let command = app.command_ids(&run_id).await.remove(0);
-    assert_eq!(app.consume(&command).await.status(), 503);
+    assert_eq!(app.consume(&command).await.status, 503);
     assert_eq!(app.ticket_ids().await.len(), 30);
     let runs: i64 = sqlx::query_scalar("select count(*) from sweeper.runs")
         .fetch_one(&app.pool)
@@ -438,7 +434,7 @@ async fn a_cancelled_run_stops_and_deletes_nothing_more() {
     seed_mixed(&app.pool, 40, at(WINDOW)).await;
     let run_id = planned_run(&app).await;
     let commands = app.command_ids(&run_id).await;
-    let r: Value = app.consume(&commands[0]).await.json().await.unwrap();
+    let r: Value = app.consume(&commands[0]).await.body;
     assert_eq!(r["result"], "executed");
     let left = app.ticket_ids().await.len();
 
@@ -457,7 +453,7 @@ async fn a_cancelled_run_stops_and_deletes_nothing_more() {
         run_one_command(&app.state).await.unwrap(),
         WorkerStep::Idle
     ));
-    let r: Value = app.consume(&commands[1]).await.json().await.unwrap();
+    let r: Value = app.consume(&commands[1]).await.body;
     assert_eq!(
         (r["result"].as_str(), r["state"].as_str()),
         (Some("duplicate"), Some("cancelled"))
@@ -493,14 +489,7 @@ async fn a_stale_worker_cannot_overwrite_a_newer_attempt_and_leases_are_reclaime
     let run_id = planned_run(&app).await;
     let command = app.command_ids(&run_id).await.remove(0);
     // A worker claims attempt 1 and dies (its claim is all that happened).
-    sqlx::query(
-        "update sweeper.commands set state = 'leased', attempts = 1,
-                lease_until = sweeper.now() + interval '2 minutes' where command_id = $1",
-    )
-    .bind(&command)
-    .execute(&app.pool)
-    .await
-    .unwrap();
+    force_claimed(&app.pool, &command, 1, 120, None).await;
     assert!(
         matches!(run_one_command(&app.state).await.unwrap(), WorkerStep::Idle),
         "a live lease is respected"
@@ -545,15 +534,7 @@ async fn shutdown_releases_this_replicas_leases() {
     seed_mixed(&app.pool, 5, at(WINDOW)).await;
     let run_id = planned_run(&app).await;
     let command = app.command_ids(&run_id).await.remove(0);
-    sqlx::query(
-        "update sweeper.commands set state = 'leased', attempts = 1, lease_owner = $2,
-                lease_until = sweeper.now() + interval '5 minutes' where command_id = $1",
-    )
-    .bind(&command)
-    .bind(app.state.replica_id)
-    .execute(&app.pool)
-    .await
-    .unwrap();
+    force_claimed(&app.pool, &command, 1, 300, Some(app.state.replica_id)).await;
     let (_db, pool) = app.stop().await;
     let (state, attempts, owner): (String, i32, Option<uuid::Uuid>) = sqlx::query_as(
         "select state, attempts, lease_owner from sweeper.commands where command_id = $1",
@@ -572,25 +553,7 @@ async fn old_terminal_commands_are_purged_and_their_redelivery_is_acknowledged()
     // One command will be quarantined: keep its dead letter open.
     let run_id = planned_run(&app).await;
     let commands = app.command_ids(&run_id).await;
-    sqlx::query("update sweeper.commands set state = 'quarantined', finished_at = sweeper.now() where command_id = $1")
-        .bind(&commands[0])
-        .execute(&app.pool)
-        .await
-        .unwrap();
-    sqlx::query(
-        "insert into sweeper.dead_letters (kind, run_id, policy, command_id, reason, class, first_failure_at, last_failure_at)
-         values ('command', $1, 'ticket-retention', $2, 'test', 'permanent', sweeper.now(), sweeper.now())",
-    )
-    .bind(&run_id)
-    .bind(&commands[0])
-    .execute(&app.pool)
-    .await
-    .unwrap();
-    sqlx::query("update sweeper.runs set pending_commands = pending_commands - 1, quarantined_commands = 1 where run_id = $1")
-        .bind(&run_id)
-        .execute(&app.pool)
-        .await
-        .unwrap();
+    force_quarantined(&app.pool, "ticket-retention", &run_id, &commands[0]).await;
     app.drain().await;
     app.wait_terminal(&run_id).await;
     let audit_before = app.audit(&run_id).await.len();
@@ -620,7 +583,7 @@ async fn old_terminal_commands_are_purged_and_their_redelivery_is_acknowledged()
         audit_before,
         "audit is never purged"
     );
-    let r: Value = app.consume(&commands[1]).await.json().await.unwrap();
+    let r: Value = app.consume(&commands[1]).await.body;
     assert_eq!(r["result"], "unknown_command_of_terminal_run");
     assert_eq!(
         app.get_json(&format!("/runs/{run_id}")).await["run_id"],
@@ -649,28 +612,18 @@ async fn metrics_expose_dead_letter_age_and_a_monotonic_quarantine_counter() {
             .await
             .unwrap()
     };
-    let insert_dl = |sha: &'static str| {
-        sqlx::query(
-            "insert into sweeper.dead_letters (kind, reason, class, raw_sha256, first_failure_at, last_failure_at)
-             values ('envelope', 'x', 'permanent', $1, sweeper.now(), sweeper.now())",
-        )
-        .bind(sha)
-    };
-    insert_dl("a").execute(&app.pool).await.unwrap();
+    force_envelope_dead_letter(&app.pool, "a").await;
     advance(&app, 6 * 86_400).await;
     let text = scrape().await;
     assert_eq!(metric(&text, "sweeper_dead_letters_open"), 1.0);
     assert!(metric(&text, "sweeper_dead_letters_oldest_open_age_seconds") >= 518_400.0);
     assert_eq!(metric(&text, "sweeper_quarantined_total"), 1.0);
-    insert_dl("b").execute(&app.pool).await.unwrap();
-    insert_dl("c").execute(&app.pool).await.unwrap();
+    force_envelope_dead_letter(&app.pool, "b").await;
+    force_envelope_dead_letter(&app.pool, "c").await;
     let text = scrape().await;
     assert_eq!(metric(&text, "sweeper_dead_letters_open"), 3.0);
     assert_eq!(metric(&text, "sweeper_quarantined_total"), 3.0);
-    sqlx::query("update sweeper.dead_letters set status = 'abandoned'")
-        .execute(&app.pool)
-        .await
-        .unwrap();
+    force_all_dead_letters_abandoned(&app.pool).await;
     let text = scrape().await;
     assert_eq!(metric(&text, "sweeper_dead_letters_open"), 0.0);
     assert_eq!(
@@ -737,14 +690,7 @@ async fn a_command_that_keeps_killing_its_workers_is_quarantined_after_max_attem
     let run_id = planned_run(&app).await;
     let command = app.command_ids(&run_id).await.remove(0);
     // Three claims whose workers died: attempts 3, leased, lease expired.
-    sqlx::query(
-        "update sweeper.commands set state = 'leased', attempts = 3,
-                lease_until = sweeper.now() - interval '1 second' where command_id = $1",
-    )
-    .bind(&command)
-    .execute(&app.pool)
-    .await
-    .unwrap();
+    force_claimed(&app.pool, &command, 3, -1, None).await;
     match run_one_command(&app.state).await.unwrap() {
         WorkerStep::Ran(ConsumeOutcome::Quarantined { error, .. }) => {
             assert!(error.contains("past max_attempts"), "{error}")

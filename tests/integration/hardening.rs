@@ -71,7 +71,7 @@ async fn a_thousand_concurrent_deliveries_against_a_small_limit_shed_some_and_lo
 
     // None lost: the queue's redelivery (here: one more delivery each) completes every command.
     for c in &commands {
-        assert_eq!(app.consume(c).await.status(), 200, "{c}");
+        assert_eq!(app.consume(c).await.status, 200, "{c}");
     }
     let done = app.wait_terminal(&run_id).await;
     assert_eq!(done["status"], "completed", "{done}");

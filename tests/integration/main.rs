@@ -11,10 +11,14 @@ mod external;
 mod failures;
 mod hardening;
 mod jwks;
+#[allow(dead_code)]
+#[path = "../kit/mod.rs"]
+mod kit;
 mod planning;
 mod pubsub;
 mod push_bodies;
 mod qstash;
+mod scenarios;
 mod schema_blip;
 mod standin;
 mod tokens;

@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 use crate::common::*;
 use crate::emulator::{Emulator, emulator, subscribe};
 use crate::ext_common::*;
+use crate::scenarios::{Ended, Transport, a_transient_failure_converges};
 use crate::standin::{Call, StandIn, ok};
 
-fn pubsub_toml(em: &Emulator) -> String {
+pub fn pubsub_toml(em: &Emulator) -> String {
     format!(
         "[consume]\nlock_timeout = \"1s\"\n\
          [pubsub]\nproject = \"test\"\ntopic = \"sweeper\"\nemulator_host = \"{}\"\n\
@@ -20,41 +21,7 @@ fn pubsub_toml(em: &Emulator) -> String {
 
 #[tokio::test]
 async fn a_run_completes_through_real_pushes_and_transient_failures_converge() {
-    let em = emulator().await;
-    let policy = ticket_policy(10).replace(
-        "batch_size = 10",
-        "batch_size = 10\ntransport = \"pubsub\"\nretry = { max_attempts = 10, base = \"1s\", cap = \"1s\", max_age = \"1h\" }",
-    );
-    let app = TestApp::spawn(Spawn {
-        now: Some(at("2026-09-01T02:01:00Z")),
-        policies: policy,
-        extra_toml: pubsub_toml(&em),
-        ..Default::default()
-    })
-    .await;
-    subscribe(&em, &app.base, 10).await;
-    let eligible = seed_mixed(&app.pool, 200, at("2026-09-01T02:00:00Z")).await;
-    // Hold one eligible row until a delivery fails on it (lock_timeout 1s): its command must
-    // come back by republish.
-    let held = eligible[eligible.len() / 2];
-    let blocker = lock_ticket(&app.db.url, held).await;
-    let (status, run) = app.trigger("ticket-retention", "").await;
-    assert_eq!(status, 202, "{run}");
-    let run_id = run["run_id"].as_str().unwrap().to_string();
-    wait_transient_failure(&app.pool).await;
-    release_ticket(blocker).await;
-
-    let done = app.wait_terminal(&run_id).await;
-    assert_eq!(done["status"], "completed", "{done}");
-    assert_eq!(done["deleted"].as_i64().unwrap(), eligible.len() as i64);
-    let dup: i64 = sqlx::query_scalar(
-        "select count(*) from (select item_key from sweeper.audit group by item_key
-                                having count(*) > 1) d",
-    )
-    .fetch_one(&app.pool)
-    .await
-    .unwrap();
-    assert_eq!(dup, 0, "one outcome per item");
+    let Ended { app, run_id, .. } = a_transient_failure_converges(&Transport::pubsub().await).await;
     // Every command went through the relay; the held one failed, was acknowledged and came back.
     let (unpublished, retried): (i64, i64) = sqlx::query_as(
         "select count(*) filter (where published_at is null),
@@ -70,13 +37,6 @@ async fn a_run_completes_through_real_pushes_and_transient_failures_converge() {
         retried >= 1,
         "the failed command was republished with a new generation"
     );
-    let transient: i64 = sqlx::query_scalar(
-        "select count(*) from sweeper.attempts where outcome = 'failed' and class = 'transient'",
-    )
-    .fetch_one(&app.pool)
-    .await
-    .unwrap();
-    assert!(transient >= 1, "the held row made an attempt fail");
 }
 
 #[tokio::test]

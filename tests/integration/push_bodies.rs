@@ -46,7 +46,7 @@ async fn an_authenticated_push_that_can_never_succeed_is_acknowledged_and_record
     assert_eq!(body["result"], "unknown_command", "{body}");
     // The same from a generic sender keeps plain HTTP semantics.
     let r = app.consume("nobody:2026-01-01T00:00:00Z:0").await;
-    assert_eq!(r.status(), 404);
+    assert_eq!(r.status, 404);
     let metrics = reqwest::get(format!("{}/metrics", app.base))
         .await
         .unwrap()

@@ -22,6 +22,7 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::common::*;
+use crate::scenarios::{Ended, Transport, a_transient_failure_converges};
 
 /// The API token (the relay publishes with it).
 fn api_token() -> String {
@@ -248,7 +249,7 @@ fn destination_url(uri: &Uri) -> String {
     uri.path().trim_start_matches("/v2/publish/").to_string()
 }
 
-fn qstash_toml(port: u16, api: &str, scopes: &str) -> String {
+pub fn qstash_toml(port: u16, api: &str, scopes: &str) -> String {
     format!(
         "listen = \"127.0.0.1:{port}\"\n\
          [consume]\nlock_timeout = \"1s\"\n\
@@ -258,7 +259,7 @@ fn qstash_toml(port: u16, api: &str, scopes: &str) -> String {
     )
 }
 
-fn qstash_policy(max_attempts: u32) -> String {
+pub fn qstash_policy(max_attempts: u32) -> String {
     ticket_policy(10).replace(
         "batch_size = 10",
         &format!(
@@ -270,39 +271,14 @@ fn qstash_policy(max_attempts: u32) -> String {
 
 #[tokio::test]
 async fn a_run_completes_through_signed_deliveries_with_throttled_publishes_and_republishes() {
-    let qstash = Qstash::start().await;
+    let transport = Transport::qstash().await;
+    let qstash = transport.qstash_stand_in();
     qstash.throttle(2);
-    let port = free_port();
-    let app = TestApp::spawn(Spawn {
-        now: Some(at("2026-09-01T02:01:00Z")),
-        policies: qstash_policy(10),
-        extra_toml: qstash_toml(port, &qstash.url(), r#"["consume"]"#),
-        ..Default::default()
-    })
-    .await;
-    let eligible = seed_mixed(&app.pool, 200, at("2026-09-01T02:00:00Z")).await;
-    // Hold one eligible row until a delivery fails on it (lock_timeout 1s): the failure is
-    // committed, acknowledged with 200, and the command comes back by a republish
-    // that QStash holds until it is due.
-    let held = eligible[eligible.len() / 2];
-    let blocker = lock_ticket(&app.db.url, held).await;
-    let (status, run) = app.trigger("ticket-retention", "").await;
-    assert_eq!(status, 202, "{run}");
-    let run_id = run["run_id"].as_str().unwrap().to_string();
-    // Release the row once its command's delivery has failed on it (not after a fixed time: the
-    // throttled publishes make the first delivery's arrival vary).
-    wait_transient_failure(&app.pool).await;
-    release_ticket(blocker).await;
-
-    let done = app.wait_terminal(&run_id).await;
-    assert_eq!(done["status"], "completed", "{done}");
-    assert_eq!(done["deleted"].as_i64().unwrap(), eligible.len() as i64);
-    let remaining: i64 = sqlx::query_scalar("select count(*) from demo.tickets where id = any($1)")
-        .bind(&eligible)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    assert_eq!(remaining, 0);
+    let Ended {
+        app,
+        run_id,
+        eligible,
+    } = a_transient_failure_converges(&transport).await;
     // One outcome per item, attributed to the QStash principal.
     let (audit_rows, items, actors): (i64, i64, Vec<String>) = sqlx::query_as(
         "select count(*), count(distinct item_key), array_agg(distinct actor)
@@ -657,14 +633,7 @@ async fn a_command_not_yet_due_is_handed_over_with_not_before_and_arrives_no_ear
     let (run_id, commands) = app.planned_run().await;
     assert!(commands.len() >= 2);
     // One command is due in 5 s (by the ledger's clock, which runs months behind the wall).
-    sqlx::query(
-        "update sweeper.commands set next_attempt_at = sweeper.now() + interval '5 seconds'
-          where command_id = $1",
-    )
-    .bind(&commands[0])
-    .execute(&app.pool)
-    .await
-    .unwrap();
+    crate::kit::ledger::force_due_in(&app.pool, &commands[0], 5).await;
     let handed_over = unix_now();
     let publisher = sweeper::transport::Publisher::Qstash(
         sweeper::transport::qstash::Publisher::new(app.state.config.qstash.as_ref().unwrap())

@@ -19,17 +19,12 @@ batch_size = 10
 "#;
 
 async fn advance(app: &TestApp, seconds: i64) {
-    let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("select sweeper.now()")
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    set_clock(&app.pool, now + chrono::TimeDelta::seconds(seconds)).await;
+    crate::kit::ledger::advance_clock(&app.pool, seconds).await;
 }
 
 async fn deliver(app: &TestApp, command_id: &str) -> (u16, Value) {
     let r = app.consume(command_id).await;
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap())
+    (r.status, r.body)
 }
 
 #[tokio::test]

@@ -108,12 +108,8 @@ async fn early_trigger_creates_the_coming_ticks_run_and_deletes_nothing_before_i
     ));
     let first = app.command_ids(run_id).await[0].clone();
     let r = app.consume(&first).await;
-    assert_eq!(r.status(), 503);
-    let retry_after: u64 = r.headers()["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    assert_eq!(r.status, 503);
+    let retry_after: u64 = r.headers["retry-after"].to_str().unwrap().parse().unwrap();
     assert!((1..=3).contains(&retry_after), "Retry-After {retry_after}");
     assert_eq!(
         app.ticket_ids().await.len(),
