@@ -5,12 +5,11 @@
 
 use std::time::{Duration, SystemTime};
 
-use object_store::ObjectStoreExt;
 use secrecy::ExposeSecret;
 
 use super::Outcome;
 use crate::dependency::{DependencyKind, Refused, Runtime};
-use crate::policy::action::{HttpAction, ObjectStoreAction, Then, pieces, placeholders};
+use crate::policy::action::{HttpAction, Then, pieces, placeholders};
 use crate::retry::{Failure, parse_retry_after};
 
 /// How one call ended.
@@ -42,7 +41,7 @@ fn done_outcome(method: &str, then: &Then) -> Outcome {
     }
 }
 
-fn field_text(fields: &serde_json::Value, column: &str) -> Result<String, String> {
+pub(super) fn field_text(fields: &serde_json::Value, column: &str) -> Result<String, String> {
     match fields.get(column) {
         None => Err(format!("column `{column}` is missing from the row")),
         Some(serde_json::Value::Null) => Err(format!("column `{column}` is NULL")),
@@ -117,103 +116,131 @@ pub async fn call_http(
             rt.spec.name
         )));
     };
-    let client = rt.http.as_ref().expect("http dependencies have a client");
-    // A value that is empty, `.` or `..` would address another resource once the URL is
-    // normalized (the collection, the parent): the item fails instead.
+    let url = match request_url(base_url, action, fields) {
+        Ok(u) => u,
+        Err(r) => return r,
+    };
+    if let Err(f) = rt.spec.check_url(&url) {
+        return CallResult::Failed(f);
+    }
+    let req = match request(rt, action, fields, url, idempotency_key) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    match req.send().await {
+        Ok(resp) => classify_answer(rt, action, resp).await,
+        Err(e) => send_failure(rt, &e),
+    }
+}
+
+/// The request URL: `base_url` plus the path template filled with the item's values, each a
+/// percent-encoded path segment. An item whose values would address another resource (an
+/// empty, `.` or `..` segment; a path that normalizes elsewhere) fails instead.
+fn request_url(
+    base_url: &url::Url,
+    action: &HttpAction,
+    fields: &serde_json::Value,
+) -> Result<url::Url, CallResult> {
     for c in placeholders(&action.path).unwrap_or_default() {
         if let Ok(v) = field_text(fields, c.as_str())
             && matches!(v.as_str(), "" | "." | "..")
         {
-            return CallResult::ItemFailed(format!(
+            return Err(CallResult::ItemFailed(format!(
                 "column `{}` is `{v}`, which cannot be a path segment",
                 c.as_str()
-            ));
+            )));
         }
     }
-    let path = match fill(&action.path, fields, |v| {
+    let path = fill(&action.path, fields, |v| {
         percent_encoding::utf8_percent_encode(v, PATH_SEGMENT).to_string()
-    }) {
-        Ok(p) => p,
-        Err(e) => return CallResult::ItemFailed(format!("path: {e}")),
-    };
-    let url = match url::Url::parse(&format!(
+    })
+    .map_err(|e| CallResult::ItemFailed(format!("path: {e}")))?;
+    let url = url::Url::parse(&format!(
         "{}{}",
         base_url.as_str().trim_end_matches('/'),
         path
-    )) {
-        Ok(u) => u,
-        Err(e) => return CallResult::ItemFailed(format!("path `{path}`: {e}")),
-    };
+    ))
+    .map_err(|e| CallResult::ItemFailed(format!("path `{path}`: {e}")))?;
     let expected = format!("{}{}", base_url.path().trim_end_matches('/'), path);
     if url.path() != expected || url.query().is_some() || url.fragment().is_some() {
-        return CallResult::ItemFailed(format!(
+        return Err(CallResult::ItemFailed(format!(
             "the item's values change the request's path (`{}` instead of `{expected}`)",
             url.path()
-        ));
+        )));
     }
-    if let Err(f) = rt.spec.check_url(&url) {
-        return CallResult::Failed(f);
-    }
+    Ok(url)
+}
+
+/// The request: method, filled headers, the idempotency key (not on GET), the dependency's
+/// credential (marked sensitive), and the filled JSON body.
+fn request(
+    rt: &Runtime,
+    action: &HttpAction,
+    fields: &serde_json::Value,
+    url: url::Url,
+    idempotency_key: &str,
+) -> Result<reqwest::RequestBuilder, CallResult> {
+    let client = rt.http.as_ref().expect("http dependencies have a client");
     let method = reqwest::Method::from_bytes(action.method.as_bytes()).expect("validated method");
     let mut req = client.request(method, url);
     for (k, v) in &action.headers {
-        match fill(v, fields, |s| s.to_string()) {
-            Ok(v) => match reqwest::header::HeaderValue::from_str(&v) {
-                Ok(v) => req = req.header(k.as_str(), v),
-                Err(_) => {
-                    return CallResult::ItemFailed(format!(
-                        "header {k}: the item's value holds characters a header cannot carry"
-                    ));
-                }
-            },
-            Err(e) => return CallResult::ItemFailed(format!("header {k}: {e}")),
-        }
+        let v = fill(v, fields, |s| s.to_string())
+            .map_err(|e| CallResult::ItemFailed(format!("header {k}: {e}")))?;
+        let v = reqwest::header::HeaderValue::from_str(&v).map_err(|_| {
+            CallResult::ItemFailed(format!(
+                "header {k}: the item's value holds characters a header cannot carry"
+            ))
+        })?;
+        req = req.header(k.as_str(), v);
     }
     if action.method != "GET" {
         req = req.header(action.idempotency_header.as_str(), idempotency_key);
     }
     if let Some((h, v)) = &rt.spec.credential {
-        let mut value = match reqwest::header::HeaderValue::from_str(v.expose_secret()) {
-            Ok(v) => v,
-            Err(_) => {
-                return CallResult::Failed(Failure::permanent(
+        let mut value =
+            reqwest::header::HeaderValue::from_str(v.expose_secret()).map_err(|_| {
+                CallResult::Failed(Failure::permanent(
                     "the credential is not a valid header value",
-                ));
-            }
-        };
+                ))
+            })?;
         value.set_sensitive(true);
         req = req.header(h, value);
     }
     if let Some(b) = &action.body {
-        match fill(b, fields, json_escape) {
-            Ok(body) => {
-                if !action.headers.contains_key("content-type") {
-                    req = req.header("content-type", "application/json");
-                }
-                req = req.body(body);
-            }
-            Err(e) => return CallResult::ItemFailed(format!("body: {e}")),
+        let body = fill(b, fields, json_escape)
+            .map_err(|e| CallResult::ItemFailed(format!("body: {e}")))?;
+        if !action.headers.contains_key("content-type") {
+            req = req.header("content-type", "application/json");
         }
+        req = req.body(body);
     }
-    let resp = match req.send().await {
-        Ok(r) => r,
-        Err(e) => {
-            if let Some(r) = refused(&e) {
-                return CallResult::Failed(Failure::permanent(r));
-            }
-            let what = if e.is_timeout() {
-                format!("timed out after {:?}", rt.spec.timeout)
-            } else if e.is_connect() {
-                "could not connect".to_string()
-            } else {
-                "the request failed".to_string()
-            };
-            return CallResult::Failed(Failure::transient(format!(
-                "dependency {}: {what}",
-                rt.spec.name
-            )));
-        }
+    Ok(req)
+}
+
+/// A request that got no answer: refused by the dependency's guard (permanent), else transient
+/// (timed out, could not connect, failed).
+fn send_failure(rt: &Runtime, e: &reqwest::Error) -> CallResult {
+    if let Some(r) = refused(e) {
+        return CallResult::Failed(Failure::permanent(r));
+    }
+    let what = if e.is_timeout() {
+        format!("timed out after {:?}", rt.spec.timeout)
+    } else if e.is_connect() {
+        "could not connect".to_string()
+    } else {
+        "the request failed".to_string()
     };
+    CallResult::Failed(Failure::transient(format!(
+        "dependency {}: {what}",
+        rt.spec.name
+    )))
+}
+
+/// Classifies an answer (DESIGN §2.4): a `done` status is the effect; 429 (or 503 with
+/// Retry-After) throttles; 404/410 is `already_absent` only with the action's not-found
+/// signature, else permanent; `retry` statuses and 5xx are transient; redirects and 401/403 are
+/// permanent; any other status fails the item.
+async fn classify_answer(rt: &Runtime, action: &HttpAction, resp: reqwest::Response) -> CallResult {
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
     let name = &rt.spec.name;
@@ -228,13 +255,10 @@ pub async fn call_http(
     }
     if status == 404 || status == 410 {
         // Read at most 64 KiB of the body to match the signature.
-        let body = match read_bounded(resp, 64 * 1024).await {
-            Ok(b) => b,
-            Err(_) => {
-                return CallResult::Failed(Failure::transient(format!(
-                    "dependency {name} answered {status} but its body could not be read"
-                )));
-            }
+        let Ok(body) = read_bounded(resp, 64 * 1024).await else {
+            return CallResult::Failed(Failure::transient(format!(
+                "dependency {name} answered {status} but its body could not be read"
+            )));
         };
         if let Some(sig) = &action.not_found
             && sig.status.contains(&status)
@@ -283,214 +307,6 @@ async fn read_bounded(mut resp: reqwest::Response, limit: usize) -> reqwest::Res
         }
     }
     Ok(String::from_utf8_lossy(&buf).into_owned())
-}
-
-/// How long a bucket probe's "it exists" is trusted.
-const BUCKET_CONFIRMATION: Duration = Duration::from_secs(60);
-
-async fn store(rt: &Runtime) -> Result<std::sync::Arc<dyn object_store::ObjectStore>, Failure> {
-    rt.store
-        .get_or_try_init(|| async { build_store(rt).await })
-        .await
-        .cloned()
-}
-
-async fn build_store(
-    rt: &Runtime,
-) -> Result<std::sync::Arc<dyn object_store::ObjectStore>, Failure> {
-    use object_store::{ClientOptions, RetryConfig};
-    let spec = &rt.spec;
-    let mut options = ClientOptions::new()
-        .with_timeout(spec.timeout)
-        .with_connect_timeout(spec.timeout.min(Duration::from_secs(5)));
-    // Our classifier owns retries: the store's own retries would multiply them.
-    let retry = RetryConfig {
-        max_retries: 0,
-        ..RetryConfig::default()
-    };
-    let perm =
-        |e: object_store::Error| Failure::permanent(format!("dependency {}: {e}", spec.name));
-    let store: std::sync::Arc<dyn object_store::ObjectStore> = match &spec.kind {
-        DependencyKind::S3 {
-            bucket,
-            region,
-            endpoint,
-        } => {
-            let mut b = object_store::aws::AmazonS3Builder::from_env()
-                .with_bucket_name(bucket)
-                .with_region(region)
-                .with_retry(retry);
-            // An endpoint from the environment (AWS_ENDPOINT) is checked like a configured one.
-            let from_env = b
-                .get_config_value(&object_store::aws::AmazonS3ConfigKey::Endpoint)
-                .and_then(|e| url::Url::parse(&e).ok());
-            if let (None, Some(e)) = (endpoint, &from_env) {
-                spec.check_url(e).map_err(|_| {
-                    Failure::permanent(format!(
-                        "dependency {}: the endpoint {e} from the environment is not allowed; \
-                         set base_url (and allowed_hosts) instead",
-                        spec.name
-                    ))
-                })?;
-                check_resolved(rt, e).await?;
-            }
-            if let Some(e) = endpoint {
-                spec.check_url(e)?;
-                check_resolved(rt, e).await?;
-                // Plain http only when the configured endpoint says so (a local S3 server).
-                options = options.with_allow_http(e.scheme() == "http");
-                b = b
-                    .with_endpoint(e.as_str().trim_end_matches('/'))
-                    .with_virtual_hosted_style_request(false);
-            }
-            if let Some((k, s)) = &spec.s3_keys {
-                b = b
-                    .with_access_key_id(k.expose_secret())
-                    .with_secret_access_key(s.expose_secret());
-            }
-            std::sync::Arc::new(b.with_client_options(options).build().map_err(perm)?)
-        }
-        DependencyKind::Gcs { bucket } => std::sync::Arc::new(
-            object_store::gcp::GoogleCloudStorageBuilder::from_env()
-                .with_bucket_name(bucket)
-                .with_retry(retry)
-                .with_client_options(options)
-                .build()
-                .map_err(perm)?,
-        ),
-        DependencyKind::Azure { container } => std::sync::Arc::new(
-            object_store::azure::MicrosoftAzureBuilder::from_env()
-                .with_container_name(container)
-                .with_retry(retry)
-                .with_client_options(options)
-                .build()
-                .map_err(perm)?,
-        ),
-        DependencyKind::Local { root } => std::sync::Arc::new(
-            object_store::local::LocalFileSystem::new_with_prefix(root).map_err(|e| {
-                Failure::permanent(format!(
-                    "dependency {}: directory {} is not usable: {e}",
-                    spec.name,
-                    root.display()
-                ))
-            })?,
-        ),
-        DependencyKind::Http { .. } => {
-            return Err(Failure::permanent(format!(
-                "dependency {} is not an object store",
-                spec.name
-            )));
-        }
-    };
-    Ok(store)
-}
-
-/// The object store's own client resolves names itself, so its endpoint's addresses are checked
-/// once, when the store is built (the endpoint comes from configuration, not from item data).
-async fn check_resolved(rt: &Runtime, url: &url::Url) -> Result<(), Failure> {
-    if rt.spec.allow_private_addresses {
-        return Ok(());
-    }
-    let host = url.host_str().unwrap_or_default();
-    let port = url.port_or_known_default().unwrap_or(443);
-    let addrs: Vec<_> = tokio::net::lookup_host((host, port))
-        .await
-        .map_err(|e| Failure::transient(format!("resolving {host}: {e}")))?
-        .collect();
-    if addrs
-        .iter()
-        .any(|a| crate::dependency::is_non_public(a.ip()))
-    {
-        return Err(Failure::permanent(format!(
-            "refused `{host}`: it resolves to a loopback, private, link-local or mapped address"
-        )));
-    }
-    Ok(())
-}
-
-/// Confirms the bucket (or directory) exists, at most once a minute: only then is a missing
-/// object "already absent". A missing bucket or a wrong endpoint is a permanent failure.
-async fn confirm_bucket(
-    rt: &Runtime,
-    store: &dyn object_store::ObjectStore,
-) -> Result<(), Failure> {
-    if rt
-        .bucket_confirmed
-        .lock()
-        .expect("probe lock")
-        .is_some_and(|t| t.elapsed() < BUCKET_CONFIRMATION)
-    {
-        return Ok(());
-    }
-    match store.list_with_delimiter(None).await {
-        Ok(_) => {
-            *rt.bucket_confirmed.lock().expect("probe lock") = Some(std::time::Instant::now());
-            Ok(())
-        }
-        Err(e) => Err(classify_store_error(rt, e, true)),
-    }
-}
-
-fn classify_store_error(rt: &Runtime, e: object_store::Error, probing: bool) -> Failure {
-    let text = e.to_string();
-    let name = &rt.spec.name;
-    let missing = matches!(e, object_store::Error::NotFound { .. })
-        || text.contains("NoSuchBucket")
-        || text.contains("ContainerNotFound")
-        || text.contains("404");
-    match e {
-        _ if probing && missing => Failure::permanent(format!(
-            "dependency {name}: the bucket does not exist (or the endpoint is wrong): {text}"
-        )),
-        object_store::Error::PermissionDenied { .. }
-        | object_store::Error::Unauthenticated { .. }
-        | object_store::Error::NotSupported { .. }
-        | object_store::Error::NotImplemented { .. }
-        | object_store::Error::UnknownConfigurationKey { .. } => {
-            Failure::permanent(format!("dependency {name}: {text}"))
-        }
-        _ => Failure::transient(format!("dependency {name}: {text}")),
-    }
-}
-
-/// Deletes the object named by `action.column` in `fields`. A missing object is
-/// `already_absent` only after a probe confirmed its bucket exists.
-pub async fn delete_object(
-    rt: &Runtime,
-    action: &ObjectStoreAction,
-    fields: &serde_json::Value,
-) -> CallResult {
-    let raw = match field_text(fields, action.column.as_str()) {
-        Ok(v) => v,
-        Err(e) => return CallResult::ItemFailed(e),
-    };
-    let path = match object_store::path::Path::parse(&raw) {
-        Ok(p) if !raw.is_empty() => p,
-        Ok(_) => return CallResult::ItemFailed("the object path is empty".into()),
-        Err(e) => return CallResult::ItemFailed(format!("object path `{raw}`: {e}")),
-    };
-    let store = match store(rt).await {
-        Ok(s) => s,
-        Err(f) => return CallResult::Failed(f),
-    };
-    let absent = |store: std::sync::Arc<dyn object_store::ObjectStore>| async move {
-        match confirm_bucket(rt, store.as_ref()).await {
-            Ok(()) => CallResult::Done(Outcome::AlreadyAbsent),
-            Err(f) => CallResult::Failed(f),
-        }
-    };
-    // HEAD first: S3 answers a delete of a missing object with success, so only a HEAD tells
-    // "deleted" from "already absent".
-    match store.head(&path).await {
-        Ok(_) => {}
-        Err(object_store::Error::NotFound { .. }) => return absent(store).await,
-        Err(e) => return CallResult::Failed(classify_store_error(rt, e, false)),
-    }
-    match store.delete(&path).await {
-        Ok(()) => CallResult::Done(Outcome::Deleted),
-        Err(object_store::Error::NotFound { .. }) => absent(store).await,
-        Err(e) => CallResult::Failed(classify_store_error(rt, e, false)),
-    }
 }
 
 #[cfg(test)]

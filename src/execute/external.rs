@@ -17,19 +17,14 @@
 //! A command finishes its items over one or more attempts: items an earlier attempt audited are
 //! skipped, so no item gains a second outcome.
 
-use std::collections::HashMap;
 use std::time::Instant;
 
-use sqlx::{Postgres, QueryBuilder, Row};
-use tracing::warn;
+use sqlx::Row;
 
 use super::call::CallResult;
-use crate::execute::{
-    ConsumeOutcome, Counts, Executor, Loaded, Outcome, finish_in_run, record_failure,
-    record_item_dead_letters,
-};
+use super::close::{Closed, close};
+use crate::execute::{ConsumeOutcome, Executor, Loaded, Outcome, record_failure};
 use crate::policy::ActionSpec;
-use crate::policy::action::Then;
 use crate::retry::{Failure, FailureClass};
 use crate::state::AppState;
 
@@ -129,6 +124,8 @@ async fn begin(
 }
 
 /// Executes `l` (leased as attempt `n`) to a committed decision.
+// Over 80 lines: the item loop of one attempt, whose exits (stop, transient, pause, done) each
+// finish the command differently.
 pub(crate) async fn run(
     state: &AppState,
     command_id: &str,
@@ -273,6 +270,8 @@ impl Call<'_> {
     /// `{policy}:{item}:{n}`), admitted by the dependency's limits and pause; a short pause (at
     /// most `pause_wait`) is stored for every replica and waited out once; then classifies the
     /// result and, on success, marks the effect `called`.
+    // Over 80 lines: one item's steps in order (admission, call, one short pause waited out,
+    // classification, effect marked called).
     async fn item(&self, key: &str, effect_n: i32, fields: &serde_json::Value) -> ItemStep {
         let (state, l, dep) = (self.state, self.l, self.dep);
         let idempotency_key = format!("{}:{}:{}", l.policy, key, effect_n);
@@ -287,7 +286,7 @@ impl Call<'_> {
                     crate::execute::call::call_http(self.rt, h, fields, &idempotency_key).await
                 }
                 ActionSpec::ObjectStore(o) => {
-                    crate::execute::call::delete_object(self.rt, o, fields).await
+                    crate::execute::store::delete_object(self.rt, o, fields).await
                 }
                 ActionSpec::DeleteRows => unreachable!("delete_rows has no external call"),
             };
@@ -375,195 +374,4 @@ impl Call<'_> {
             }
         }
     }
-}
-
-enum Closed {
-    /// Committed.
-    Done { counts: Counts, run_status: String },
-    /// Another execution took the command over (its lease expired): nothing was written.
-    Stale,
-}
-
-/// The closing transaction: row changes for called effects, effects closed, audit rows, item
-/// dead letters, and the command's state (terminal when `complete`).
-#[allow(clippy::too_many_arguments)]
-async fn close(
-    state: &AppState,
-    l: &Loaded,
-    command_id: &str,
-    n: i32,
-    called: &[(String, Outcome)],
-    finals: &[(String, Outcome, Option<String>)],
-    complete: bool,
-    actor: &str,
-    started: Instant,
-) -> Result<Closed, Failure> {
-    let r = &l.rules;
-    let mut tx = state.pool.begin().await.map_err(db)?;
-    let fence: Option<(i32, String)> = sqlx::query_as(
-        "select attempts, state from sweeper.commands
-          where command_id = $1
-            and set_config('lock_timeout', $2, true) is not null
-            and set_config('statement_timeout', $3, true) is not null
-          for update",
-    )
-    .bind(command_id)
-    .bind(format!("{}s", state.config.consume.lock_timeout.seconds()))
-    .bind(format!(
-        "{}s",
-        state.config.consume.statement_timeout.seconds()
-    ))
-    .fetch_optional(&mut *tx)
-    .await
-    .map_err(db)?;
-    if fence
-        .as_ref()
-        .is_none_or(|(a, s)| *a != n || s != crate::ledger::CommandState::Leased.as_str())
-    {
-        return Ok(Closed::Stale);
-    }
-
-    let mut outcomes: Vec<(String, Outcome, Option<String>)> = finals.to_vec();
-    if !called.is_empty() {
-        crate::crash_point!("effect_before_close");
-        let keys: Vec<String> = called.iter().map(|(k, _)| k.clone()).collect();
-        // The rows, locked in key order (overlapping runs cannot deadlock), as they are now.
-        let mut q: QueryBuilder<Postgres> = QueryBuilder::new(format!(
-            "select {}::text as item_key, md5({}.*::text) as row_digest from {} where ",
-            r.key_sql(),
-            r.table_sql(),
-            r.table_sql()
-        ));
-        r.push_key_in(&mut q, keys.clone());
-        q.push(format!(" order by {} for update", r.key_sql()));
-        let now: HashMap<String, String> = q
-            .build()
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(db)?
-            .into_iter()
-            .map(|row| (row.get("item_key"), row.get("row_digest")))
-            .collect();
-        let before: HashMap<String, Option<String>> = sqlx::query_as(
-            "select item_key, row_digest from sweeper.effects
-              where policy = $1 and item_key = any($2) and run_id = $3 and state <> 'closed'",
-        )
-        .bind(&l.policy)
-        .bind(&keys)
-        .bind(&l.run_id)
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(db)?
-        .into_iter()
-        .collect();
-        let mut change = Vec::new();
-        for (key, outcome) in called {
-            match (now.get(key), before.get(key)) {
-                // The row is gone: nothing to change.
-                (None, _) => outcomes.push((key.clone(), *outcome, None)),
-                (Some(d), Some(Some(b))) if d == b => {
-                    change.push(key.clone());
-                    outcomes.push((key.clone(), *outcome, None));
-                }
-                _ => outcomes.push((
-                    key.clone(),
-                    Outcome::Failed,
-                    Some(format!(
-                        "row_changed_during_call: the {} effect was done, the row was kept",
-                        outcome.as_str()
-                    )),
-                )),
-            }
-        }
-        let then = match &r.action {
-            ActionSpec::Http(h) => &h.then,
-            ActionSpec::ObjectStore(o) => &o.then,
-            ActionSpec::DeleteRows => &Then::Nothing,
-        };
-        if !change.is_empty() {
-            let mut q: QueryBuilder<Postgres> = match then {
-                Then::DeleteRow => {
-                    QueryBuilder::new(format!("delete from {} where ", r.table_sql()))
-                }
-                Then::Set { column } => QueryBuilder::new(format!(
-                    "update {} set {} = now() where ",
-                    r.table_sql(),
-                    column.quoted()
-                )),
-                Then::Nothing => QueryBuilder::new("select where false and "),
-            };
-            if *then != Then::Nothing {
-                r.push_key_in(&mut q, change);
-                q.build().execute(&mut *tx).await.map_err(db)?;
-            }
-        }
-        let outcome_names: Vec<&str> = called.iter().map(|(_, o)| o.as_str()).collect();
-        crate::ledger::effects::close(&mut tx, &l.policy, &l.run_id, &keys, &outcome_names)
-            .await
-            .map_err(db)?;
-    }
-
-    let mut counts = Counts::default();
-    let mut a_keys = Vec::with_capacity(outcomes.len());
-    let mut a_outcomes = Vec::with_capacity(outcomes.len());
-    let mut a_reasons = Vec::with_capacity(outcomes.len());
-    let mut failed = Vec::new();
-    for (k, o, reason) in &outcomes {
-        counts.add(*o);
-        a_keys.push(k.clone());
-        a_outcomes.push(o.as_str());
-        a_reasons.push(reason.clone());
-        if *o == Outcome::Failed {
-            failed.push((k.clone(), reason.clone().unwrap_or_default()));
-        }
-    }
-    if !failed.is_empty() {
-        record_item_dead_letters(&mut tx, l, command_id, &failed)
-            .await
-            .map_err(db)?;
-    }
-    // The audit rows; when every item is done, in the same statement the command succeeds.
-    let audited = crate::ledger::commands::Audited {
-        command_id,
-        attempts_inc: 0,
-        elapsed_seconds: started.elapsed().as_secs_f64(),
-        policy: &l.policy,
-        policy_version: &l.policy_version,
-        run_id: &l.run_id,
-        window: l.window,
-        cutoff: r.cutoff,
-        actor,
-        dry_run: false,
-        keys: &a_keys,
-        outcomes: &a_outcomes,
-        reasons: &a_reasons,
-    };
-    if complete {
-        crate::ledger::commands::succeed_with_audit(&mut tx, &audited).await
-    } else {
-        crate::ledger::commands::append_audit(&mut tx, &audited).await
-    }
-    .map_err(db)?;
-    let run_status = finish_in_run(
-        &mut tx,
-        &l.run_id,
-        complete,
-        &counts,
-        false,
-        complete && l.redrive_of.is_some(),
-        complete.then_some(r),
-        state.config.planning.closure_check_cap,
-    )
-    .await
-    .map_err(db)?;
-    crate::crash_point!("effect_before_commit");
-    tx.commit().await.map_err(db)?;
-    if !failed.is_empty() {
-        warn!(
-            command_id,
-            items = failed.len(),
-            "items failed and became dead letters"
-        );
-    }
-    Ok(Closed::Done { counts, run_status })
 }

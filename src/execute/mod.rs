@@ -8,11 +8,13 @@
 //! constant number of statements whatever the batch size.
 
 pub mod call;
+mod close;
 mod delete;
 mod envelope;
 pub mod external;
 mod finish;
 mod load;
+mod store;
 
 pub use envelope::{RAW_BODY_LIMIT, quarantine_envelope};
 pub(crate) use finish::{finish_in_run, record_failure, record_item_dead_letters};

@@ -19,11 +19,13 @@ pub mod check;
 mod name;
 mod rules;
 mod spec;
+mod written;
 
 pub use catalog::*;
 pub use name::*;
 pub use rules::*;
 pub use spec::*;
+pub use written::*;
 
 use crate::config::DurationSpec;
 use crate::window::Schedule;
@@ -100,61 +102,6 @@ impl Scalar {
     }
 }
 
-/// A policy as written in the TOML file (`[[policy]]`).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PolicyConfig {
-    /// Name, used in URLs and run ids.
-    pub name: String,
-    /// `{ cron = "0 2 * * *", timezone = "Europe/Berlin" }`; the zone defaults to UTC.
-    pub schedule: ScheduleConfig,
-    /// Default `5m`; must be shorter than the schedule's period.
-    #[serde(default)]
-    pub early_tolerance: Option<DurationSpec>,
-    /// `{ table = "support.tickets", key = "id", timestamp = "closed_at" }`.
-    pub target: TargetConfig,
-    /// How long a row is kept after its timestamp.
-    pub retain_for: DurationSpec,
-    /// Exclusions.
-    #[serde(default)]
-    pub exclude: Vec<ExclusionConfig>,
-    /// Items per command, 1..=10000, default 250.
-    #[serde(default = "default_batch_size")]
-    pub batch_size: usize,
-    /// `{ kind = "delete_rows" }` (the default).
-    #[serde(default)]
-    pub action: Option<ActionConfig>,
-    /// `builtin` (the default) or `pubsub` (needs a `[pubsub]` section).
-    #[serde(default)]
-    pub transport: Option<String>,
-    /// `{ max_attempts = 5, base = "1s", cap = "1h", max_age = "24h" }` (these are the defaults).
-    #[serde(default)]
-    pub retry: Option<RetryConfig>,
-    /// Most commands of this policy executing at once across all replicas (default 4). More are
-    /// snoozed (class `throttled`), which protects the production database from a burst.
-    #[serde(default)]
-    pub max_concurrent_commands: Option<u32>,
-}
-
-/// `retry = { ... }`: how failed commands are retried (DESIGN §2.7).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RetryConfig {
-    /// Attempts (claimed executions) before a transiently failing command is quarantined.
-    #[serde(default)]
-    pub max_attempts: Option<u32>,
-    /// Backoff scale: the n-th retry waits a uniformly random time in [0, min(cap, base·2^n)].
-    #[serde(default)]
-    pub base: Option<DurationSpec>,
-    /// Largest backoff.
-    #[serde(default)]
-    pub cap: Option<DurationSpec>,
-    /// Longest a command may stay unfinished from when it became due (snoozes count, suspended
-    /// time does not) before it is quarantined.
-    #[serde(default)]
-    pub max_age: Option<DurationSpec>,
-}
-
 /// A policy's validated retry settings.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct RetryPolicy {
@@ -199,67 +146,12 @@ impl RetryPolicy {
     }
 }
 
-fn default_batch_size() -> usize {
-    250
-}
-
-/// `schedule = { cron = ..., timezone = ... }`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ScheduleConfig {
-    /// 5-field cron expression.
-    pub cron: String,
-    /// IANA zone name, default `UTC`.
-    #[serde(default = "default_zone")]
-    pub timezone: String,
-}
-
-fn default_zone() -> String {
-    "UTC".into()
-}
-
-/// `target = { ... }`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TargetConfig {
-    /// `table` or `schema.table`.
-    pub table: String,
-    /// Key column.
-    pub key: String,
-    /// Timestamp column.
-    pub timestamp: String,
-    /// Zone for a `timestamp without time zone` column.
-    #[serde(default)]
-    pub timestamp_zone: Option<String>,
-}
-
-/// One `exclude` entry: `column` plus exactly one of `equals`, `in`, `is_null`, `is_not_null`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ExclusionConfig {
-    /// Column tested.
-    pub column: String,
-    /// Reason recorded; defaults to the column name.
-    #[serde(default)]
-    pub name: Option<String>,
-    /// Excluded when equal.
-    #[serde(default)]
-    pub equals: Option<Scalar>,
-    /// Excluded when equal to one of these.
-    #[serde(default, rename = "in")]
-    pub in_: Option<Vec<Scalar>>,
-    /// `is_null = true`: excluded when NULL.
-    #[serde(default)]
-    pub is_null: Option<bool>,
-    /// `is_not_null = true`: excluded when not NULL.
-    #[serde(default)]
-    pub is_not_null: Option<bool>,
-}
-
 pub use action::ActionConfig;
 
 impl Policy {
     /// Validates a configured policy; errors are `field: message` without the policy prefix.
+    // Over 80 lines: validation field by field, collecting every error in one pass so check-config
+    // names them all.
     pub fn from_config(c: PolicyConfig) -> Result<Policy, Vec<String>> {
         let mut errors = Vec::new();
         let name = PolicyName::parse(&c.name).map_err(|e| errors.push(e)).ok();
