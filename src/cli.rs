@@ -123,6 +123,7 @@ fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
     })
 }
 
+// Over 80 lines: one short arm per subcommand.
 async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Serve { config } => {

@@ -148,6 +148,7 @@ pub fn consume_unknown_command() {
 /// `sweeper_last_successful_run_timestamp_seconds`, 0 until its first successful run.
 ///
 /// `hold_alert_after` (seconds) makes held work overdue (`sweeper_held_overdue`).
+// Over 80 lines: one block per metric family, in the order of the exposition.
 pub async fn render(
     pool: &PgPool,
     policies: &[&str],

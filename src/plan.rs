@@ -110,10 +110,24 @@ async fn hold_job(state: &AppState, run_id: &str, token: Uuid, f: &Failure) {
     info!(run_id, kind = kind.as_str(), reason = %f.message, "planning held");
 }
 
-/// Plans one page of `run_id` if `token` still holds the job's lease.
-pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<PlanStep, Failure> {
-    let db = |e: sqlx::Error| Failure::from_db(&e);
-    let mut tx = state.pool.begin().await.map_err(db)?;
+/// A planning job as its page reads it: the cursor, the next batch number and the run's fixed
+/// inputs.
+struct Job {
+    cursor: Option<String>,
+    next_batch_no: i32,
+    policy: String,
+    pinned_version: String,
+    window: chrono::DateTime<chrono::Utc>,
+    cutoff: chrono::DateTime<chrono::Utc>,
+    dry_run: bool,
+}
+
+/// Locks the planning job of `run_id` if `token` still holds its lease and it is not done.
+async fn lock_job(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    run_id: &str,
+    token: Uuid,
+) -> sqlx::Result<Option<Job>> {
     let job = sqlx::query(
         "select j.cursor_key, j.next_batch_no, r.policy, r.policy_version, r.window_at, r.cutoff,
                 r.dry_run
@@ -123,46 +137,37 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     )
     .bind(run_id)
     .bind(token)
-    .fetch_optional(&mut *tx)
-    .await
-    .map_err(db)?;
-    let Some(job) = job else {
-        return Ok(PlanStep::LostLease);
-    };
-    let cursor: Option<String> = job.get("cursor_key");
-    let next_batch_no: i32 = job.get("next_batch_no");
-    let policy: String = job.get("policy");
-    let pinned_version: String = job.get("policy_version");
-    let window: chrono::DateTime<chrono::Utc> = job.get("window_at");
-    let cutoff: chrono::DateTime<chrono::Utc> = job.get("cutoff");
-    let dry_run: bool = job.get("dry_run");
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(job.map(|job| Job {
+        cursor: job.get("cursor_key"),
+        next_batch_no: job.get("next_batch_no"),
+        policy: job.get("policy"),
+        pinned_version: job.get("policy_version"),
+        window: job.get("window_at"),
+        cutoff: job.get("cutoff"),
+        dry_run: job.get("dry_run"),
+    }))
+}
 
-    let (pinned, _current_version, current) =
-        ledger::run_specs::<crate::policy::PolicySpec>(&mut tx, &policy, &pinned_version)
-            .await
-            .map_err(db)?;
-    let table = state.catalog.get(&state.pool, &pinned.target.table).await?;
-    let rules = RuleSet::effective(
-        &pinned,
-        current.as_ref(),
-        cutoff,
-        window,
-        &table,
-        state.checked_types.get(&policy),
-    )
-    .map_err(|h| h.into_failure())?
-    .with_effects(&policy, run_id);
-    let batch_size = state
-        .config
-        .policy(&policy)
-        .map(|p| p.batch_size)
-        .unwrap_or(250);
-    let page_rows = state.config.planning.page_rows;
+/// One scanned page: its classified rows in key order, and whether the scan reached the end of
+/// the table or was cut by the byte budget.
+struct Scanned {
+    rows: Vec<sqlx::postgres::PgRow>,
+    end_of_table: bool,
+    cut_by_bytes: bool,
+}
 
-    // One bounded scan in key order after the cursor: at most `page_rows` rows, and, for keys
-    // of variable width (text), of those only as many as fit PAGE_KEY_BYTES of keys (always at
-    // least one), so a page stays bounded in bytes too (DESIGN §2.11). Fixed-width keys (bigint,
-    // integer, uuid: at most 16 bytes) cannot reach the budget and skip the byte count.
+/// One bounded scan in key order after the cursor: at most `page_rows` rows, and, for keys of
+/// variable width (text), of those only as many as fit PAGE_KEY_BYTES of keys (always at least
+/// one), so a page stays bounded in bytes too (DESIGN §2.11). Fixed-width keys (bigint,
+/// integer, uuid: at most 16 bytes) cannot reach the budget and skip the byte count.
+async fn scan_page(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    rules: &RuleSet,
+    cursor: Option<&str>,
+    page_rows: i64,
+) -> sqlx::Result<Scanned> {
     let fixed_width = matches!(rules.key_type(), "bigint" | "integer" | "uuid");
     let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new("");
     if !fixed_width {
@@ -176,9 +181,9 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     rules.push_classify_select(&mut q);
     q.push(" where ");
     rules.push_has_key(&mut q);
-    if let Some(c) = &cursor {
+    if let Some(c) = cursor {
         q.push(format!(" and {} > cast(", rules.key_sql()));
-        q.push_bind(c.clone());
+        q.push_bind(c.to_string());
         q.push(format!(" as {})", rules.key_type()));
     }
     q.push(format!(" order by {} limit ", rules.key_sql()));
@@ -188,57 +193,95 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         q.push_bind(PAGE_KEY_BYTES as i64);
         q.push(" order by w.sort_key");
     }
-    let rows = q.build().fetch_all(&mut *tx).await.map_err(db)?;
+    let rows = q.build().fetch_all(&mut **tx).await?;
     let scanned: i64 = if fixed_width {
         rows.len() as i64
     } else {
         rows.first().map(|r| r.get("scanned")).unwrap_or(0)
     };
     let cut_by_bytes = (rows.len() as i64) < scanned;
-    let end_of_table = scanned < page_rows && !cut_by_bytes;
+    Ok(Scanned {
+        end_of_table: scanned < page_rows && !cut_by_bytes,
+        cut_by_bytes,
+        rows,
+    })
+}
 
-    let mut eligible: Vec<(usize, String)> = Vec::new();
-    for (i, r) in rows.iter().enumerate() {
+/// Held rows per reason among the rows consumed: older than the cutoff but excluded, or never
+/// eligible because their timestamp is NULL (`null_timestamp`: counted exactly, since the
+/// key-order walk visits every row with a key).
+fn held_counts(consumed: &[sqlx::postgres::PgRow]) -> BTreeMap<String, i64> {
+    let mut held: BTreeMap<String, i64> = BTreeMap::new();
+    for r in consumed {
         let old_enough: bool = r.get("old_enough");
-        let reason: Option<String> = r.get("reason");
-        if old_enough && reason.is_none() {
-            eligible.push((i, r.get("item_key")));
+        if r.get::<bool, _>("null_timestamp") {
+            *held.entry(NULL_TIMESTAMP.to_string()).or_default() += 1;
+        } else if let (true, Some(reason)) = (old_enough, r.get::<Option<String>, _>("reason")) {
+            *held.entry(reason).or_default() += 1;
         }
     }
+    held
+}
+
+/// Plans one page of `run_id` if `token` still holds the job's lease: scan, cut into commands,
+/// record the page (and, when planning is done, the closure check) in one transaction.
+// Over 80 lines: the steps of one planning transaction in order (lock, rules, scan, cut, record,
+// closure check).
+pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<PlanStep, Failure> {
+    let db = |e: sqlx::Error| Failure::from_db(&e);
+    let mut tx = state.pool.begin().await.map_err(db)?;
+    let Some(job) = lock_job(&mut tx, run_id, token).await.map_err(db)? else {
+        return Ok(PlanStep::LostLease);
+    };
+    let (pinned, _current_version, current) =
+        ledger::run_specs::<crate::policy::PolicySpec>(&mut tx, &job.policy, &job.pinned_version)
+            .await
+            .map_err(db)?;
+    let table = state.catalog.get(&state.pool, &pinned.target.table).await?;
+    let rules = RuleSet::effective(
+        &pinned,
+        current.as_ref(),
+        job.cutoff,
+        job.window,
+        &table,
+        state.checked_types.get(&job.policy),
+    )
+    .map_err(|h| h.into_failure())?
+    .with_effects(&job.policy, run_id);
+    let configured = state.config.policy(&job.policy);
+    let batch_size = configured.map(|p| p.batch_size).unwrap_or(250);
+    let page_rows = state.config.planning.page_rows;
+
+    let page = scan_page(&mut tx, &rules, job.cursor.as_deref(), page_rows)
+        .await
+        .map_err(db)?;
+    let rows = &page.rows;
+    let eligible: Vec<(usize, String)> = (rows.iter().enumerate())
+        .filter(|(_, r)| {
+            r.get::<bool, _>("old_enough") && r.get::<Option<String>, _>("reason").is_none()
+        })
+        .map(|(i, r)| (i, r.get("item_key")))
+        .collect();
     let rows_of_eligible: Vec<usize> = eligible.iter().map(|(i, _)| *i).collect();
     let (take, last_row) = page_cut(
         &rows_of_eligible,
         rows.len(),
         batch_size,
-        end_of_table || cut_by_bytes,
+        page.end_of_table || page.cut_by_bytes,
     );
     let new_cursor: Option<String> = match last_row {
         Some(i) => Some(rows[i].get("item_key")),
-        None => cursor.clone(),
+        None => job.cursor.clone(),
     };
-    // Held rows per reason: older than the cutoff but excluded, or never eligible because their
-    // timestamp is NULL (`null_timestamp`: counted exactly, since the key-order walk visits
-    // every row with a key).
-    let mut held: BTreeMap<String, i64> = BTreeMap::new();
-    if let Some(last) = last_row {
-        for r in &rows[..=last] {
-            let old_enough: bool = r.get("old_enough");
-            if r.get::<bool, _>("null_timestamp") {
-                *held.entry(NULL_TIMESTAMP.to_string()).or_default() += 1;
-            } else if let (true, Some(reason)) = (old_enough, r.get::<Option<String>, _>("reason"))
-            {
-                *held.entry(reason).or_default() += 1;
-            }
-        }
-    }
+    let mut held = last_row
+        .map(|last| held_counts(&rows[..=last]))
+        .unwrap_or_default();
     let keys: Vec<String> = eligible[..take].iter().map(|(_, k)| k.clone()).collect();
     let batches = cut_batches(keys, batch_size, COMMAND_KEY_BYTES);
-    let n_items = take as i64;
-    let done = end_of_table && take == eligible.len();
+    let done = page.end_of_table && take == eligible.len();
+    let cap = state.config.planning.closure_check_cap;
     if done {
-        let null_keys = count_null_keys(&mut tx, &rules, state.config.planning.closure_check_cap)
-            .await
-            .map_err(db)?;
+        let null_keys = count_null_keys(&mut tx, &rules, cap).await.map_err(db)?;
         if null_keys > 0 {
             held.insert(NULL_KEY.to_string(), null_keys);
         }
@@ -247,15 +290,13 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     let page = ledger::planning::Page {
         run_id,
         batches: &batches,
-        next_batch_no,
-        transport: state
-            .config
-            .policy(&policy)
+        next_batch_no: job.next_batch_no,
+        transport: configured
             .map(|p| p.transport)
             .unwrap_or(crate::policy::Transport::Builtin)
             .as_str(),
         cursor: new_cursor.as_deref(),
-        items: n_items,
+        items: take as i64,
         held: &held,
         done,
         lease_seconds: state.config.planning.lease.seconds() as f64,
@@ -263,15 +304,10 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     let status = ledger::planning::record_page(&mut tx, &page)
         .await
         .map_err(db)?;
-    if done && !dry_run && ledger::is_terminal_run_status(&status) {
-        crate::execute::record_closure_check(
-            &mut tx,
-            run_id,
-            &rules,
-            state.config.planning.closure_check_cap,
-        )
-        .await
-        .map_err(db)?;
+    if done && !job.dry_run && ledger::is_terminal_run_status(&status) {
+        crate::execute::record_closure_check(&mut tx, run_id, &rules, cap)
+            .await
+            .map_err(db)?;
     }
     tx.commit().await.map_err(db)?;
     if done {

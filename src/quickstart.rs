@@ -46,6 +46,8 @@ batch_size = 250
 "#;
 
 /// Runs the quick start.
+// Over 80 lines: a script read top to bottom (database, schema, seed, serve, trigger, consume,
+// report), each step a few lines that share its locals.
 pub async fn run(opts: Options) -> anyhow::Result<()> {
     let server_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_SERVER_URL.into());
     let mut demo_url = url::Url::parse(&server_url).context("DATABASE_URL is not a URL")?;

@@ -243,6 +243,7 @@ impl Config {
 /// Cross-field and range checks of the settings sections, each problem pushed onto `errors`:
 /// a lease longer than a command's statements and deadline, retention past every redelivery
 /// horizon, the request timeout past the command deadline, intervals of at least a second.
+// Over 80 lines: one bounds check per setting, collecting every error in one pass.
 fn check_limits(raw: &RawConfig, errors: &mut Vec<String>) {
     if raw.database.max_connections < 2 {
         errors.push("database.max_connections: must be at least 2".into());

@@ -125,6 +125,8 @@ impl Application {
     /// Serves HTTP and runs the built-in workers and the planner until `shutdown` is cancelled
     /// (or one of them exits, which cancels the others). In-flight requests finish; workers stop
     /// after their current command.
+    // Over 80 lines: the start-up and shutdown order of every background task, kept in one place so
+    // the order can be read.
     pub async fn run_until(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         let Application {
             listener,

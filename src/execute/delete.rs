@@ -6,6 +6,11 @@
 
 use super::*;
 
+/// One attempt of a delete-rows command (or the lease of an external-effect one): `per_item`
+/// reruns it item by item with savepoints after a bulk failure; `seen` carries the attempt
+/// count a delivery found, for the failure fences.
+// Over 80 lines: the steps of one transaction in order (load, classify, delete, audit, finish,
+// commit); splitting further would hand the transaction and its locals around.
 pub(super) async fn attempt(
     state: &AppState,
     command_id: &str,

@@ -97,6 +97,8 @@ pub(crate) async fn record_item_dead_letters(
 ///
 /// A quarantined command gets a dead letter (one per command: a later failure of a redriven
 /// command reopens it) holding its attempt history.
+// Over 80 lines: the fences (busy, terminal, stale, concurrent delivery) before the pure decision,
+// each an early return on the locked row.
 pub(crate) async fn record_failure(
     state: &AppState,
     command_id: &str,
@@ -107,25 +109,7 @@ pub(crate) async fn record_failure(
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
     if matches!(executor, Executor::Delivery) && seen.is_none() {
-        // Nothing was executed (the command row was never locked): not an attempt. If the
-        // ledger answers, the row was busy (a concurrent delivery executing it, a lock or
-        // deadline wait): a "not now", not an unreachable ledger (DESIGN §5).
-        let answers = sqlx::query("select 1 from sweeper.commands where command_id = $1")
-            .bind(command_id)
-            .fetch_optional(&state.pool)
-            .await
-            .is_ok();
-        if !answers {
-            return Err(f);
-        }
-        return Ok(ConsumeOutcome::NotNow {
-            reason: format!(
-                "the command is busy (another delivery may be executing it; {}); nothing was \
-                 recorded, retry later",
-                f.class.as_str()
-            ),
-            retry_after_seconds: state.config.consume.retry_after.seconds() as u64,
-        });
+        return busy(state, command_id, f).await;
     }
     if f.class == FailureClass::Held(HoldKind::Schema)
         && let Some(p) = state.config.policy_by_command(command_id)
@@ -134,27 +118,17 @@ pub(crate) async fn record_failure(
         state.catalog.forget(&p.spec.target.table);
     }
     let mut tx = state.pool.begin().await.map_err(db)?;
-    let row = sqlx::query(
-        "select c.state, c.attempts, c.run_id, r.policy,
-                extract(epoch from sweeper.now() - c.due_since)::float8 - c.age_credit_seconds
-                    as age_seconds,
-                greatest(1, extract(epoch from c.next_attempt_at - sweeper.now()))::float8
-                    as due_in_seconds
-           from sweeper.commands c join sweeper.runs r using (run_id)
-          where c.command_id = $1 for update of c",
-    )
-    .bind(command_id)
-    .fetch_optional(&mut *tx)
-    .await
-    .map_err(db)?;
-    let Some(row) = row else {
+    let Some(row) = lock_failed(&mut tx, command_id).await.map_err(db)? else {
         return Err(f);
     };
-    let cmd_state: String = row.get("state");
-    let attempts: i32 = row.get("attempts");
-    let run_id: String = row.get("run_id");
-    let policy: String = row.get("policy");
-    let age_seconds: f64 = row.get("age_seconds");
+    let FailedRow {
+        state: cmd_state,
+        attempts,
+        run_id,
+        policy,
+        age_seconds,
+        due_in_seconds: due_in,
+    } = row;
     if ledger::CommandState::parse(&cmd_state).is_some_and(ledger::CommandState::is_terminal) {
         return Ok(ConsumeOutcome::Duplicate {
             command_id: command_id.to_string(),
@@ -169,7 +143,6 @@ pub(crate) async fn record_failure(
     if matches!(executor, Executor::Delivery) && seen != Some(attempts) {
         // A concurrent delivery of the same command already recorded this round's failure:
         // one failure, one attempt; this one just comes back when the next attempt is due.
-        let due_in: f64 = row.get("due_in_seconds");
         return Ok(ConsumeOutcome::NotNow {
             reason: "a concurrent delivery of this command just failed; retry when it is due"
                 .into(),
@@ -196,35 +169,85 @@ pub(crate) async fn record_failure(
         Utc::now(),
         &mut rand::rng(),
     );
+    let failed = |attempts| Failed {
+        command_id,
+        run_id: &run_id,
+        policy: &policy,
+        attempts,
+        elapsed,
+    };
     match decision {
         Decision::Hold { kind, attempts } => {
             hold_command(state, tx, command_id, kind, attempts, &f.message).await
         }
         Decision::Quarantine { attempts, reason } => {
-            let failed = Failed {
-                command_id,
-                run_id: &run_id,
-                policy: &policy,
-                attempts,
-                elapsed,
-            };
-            quarantine_command(state, tx, failed, f.class, reason).await
+            quarantine_command(state, tx, failed(attempts), f.class, reason).await
         }
         Decision::Retry {
             attempts,
             delay_seconds,
             snooze,
-        } => {
-            let failed = Failed {
-                command_id,
-                run_id: &run_id,
-                policy: &policy,
-                attempts,
-                elapsed,
-            };
-            schedule_retry(tx, failed, &f, delay_seconds, snooze).await
-        }
+        } => schedule_retry(tx, failed(attempts), &f, delay_seconds, snooze).await,
     }
+}
+
+/// A delivery that failed before it could lock its command row executed nothing: not an
+/// attempt. If the ledger answers, the row was busy (a concurrent delivery executing it, a lock
+/// or deadline wait): a "not now", not an unreachable ledger (DESIGN §5).
+async fn busy(state: &AppState, command_id: &str, f: Failure) -> Result<ConsumeOutcome, Failure> {
+    let answers = sqlx::query("select 1 from sweeper.commands where command_id = $1")
+        .bind(command_id)
+        .fetch_optional(&state.pool)
+        .await
+        .is_ok();
+    if !answers {
+        return Err(f);
+    }
+    Ok(ConsumeOutcome::NotNow {
+        reason: format!(
+            "the command is busy (another delivery may be executing it; {}); nothing was \
+             recorded, retry later",
+            f.class.as_str()
+        ),
+        retry_after_seconds: state.config.consume.retry_after.seconds() as u64,
+    })
+}
+
+/// The failed command's row, locked: its state and attempts, its run and policy, its age
+/// against `max_age` (seconds, less the credit a redrive gave) and when it is next due.
+struct FailedRow {
+    state: String,
+    attempts: i32,
+    run_id: String,
+    policy: String,
+    age_seconds: f64,
+    due_in_seconds: f64,
+}
+
+async fn lock_failed(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    command_id: &str,
+) -> sqlx::Result<Option<FailedRow>> {
+    let row = sqlx::query(
+        "select c.state, c.attempts, c.run_id, r.policy,
+                extract(epoch from sweeper.now() - c.due_since)::float8 - c.age_credit_seconds
+                    as age_seconds,
+                greatest(1, extract(epoch from c.next_attempt_at - sweeper.now()))::float8
+                    as due_in_seconds
+           from sweeper.commands c join sweeper.runs r using (run_id)
+          where c.command_id = $1 for update of c",
+    )
+    .bind(command_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(row.map(|row| FailedRow {
+        state: row.get("state"),
+        attempts: row.get("attempts"),
+        run_id: row.get("run_id"),
+        policy: row.get("policy"),
+        age_seconds: row.get("age_seconds"),
+        due_in_seconds: row.get("due_in_seconds"),
+    }))
 }
 
 /// The command a failed try was of, with the attempt count to record.

@@ -145,6 +145,7 @@ async fn unknown_command(
 /// Whether the locked command may run now: `Some(step)` when it may not (a duplicate, a stale
 /// claim, not due, held, suspended, a replica behind the ledger's version), an error for what
 /// counts as a failed try (past its attempts, the concurrency cap).
+// Over 80 lines: the gate's decisions in DESIGN §2.3's order, each an early return.
 fn gate(
     state: &AppState,
     c: &LockedCommand,

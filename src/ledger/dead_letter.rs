@@ -163,6 +163,8 @@ pub async fn log_operator_act(
 /// budgets; it really runs. A command dead letter re-queues its command; an item dead letter
 /// queues a new one-item command of the same run (its command already succeeded). The run is
 /// reopened until the redriven work finishes. Already redriven or resolved: a no-op.
+// Over 80 lines: one transaction (lock the dead letter, decide, reopen the command or item, audit
+// the act) whose steps share the locked rows.
 pub async fn redrive(
     pool: &PgPool,
     id: i64,

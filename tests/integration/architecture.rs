@@ -1,5 +1,6 @@
 //! The layers of DESIGN §14, checked on the source: no import cycle between the top-level
-//! modules of `src/`, and `src/ledger/` the only code that writes the ledger's tables.
+//! modules of `src/`, `src/ledger/` the only code that writes the ledger's tables, and no file
+//! over 500 lines nor function over 80 without a one-line reason (`// Over 80 lines: ...`).
 //! (`cargo test --features failpoints --test integration architecture` is the command.)
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -173,4 +174,90 @@ fn only_the_ledger_module_writes_ledger_tables() {
     assert!(!ledger_writes("UPDATE  sweeper.commands set").is_empty());
     assert!(!ledger_writes("insert into\n sweeper.audit").is_empty());
     assert!(ledger_writes("update demo.tickets set").is_empty());
+}
+
+/// The functions of `text` longer than `limit` lines that carry no `// Over 80 lines: ...`
+/// reason on the lines just above them: (name, first line, length). Lengths are counted from the
+/// `fn` line to its closing brace (braces in strings and comments are rare enough in our code to
+/// ignore).
+fn long_functions_without_a_reason(text: &str, limit: usize) -> Vec<(String, usize, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut found = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let t = line.trim_start();
+        if t.starts_with("//") {
+            continue;
+        }
+        let Some(after) = t
+            .split_once("fn ")
+            .filter(|(before, _)| {
+                before.is_empty()
+                    || before
+                        .split_whitespace()
+                        .all(|w| w.starts_with("pub") || w == "async" || w == "const")
+            })
+            .map(|(_, a)| a)
+        else {
+            continue;
+        };
+        let name: String = after
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        let (mut depth, mut opened, mut end) = (0i32, false, i);
+        for (j, l) in lines.iter().enumerate().skip(i) {
+            for c in l.chars() {
+                match c {
+                    '{' => {
+                        depth += 1;
+                        opened = true;
+                    }
+                    '}' => depth -= 1,
+                    _ => {}
+                }
+            }
+            end = j;
+            if (opened && depth == 0) || (!opened && l.trim_end().ends_with(';')) {
+                break;
+            }
+        }
+        let length = end - i + 1;
+        let reasoned = lines[..i]
+            .iter()
+            .rev()
+            .take_while(|l| {
+                let t = l.trim_start();
+                t.starts_with("//") || t.starts_with("#[")
+            })
+            .any(|l| l.contains("// Over 80 lines:"));
+        if length > limit && !reasoned {
+            found.push((name, i + 1, length));
+        }
+    }
+    found
+}
+
+#[test]
+fn no_file_over_500_lines_and_no_function_over_80_without_a_reason() {
+    let mut problems = Vec::new();
+    for (path, text) in sources() {
+        let n = text.lines().count();
+        if n > 500 {
+            problems.push(format!("{path}: {n} lines"));
+        }
+        for (name, line, length) in long_functions_without_a_reason(&text, 80) {
+            problems.push(format!("{path}:{line}: fn {name} is {length} lines"));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn the_length_check_finds_a_long_function() {
+    let body = "    let x = 1;\n".repeat(81);
+    let text = format!("/// Doc.\npub async fn long() {{\n{body}}}\n");
+    assert_eq!(long_functions_without_a_reason(&text, 80).len(), 1);
+    let reasoned =
+        format!("/// Doc.\n// Over 80 lines: a reason.\npub async fn long() {{\n{body}}}\n");
+    assert!(long_functions_without_a_reason(&reasoned, 80).is_empty());
 }
