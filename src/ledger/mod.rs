@@ -105,20 +105,11 @@ pub struct Run {
     pub eligible_planned: i64,
     /// Rows older than the cutoff held by an exclusion at planning time, per reason.
     pub held_at_planning: sqlx::types::Json<BTreeMap<String, i64>>,
-    /// Items deleted.
-    pub deleted: i64,
-    /// Items already gone when their command ran.
-    pub already_absent: i64,
-    /// Items held by an exclusion when their command ran.
-    pub excluded: i64,
-    /// Items no longer older than the cutoff when their command ran.
-    pub not_eligible: i64,
-    /// Items whose action failed.
-    pub failed: i64,
-    /// Items a dry run would delete.
-    pub would_delete: i64,
-    /// Items whose external call succeeded and whose row was stamped, not deleted.
-    pub reconciled: i64,
+    /// Item outcomes so far, one counter per [`Outcome`] (`deleted`, `already_absent`, ...),
+    /// flattened into the run's JSON.
+    #[sqlx(flatten)]
+    #[serde(flatten)]
+    pub counts: outcome::Counts,
     /// Closure check: rows still eligible when the run completed (expected 0), counted up to
     /// `remaining_eligible_cap`. Null until the run completes.
     pub remaining_eligible: Option<i64>,

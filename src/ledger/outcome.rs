@@ -37,8 +37,8 @@ impl Outcome {
     }
 }
 
-/// Outcome counts of one command.
-#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+/// Outcome counts of one command, or of a run (the `sweeper.runs` columns of the same names).
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq, sqlx::FromRow)]
 pub struct Counts {
     /// Items deleted.
     pub deleted: i64,

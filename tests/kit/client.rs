@@ -251,7 +251,8 @@ impl Client {
         r.text().await.unwrap()
     }
 
-    /// Polls `GET /runs/{run_id}` (every 50 ms, up to 60 s) until `done` holds; returns the run.
+    /// Polls `GET /runs/{run_id}` (every 50 ms, up to 120 s: the whole suite runs in parallel on
+    /// two cores, with Java emulators starting) until `done` holds; returns the run.
     pub async fn wait_run(&self, run_id: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
         let started = Instant::now();
         loop {
@@ -260,8 +261,8 @@ impl Client {
                 return r;
             }
             assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "run {run_id} not {what} after 60 s: {r}"
+                started.elapsed() < Duration::from_secs(120),
+                "run {run_id} not {what} after 120 s: {r}"
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
