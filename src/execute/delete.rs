@@ -131,15 +131,7 @@ async fn lease_for_calls(
         .bind(&loaded.policy)
         .execute(&mut *tx)
         .await?;
-    let calling: i64 = sqlx::query_scalar(
-        "select count(*) from sweeper.commands c join sweeper.runs r using (run_id)
-          where r.policy = $2 and c.command_id <> $1 and c.state = 'leased'
-            and c.calling_since is not null and c.lease_until > sweeper.now()",
-    )
-    .bind(command_id)
-    .bind(&loaded.policy)
-    .fetch_one(&mut *tx)
-    .await?;
+    let calling = ledger::calling_commands(&mut tx, &loaded.policy, command_id).await?;
     if calling >= cap {
         tx.rollback().await?;
         return Err(AttemptError::Failed(Failure::throttled(

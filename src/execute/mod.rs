@@ -138,14 +138,9 @@ pub async fn execute(
     // Fast path for duplicate deliveries: a terminal state is final (a redrive re-queues the
     // command itself), so one indexed read answers without a transaction or a row lock.
     if let Executor::Delivery = executor {
-        let terminal: Option<String> = sqlx::query_scalar(
-            "select state from sweeper.commands where command_id = $1
-               and state in ('succeeded', 'quarantined', 'cancelled')",
-        )
-        .bind(command_id)
-        .fetch_optional(&state.pool)
-        .await
-        .map_err(|e| Failure::from_db(&e))?;
+        let terminal = crate::ledger::terminal_state(&state.pool, command_id)
+            .await
+            .map_err(|e| Failure::from_db(&e))?;
         if let Some(state) = terminal {
             return Ok(ConsumeOutcome::Duplicate {
                 command_id: command_id.to_string(),

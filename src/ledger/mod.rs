@@ -208,6 +208,51 @@ pub async fn run_hold(
     )
 }
 
+/// (command_id, state, attempts, last_error, last_error_class) of a stopped command.
+pub type StoppedCommand = (String, String, i32, Option<String>, Option<String>);
+
+/// The first 100 stopped (quarantined or cancelled) commands of a run, in batch order.
+pub async fn stopped_commands(pool: &PgPool, run_id: &str) -> sqlx::Result<Vec<StoppedCommand>> {
+    sqlx::query_as(
+        "select command_id, state, attempts, last_error, last_error_class from sweeper.commands
+          where run_id = $1 and state in ('quarantined', 'cancelled')
+          order by batch_no limit 100",
+    )
+    .bind(run_id)
+    .fetch_all(pool)
+    .await
+}
+
+/// The state of `command_id` if it is terminal (succeeded, quarantined, cancelled): one indexed
+/// read, no lock, for answering a duplicate delivery at once.
+pub async fn terminal_state(pool: &PgPool, command_id: &str) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar(
+        "select state from sweeper.commands where command_id = $1
+           and state in ('succeeded', 'quarantined', 'cancelled')",
+    )
+    .bind(command_id)
+    .fetch_optional(pool)
+    .await
+}
+
+/// How many commands of `policy` other than `command_id` are leased for their external calls
+/// and calling now (a live lease).
+pub async fn calling_commands(
+    conn: &mut sqlx::PgConnection,
+    policy: &str,
+    command_id: &str,
+) -> sqlx::Result<i64> {
+    sqlx::query_scalar(
+        "select count(*) from sweeper.commands c join sweeper.runs r using (run_id)
+          where r.policy = $2 and c.command_id <> $1 and c.state = 'leased'
+            and c.calling_since is not null and c.lease_until > sweeper.now()",
+    )
+    .bind(command_id)
+    .bind(policy)
+    .fetch_one(conn)
+    .await
+}
+
 /// Commands of a run per state (`pending`, `leased`, `succeeded`, `quarantined`, `cancelled`).
 pub async fn command_states(pool: &PgPool, run_id: &str) -> sqlx::Result<BTreeMap<String, i64>> {
     let rows: Vec<(String, i64)> = sqlx::query_as(

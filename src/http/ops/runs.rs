@@ -66,8 +66,7 @@ pub(super) type PlanningState = (
     Option<chrono::DateTime<chrono::Utc>>,
 );
 
-/// (command_id, state, attempts, last_error, last_error_class) of a stopped command.
-pub(super) type StoppedCommand = (String, String, i32, Option<String>, Option<String>);
+pub(super) use ledger::StoppedCommand;
 
 /// `GET /runs/{run_id}` (scope `ops:read`): the run with its commands per state.
 pub async fn get_run(
@@ -82,14 +81,7 @@ pub async fn get_run(
         .ok_or_else(|| unknown_run(&run_id))?;
     drop(conn);
     let commands = ledger::command_states(&state.pool, &run_id).await?;
-    let stopped: Vec<StoppedCommand> = sqlx::query_as(
-        "select command_id, state, attempts, last_error, last_error_class from sweeper.commands
-          where run_id = $1 and state in ('quarantined', 'cancelled')
-          order by batch_no limit 100",
-    )
-    .bind(&run_id)
-    .fetch_all(&state.pool)
-    .await?;
+    let stopped = ledger::stopped_commands(&state.pool, &run_id).await?;
     let planning: Option<PlanningState> = sqlx::query_as(
         "select pages_done, done, failures, last_error, last_error_at
                from sweeper.planning_jobs where run_id = $1",
