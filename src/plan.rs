@@ -2,8 +2,10 @@
 //!
 //! Each planning job is a leased ledger row any replica can pick up. A page reads at most
 //! `planning.page_rows` rows of the target in key order after the persisted cursor, applies the
-//! run's cutoff and every exclusion, writes the eligible keys as commands of `batch_size` keys,
-//! adds the held rows per reason to the run, and moves the cursor — all in one transaction, so a
+//! run's cutoff and every exclusion, writes the eligible keys as full commands of `batch_size`
+//! keys (a remainder short of a command waits in the job row for the next page; the last page
+//! writes it), adds the held rows per reason to the run, and moves the cursor past the page —
+//! all in one transaction, so a
 //! crash resumes from the last committed page and every eligible key lands in exactly one command.
 //! The scan goes in key order (keys never change), not timestamp order (timestamps may), which is
 //! what makes "exactly one command per key" hold while rows change under the scan.
@@ -114,6 +116,7 @@ async fn hold_job(state: &AppState, run_id: &str, token: Uuid, f: &Failure) {
 /// inputs.
 struct Job {
     cursor: Option<String>,
+    carry: Vec<String>,
     next_batch_no: i32,
     policy: String,
     pinned_version: String,
@@ -129,7 +132,7 @@ async fn lock_job(
     token: Uuid,
 ) -> sqlx::Result<Option<Job>> {
     let job = sqlx::query(
-        "select j.cursor_key, j.next_batch_no, r.policy, r.policy_version, r.window_at, r.cutoff,
+        "select j.cursor_key, j.carry_keys, j.next_batch_no, r.policy, r.policy_version, r.window_at, r.cutoff,
                 r.dry_run
            from sweeper.planning_jobs j join sweeper.runs r using (run_id)
           where j.run_id = $1 and j.lease_token = $2 and not j.done
@@ -141,6 +144,7 @@ async fn lock_job(
     .await?;
     Ok(job.map(|job| Job {
         cursor: job.get("cursor_key"),
+        carry: job.get("carry_keys"),
         next_batch_no: job.get("next_batch_no"),
         policy: job.get("policy"),
         pinned_version: job.get("policy_version"),
@@ -151,11 +155,10 @@ async fn lock_job(
 }
 
 /// One scanned page: its classified rows in key order, and whether the scan reached the end of
-/// the table or was cut by the byte budget.
+/// the table (a page cut by the byte budget did not).
 struct Scanned {
     rows: Vec<sqlx::postgres::PgRow>,
     end_of_table: bool,
-    cut_by_bytes: bool,
 }
 
 /// One bounded scan in key order after the cursor: at most `page_rows` rows, and, for keys of
@@ -202,7 +205,6 @@ async fn scan_page(
     let cut_by_bytes = (rows.len() as i64) < scanned;
     Ok(Scanned {
         end_of_table: scanned < page_rows && !cut_by_bytes,
-        cut_by_bytes,
         rows,
     })
 }
@@ -256,29 +258,24 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         .await
         .map_err(db)?;
     let rows = &page.rows;
-    let eligible: Vec<(usize, String)> = (rows.iter().enumerate())
-        .filter(|(_, r)| {
-            r.get::<bool, _>("old_enough") && r.get::<Option<String>, _>("reason").is_none()
-        })
-        .map(|(i, r)| (i, r.get("item_key")))
-        .collect();
-    let rows_of_eligible: Vec<usize> = eligible.iter().map(|(i, _)| *i).collect();
-    let (take, last_row) = page_cut(
-        &rows_of_eligible,
-        rows.len(),
-        batch_size,
-        page.end_of_table || page.cut_by_bytes,
-    );
-    let new_cursor: Option<String> = match last_row {
-        Some(i) => Some(rows[i].get("item_key")),
+    // The whole page is consumed: the cursor moves past its last row, and its eligible keys
+    // join those carried from earlier pages.
+    let new_cursor: Option<String> = match rows.last() {
+        Some(r) => Some(r.get("item_key")),
         None => job.cursor.clone(),
     };
-    let mut held = last_row
-        .map(|last| held_counts(&rows[..=last]))
-        .unwrap_or_default();
-    let keys: Vec<String> = eligible[..take].iter().map(|(_, k)| k.clone()).collect();
-    let batches = cut_batches(keys, batch_size, COMMAND_KEY_BYTES);
-    let done = page.end_of_table && take == eligible.len();
+    let mut held = held_counts(rows);
+    let mut keys = job.carry.clone();
+    keys.extend(
+        rows.iter()
+            .filter(|r| {
+                r.get::<bool, _>("old_enough") && r.get::<Option<String>, _>("reason").is_none()
+            })
+            .map(|r| r.get::<String, _>("item_key")),
+    );
+    let done = page.end_of_table;
+    let (batches, carry) = fill_commands(keys, batch_size, COMMAND_KEY_BYTES, done);
+    let items: i64 = batches.iter().map(|b| b.len() as i64).sum();
     let cap = state.config.planning.closure_check_cap;
     if done {
         let null_keys = count_null_keys(&mut tx, &rules, cap).await.map_err(db)?;
@@ -296,7 +293,8 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
             .unwrap_or(crate::policy::Transport::Builtin)
             .as_str(),
         cursor: new_cursor.as_deref(),
-        items: take as i64,
+        carry: &carry,
+        items,
         held: &held,
         done,
         lease_seconds: state.config.planning.lease.seconds() as f64,
@@ -318,24 +316,25 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     }
 }
 
-/// Where a planning page ends: `(eligible keys taken, index of the last row consumed)`.
-///
-/// `eligible_rows` are the indices (among the page's `rows` rows) of the eligible ones. The page
-/// is cut after its last full batch, so commands are full-sized across pages; everything is
-/// taken when `take_all` (the end of the table, or a page cut by its byte budget) or when the
-/// page holds less than one batch (so every page makes progress). `None` for an empty page.
-pub fn page_cut(
-    eligible_rows: &[usize],
-    rows: usize,
+/// Fills commands from `keys` (the keys carried from earlier pages, then this page's):
+/// `(commands, carry)`. Commands are cut by [`cut_batches`]; unless `last` (the job's last
+/// page), a final command short of `batch_size` keys is not written but carried to the next
+/// page, so commands are full-sized across pages however sparse the table (at most one
+/// command's worth of keys is ever carried).
+pub fn fill_commands(
+    keys: Vec<String>,
     batch_size: usize,
-    take_all: bool,
-) -> (usize, Option<usize>) {
-    let full = eligible_rows.len() / batch_size * batch_size;
-    if take_all || full == 0 {
-        (eligible_rows.len(), rows.checked_sub(1))
+    max_bytes: usize,
+    last: bool,
+) -> (Vec<Vec<String>>, Vec<String>) {
+    let mut batches = cut_batches(keys, batch_size, max_bytes);
+    let short = batches.last().is_some_and(|b| b.len() < batch_size);
+    let carry = if short && !last {
+        batches.pop().unwrap_or_default()
     } else {
-        (full, Some(eligible_rows[full - 1]))
-    }
+        Vec::new()
+    };
+    (batches, carry)
 }
 
 /// Cuts `keys` into commands of at most `batch_size` keys and `max_bytes` bytes of keys, in
@@ -402,14 +401,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_page_ends_after_its_last_full_batch_unless_it_must_take_everything() {
-        // 7 eligible rows among 10, batches of 3: take 6, up to the 6th eligible row.
-        let rows = [0, 1, 3, 4, 6, 7, 9];
-        assert_eq!(page_cut(&rows, 10, 3, false), (6, Some(7)));
-        assert_eq!(page_cut(&rows, 10, 3, true), (7, Some(9)));
-        // Less than one batch: take it, so the page still makes progress.
-        assert_eq!(page_cut(&rows[..2], 10, 3, false), (2, Some(9)));
-        assert_eq!(page_cut(&[], 0, 3, false), (0, None));
+    fn commands_are_full_across_pages_and_the_last_page_writes_the_rest() {
+        let keys = |r: std::ops::Range<usize>| r.map(|i| i.to_string()).collect::<Vec<_>>();
+        // 7 keys, batches of 3: two commands, one key carried.
+        let (b, carry) = fill_commands(keys(0..7), 3, 1024, false);
+        assert_eq!(b, vec![keys(0..3), keys(3..6)]);
+        assert_eq!(carry, keys(6..7));
+        // A sparse page: fewer than a command's worth, all carried; nothing written.
+        let (b, carry) = fill_commands(keys(0..2), 3, 1024, false);
+        assert!(b.is_empty());
+        assert_eq!(carry, keys(0..2));
+        // The last page writes the short command too.
+        let (b, carry) = fill_commands(keys(0..7), 3, 1024, true);
+        assert_eq!(b.last().unwrap(), &keys(6..7));
+        assert!(carry.is_empty());
+        assert_eq!(fill_commands(Vec::new(), 3, 1024, false), (vec![], vec![]));
+        // Exactly full: nothing carried.
+        assert_eq!(
+            fill_commands(keys(0..6), 3, 1024, false).1,
+            Vec::<String>::new()
+        );
     }
 
     #[test]

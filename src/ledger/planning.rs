@@ -89,6 +89,9 @@ pub struct Page<'a> {
     pub transport: &'a str,
     /// The job's cursor after this page.
     pub cursor: Option<&'a str>,
+    /// Eligible keys behind the cursor not yet in a command (fewer than a command's worth),
+    /// carried to the next page.
+    pub carry: &'a [String],
     /// Items put into the commands.
     pub items: i64,
     /// Rows held on this page, per reason.
@@ -100,7 +103,8 @@ pub struct Page<'a> {
 }
 
 /// Writes a page in the caller's transaction (which locked the job row): the commands (due at
-/// the window instant, never before), the job's cursor and renewed lease, and the run's counts;
+/// the window instant, never before), the job's cursor, carried keys and renewed lease, and the
+/// run's counts;
 /// on the last page the run becomes `running`, or terminal when nothing is pending. Returns the
 /// run's status.
 pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<String> {
@@ -128,7 +132,8 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
         "update sweeper.planning_jobs
             set cursor_key = $2, next_batch_no = next_batch_no + $3, pages_done = pages_done + 1,
                 failures = 0, held_kind = null, held_reason = null, held_since = null,
-                done = $4, lease_until = (select sweeper.now()) + make_interval(secs => $5)
+                done = $4, lease_until = (select sweeper.now()) + make_interval(secs => $5),
+                carry_keys = $6
           where run_id = $1",
     )
     .bind(p.run_id)
@@ -136,6 +141,7 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
     .bind(n_commands)
     .bind(p.done)
     .bind(p.lease_seconds)
+    .bind(p.carry)
     .execute(&mut *conn)
     .await?;
     sqlx::query_scalar(

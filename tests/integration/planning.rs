@@ -63,6 +63,96 @@ async fn a_run_bigger_than_a_planning_page_plans_each_key_once_and_leaves_nothin
     assert_eq!(left.len(), 1_000 - eligible.len());
 }
 
+/// A sparse table (one eligible row in ten, pages of 100 rows, commands of 25): every command
+/// but the last is full, though no single page holds a command's worth of eligible keys.
+#[tokio::test]
+async fn commands_are_full_across_planning_pages_on_a_sparse_table() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: ticket_policy(25),
+        extra_toml: "[planning]\npage_rows = 100".into(),
+        ..Default::default()
+    })
+    .await;
+    let cutoff = at("2026-06-03T02:00:00Z");
+    let rows: Vec<Ticket> = (1..=2_000i64)
+        .map(|id| {
+            let closed = if id % 10 == 0 {
+                cutoff - chrono::TimeDelta::days(1)
+            } else {
+                cutoff + chrono::TimeDelta::days(1)
+            };
+            (id, Some("closed"), Some(false), Some(closed))
+        })
+        .collect();
+    insert_tickets(&app.pool, &rows).await;
+    let (run_id, commands) = app.planned_run().await;
+    let sizes: Vec<i32> = sqlx::query_scalar(
+        "select cardinality(item_keys) from sweeper.commands where run_id = $1 order by batch_no",
+    )
+    .bind(&run_id)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(commands.len(), 8, "{sizes:?}");
+    assert!(sizes.iter().all(|s| *s == 25), "{sizes:?}");
+    let mut keys = crate::kit::ledger::planned_int_keys(&app.pool, &run_id).await;
+    keys.dedup();
+    assert_eq!(keys, (1..=200).map(|i| i * 10).collect::<Vec<i64>>());
+    let (pages, carry): (i32, Vec<String>) = sqlx::query_as(
+        "select pages_done, carry_keys from sweeper.planning_jobs where run_id = $1",
+    )
+    .bind(&run_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!(pages >= 20, "planned in {pages} pages");
+    assert!(carry.is_empty(), "the last page wrote what was carried");
+    app.drain().await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["deleted"], 200);
+    assert_eq!(run["eligible_planned"], 200);
+}
+
+/// 205 eligible among 2,000: eight full commands and the last page's short one of 5.
+#[tokio::test]
+async fn the_last_planning_page_writes_the_carried_remainder() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: ticket_policy(25),
+        extra_toml: "[planning]\npage_rows = 100".into(),
+        ..Default::default()
+    })
+    .await;
+    let cutoff = at("2026-06-03T02:00:00Z");
+    let rows: Vec<Ticket> = (1..=2_000i64)
+        .map(|id| {
+            let old = id % 10 == 0 || (1_991..=1_995).contains(&id);
+            let closed = if old {
+                cutoff - chrono::TimeDelta::days(1)
+            } else {
+                cutoff + chrono::TimeDelta::days(1)
+            };
+            (id, Some("closed"), Some(false), Some(closed))
+        })
+        .collect();
+    insert_tickets(&app.pool, &rows).await;
+    let (run_id, _) = app.planned_run().await;
+    let sizes: Vec<i32> = sqlx::query_scalar(
+        "select cardinality(item_keys) from sweeper.commands where run_id = $1 order by batch_no",
+    )
+    .bind(&run_id)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(sizes, [vec![25; 8], vec![5]].concat());
+    app.drain().await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed");
+    assert_eq!(run["deleted"], 205);
+    assert_eq!(run["remaining_eligible"], 0);
+}
+
 #[tokio::test]
 async fn overlapping_runs_over_the_same_rows_do_not_deadlock_or_delete_twice() {
     let hourly = r#"
