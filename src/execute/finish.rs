@@ -260,6 +260,21 @@ struct Failed<'a> {
     elapsed: f64,
 }
 
+impl<'a> Failed<'a> {
+    /// The ledger's record of this failed try, with its error and class.
+    fn recorded(&self, error: &'a str, class: &'a str) -> ledger::commands::Failed<'a> {
+        ledger::commands::Failed {
+            command_id: self.command_id,
+            run_id: self.run_id,
+            policy: self.policy,
+            attempts: self.attempts,
+            elapsed_seconds: self.elapsed,
+            error,
+            class,
+        }
+    }
+}
+
 /// Holds a command (DESIGN §14): pending again, its attempt given back, checked again after
 /// [`hold_recheck_seconds`]; the time since the last check is credited to its age budget.
 async fn hold_command(
@@ -300,20 +315,9 @@ async fn quarantine_command(
     reason: String,
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
-    ledger::commands::quarantine(
-        &mut tx,
-        &ledger::commands::Failed {
-            command_id: c.command_id,
-            run_id: c.run_id,
-            policy: c.policy,
-            attempts: c.attempts,
-            elapsed_seconds: c.elapsed,
-            error: &reason,
-            class: class.as_str(),
-        },
-    )
-    .await
-    .map_err(db)?;
+    ledger::commands::quarantine(&mut tx, &c.recorded(&reason, class.as_str()))
+        .await
+        .map_err(db)?;
     finish_in_run(
         &mut tx,
         c.run_id,
@@ -348,15 +352,7 @@ async fn schedule_retry(
     let db = |e: sqlx::Error| Failure::from_db(&e);
     ledger::commands::schedule_retry(
         &mut tx,
-        &ledger::commands::Failed {
-            command_id: c.command_id,
-            run_id: c.run_id,
-            policy: c.policy,
-            attempts: c.attempts,
-            elapsed_seconds: c.elapsed,
-            error: &f.message,
-            class: f.class.as_str(),
-        },
+        &c.recorded(&f.message, f.class.as_str()),
         delay,
         snooze,
     )

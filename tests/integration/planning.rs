@@ -63,10 +63,9 @@ async fn a_run_bigger_than_a_planning_page_plans_each_key_once_and_leaves_nothin
     assert_eq!(left.len(), 1_000 - eligible.len());
 }
 
-/// A sparse table (one eligible row in ten, pages of 100 rows, commands of 25): every command
-/// but the last is full, though no single page holds a command's worth of eligible keys.
-#[tokio::test]
-async fn commands_are_full_across_planning_pages_on_a_sparse_table() {
+/// 2,000 closed tickets, those for which `old` holds a day past the cutoff of the window
+/// 2026-09-01T02:00Z (90 days), the rest a day short of it; pages of 100 rows, commands of 25.
+async fn sparse_app(old: impl Fn(i64) -> bool) -> TestApp {
     let app = TestApp::spawn(Spawn {
         now: Some(at("2026-09-01T02:01:00Z")),
         policies: ticket_policy(25),
@@ -77,23 +76,33 @@ async fn commands_are_full_across_planning_pages_on_a_sparse_table() {
     let cutoff = at("2026-06-03T02:00:00Z");
     let rows: Vec<Ticket> = (1..=2_000i64)
         .map(|id| {
-            let closed = if id % 10 == 0 {
-                cutoff - chrono::TimeDelta::days(1)
-            } else {
-                cutoff + chrono::TimeDelta::days(1)
-            };
+            let days = if old(id) { -1 } else { 1 };
+            let closed = cutoff + chrono::TimeDelta::days(days);
             (id, Some("closed"), Some(false), Some(closed))
         })
         .collect();
     insert_tickets(&app.pool, &rows).await;
-    let (run_id, commands) = app.planned_run().await;
-    let sizes: Vec<i32> = sqlx::query_scalar(
+    app
+}
+
+/// The sizes of a run's commands, in batch order.
+async fn command_sizes(app: &TestApp, run_id: &str) -> Vec<i32> {
+    sqlx::query_scalar(
         "select cardinality(item_keys) from sweeper.commands where run_id = $1 order by batch_no",
     )
-    .bind(&run_id)
+    .bind(run_id)
     .fetch_all(&app.pool)
     .await
-    .unwrap();
+    .unwrap()
+}
+
+/// A sparse table (one eligible row in ten, pages of 100 rows, commands of 25): every command
+/// but the last is full, though no single page holds a command's worth of eligible keys.
+#[tokio::test]
+async fn commands_are_full_across_planning_pages_on_a_sparse_table() {
+    let app = sparse_app(|id| id % 10 == 0).await;
+    let (run_id, commands) = app.planned_run().await;
+    let sizes = command_sizes(&app, &run_id).await;
     assert_eq!(commands.len(), 8, "{sizes:?}");
     assert!(sizes.iter().all(|s| *s == 25), "{sizes:?}");
     let mut keys = crate::kit::ledger::planned_int_keys(&app.pool, &run_id).await;
@@ -117,34 +126,9 @@ async fn commands_are_full_across_planning_pages_on_a_sparse_table() {
 /// 205 eligible among 2,000: eight full commands and the last page's short one of 5.
 #[tokio::test]
 async fn the_last_planning_page_writes_the_carried_remainder() {
-    let app = TestApp::spawn(Spawn {
-        now: Some(at("2026-09-01T02:01:00Z")),
-        policies: ticket_policy(25),
-        extra_toml: "[planning]\npage_rows = 100".into(),
-        ..Default::default()
-    })
-    .await;
-    let cutoff = at("2026-06-03T02:00:00Z");
-    let rows: Vec<Ticket> = (1..=2_000i64)
-        .map(|id| {
-            let old = id % 10 == 0 || (1_991..=1_995).contains(&id);
-            let closed = if old {
-                cutoff - chrono::TimeDelta::days(1)
-            } else {
-                cutoff + chrono::TimeDelta::days(1)
-            };
-            (id, Some("closed"), Some(false), Some(closed))
-        })
-        .collect();
-    insert_tickets(&app.pool, &rows).await;
+    let app = sparse_app(|id| id % 10 == 0 || (1_991..=1_995).contains(&id)).await;
     let (run_id, _) = app.planned_run().await;
-    let sizes: Vec<i32> = sqlx::query_scalar(
-        "select cardinality(item_keys) from sweeper.commands where run_id = $1 order by batch_no",
-    )
-    .bind(&run_id)
-    .fetch_all(&app.pool)
-    .await
-    .unwrap();
+    let sizes = command_sizes(&app, &run_id).await;
     assert_eq!(sizes, [vec![25; 8], vec![5]].concat());
     app.drain().await;
     let run = app.wait_terminal(&run_id).await;
