@@ -78,31 +78,49 @@ pub async fn mark_published(pool: &PgPool, published: &[&Due]) -> sqlx::Result<(
 
 /// Commits "publish this command again when it is due, and not before `not_before_seconds`"
 /// for a push delivery answered "not now". Returns whether it was recorded: not when the command
-/// is gone or terminal, and not when another delivery is executing it right now (its row is
-/// locked). Never waits for a busy command: that execution commits its own decision, and every
-/// failure, snooze or hold of a push command marks it due for publishing by itself
-/// ([`crate::ledger::commands`]), so nothing is left for no queue to deliver.
+/// is gone or terminal, and not when its row stays locked for longer than
+/// [`REPUBLISH_LOCK_WAIT`] — then an execution holds it, and that execution commits its own
+/// decision: every failure, snooze or hold of a push command marks it due for publishing by
+/// itself ([`crate::ledger::commands`]), so nothing is left for no queue to deliver.
+///
+/// It waits for the lock rather than skipping a locked row: short ledger writes lock the row
+/// too (the relay marking the command published, another delivery's gate), and skipping one of
+/// those lost the request — the relay's mark then found `next_attempt_at` unchanged and cleared
+/// `publish_due`, leaving a pending command that no queue would bring back.
 pub async fn request_republish(
     pool: &PgPool,
     command_id: &str,
     not_before_seconds: u64,
 ) -> sqlx::Result<bool> {
-    let n = sqlx::query(
+    let mut tx = pool.begin().await?;
+    sqlx::query("select set_config('lock_timeout', $1, true)")
+        .bind(format!("{}ms", REPUBLISH_LOCK_WAIT.as_millis()))
+        .execute(&mut *tx)
+        .await?;
+    let updated = sqlx::query(
         "update sweeper.commands c
             set publish_due = true,
                 next_attempt_at = greatest(c.next_attempt_at,
                                            sweeper.now() + make_interval(secs => $2))
-          where c.command_id = (select command_id from sweeper.commands
-                                 where command_id = $1 and state in ('pending', 'leased')
-                                 for update skip locked)",
+          where c.command_id = $1 and c.state in ('pending', 'leased')",
     )
     .bind(command_id)
     .bind(not_before_seconds.clamp(1, 86_400) as f64)
-    .execute(pool)
-    .await?
-    .rows_affected();
-    Ok(n > 0)
+    .execute(&mut *tx)
+    .await;
+    match updated {
+        Ok(r) => {
+            tx.commit().await?;
+            Ok(r.rows_affected() > 0)
+        }
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => Ok(false),
+        Err(e) => Err(e),
+    }
 }
+
+/// Longest [`request_republish`] waits for the command's row: longer than any short ledger
+/// write holds it, short enough not to keep a push delivery waiting behind an execution.
+pub const REPUBLISH_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Housekeeping: due, non-terminal commands of `transport` never published, or whose last
 /// publish (or, when later, their due time: QStash may hold a message until then) is older than

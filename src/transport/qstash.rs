@@ -356,9 +356,10 @@ impl Publisher {
             .header("Upstash-Deduplication-Id", m.dedup_id())
             .json(&m.envelope());
         // The ledger's clock decides when the command is due; QStash gets the same delay on
-        // the wall clock, rounded up to whole seconds.
-        if m.due_in_seconds >= 1.0 {
-            let at = chrono::Utc::now().timestamp() + m.due_in_seconds.ceil() as i64;
+        // the wall clock, the instant rounded up to a whole second (the header is unix
+        // seconds). Any delay counts: a message delivered even a fraction of a second early is
+        // answered "not now" and costs another publish.
+        if let Some(at) = not_before(chrono::Utc::now(), m.due_in_seconds) {
             r = r.header("Upstash-Not-Before", at.to_string());
         }
         if let Some(n) = self.retries {
@@ -366,6 +367,15 @@ impl Publisher {
         }
         r
     }
+}
+
+/// `Upstash-Not-Before` for a command due in `due_in_seconds` at `now`: the first whole unix
+/// second at or after its due instant; `None` when it is due now.
+fn not_before(now: chrono::DateTime<chrono::Utc>, due_in_seconds: f64) -> Option<i64> {
+    (due_in_seconds > 0.0).then(|| {
+        let due = now.timestamp_millis() as f64 / 1000.0 + due_in_seconds;
+        due.ceil() as i64
+    })
 }
 
 async fn send(request: reqwest::RequestBuilder) -> Result<(), PublishError> {
@@ -421,5 +431,19 @@ mod tests {
         assert!(body_matches(h.trim_end_matches('='), body));
         assert!(!body_matches(&h, br#"{"command_id":"c:2"}"#));
         assert!(!body_matches("", body));
+    }
+
+    #[test]
+    fn not_before_is_never_before_the_due_instant() {
+        let now = chrono::DateTime::parse_from_rfc3339("2026-09-01T02:00:00.900Z")
+            .unwrap()
+            .to_utc();
+        let t = now.timestamp();
+        assert_eq!(not_before(now, 0.0), None);
+        // Due at .9 + 0.4 = 1.3 s past t: the first whole second after that is t + 2 (a sum of
+        // the truncated second and the rounded-up delay gave t + 1, early).
+        assert_eq!(not_before(now, 0.4), Some(t + 2));
+        assert_eq!(not_before(now, 1.2), Some(t + 3));
+        assert_eq!(not_before(now, 0.1), Some(t + 1));
     }
 }

@@ -674,6 +674,88 @@ async fn a_command_not_yet_due_is_handed_over_with_not_before_and_arrives_no_ear
     );
 }
 
+/// Locks `command_id`'s row on a session of its own for `hold`, as the relay's mark or another
+/// delivery's gate (short) or an execution (long) would.
+async fn hold_command_row(db_url: &str, command_id: &str, hold: std::time::Duration) {
+    use sqlx::Connection;
+    let mut c = sqlx::PgConnection::connect(db_url).await.unwrap();
+    sqlx::query("begin").execute(&mut c).await.unwrap();
+    sqlx::query("select 1 from sweeper.commands where command_id = $1 for update")
+        .bind(command_id)
+        .execute(&mut c)
+        .await
+        .unwrap();
+    tokio::spawn(async move {
+        tokio::time::sleep(hold).await;
+        sqlx::query("commit").execute(&mut c).await.unwrap();
+    });
+}
+
+async fn publish_state(pool: &sqlx::PgPool, command_id: &str) -> (bool, f64) {
+    sqlx::query_as(
+        "select publish_due, extract(epoch from next_attempt_at - sweeper.now())::float8
+           from sweeper.commands where command_id = $1",
+    )
+    .bind(command_id)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_republish_request_waits_out_a_short_lock_and_leaves_a_long_one_to_its_holder() {
+    let qstash = Qstash::start().await;
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: qstash_policy(5),
+        extra_toml: qstash_toml(free_port(), &qstash.url(), r#"["consume"]"#)
+            + "relay_interval = \"1h\"\n",
+        ..Default::default()
+    })
+    .await;
+    seed_mixed(&app.pool, 30, at("2026-09-01T02:00:00Z")).await;
+    let (_run_id, commands) = app.planned_run().await;
+    let command = &commands[0];
+    // Published, not due for a while: as the relay's mark leaves it.
+    sqlx::query("update sweeper.commands set publish_due = false where command_id = $1")
+        .bind(command)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    crate::kit::ledger::force_due_in(&app.pool, command, 30).await;
+
+    // Locked for 300 ms, as while the relay marks it published: the request waits, and lands.
+    hold_command_row(&app.db.url, command, Duration::from_millis(300)).await;
+    let recorded = sweeper::ledger::outbox::request_republish(&app.pool, command, 60)
+        .await
+        .unwrap();
+    let (due, due_in) = publish_state(&app.pool, command).await;
+    assert!(recorded && due, "a request behind a short lock is recorded");
+    assert!((55.0..=61.0).contains(&due_in), "not before 60 s: {due_in}");
+
+    // Locked past the wait, as by an execution (which commits its own decision): the request
+    // gives up without changing anything.
+    sqlx::query("update sweeper.commands set publish_due = false where command_id = $1")
+        .bind(command)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    hold_command_row(&app.db.url, command, Duration::from_secs(3)).await;
+    let started = std::time::Instant::now();
+    let recorded = sweeper::ledger::outbox::request_republish(&app.pool, command, 120)
+        .await
+        .unwrap();
+    assert!(!recorded);
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        started.elapsed()
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (due, due_in) = publish_state(&app.pool, command).await;
+    assert!(!due && due_in < 61.0, "nothing changed: {due} {due_in}");
+}
+
 /// A replica that builds on `db_url` with `extra` but does not serve: its relay is driven by hand.
 async fn idle_replica(db_url: &str, extra: &str) -> sweeper::app::Application {
     let text = config_toml(db_url, 0, extra, &qstash_policy(5));
