@@ -174,7 +174,12 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             // The verdict comes last, after every finding, so the last line tells.
             let checked = async {
                 let pool = app::connect(&config).await?;
-                let findings = crate::policy::check::check_policies(&pool, &config.policies).await;
+                let findings = crate::policy::check::check_policies(
+                    &pool,
+                    &config.policies,
+                    config.planning.path,
+                )
+                .await;
                 pool.close().await;
                 anyhow::Ok(findings?)
             };

@@ -178,6 +178,39 @@ pub struct PlanningConfig {
     pub lease: DurationSpec,
     /// The closure check counts rows still eligible after a run completes, up to this many.
     pub closure_check_cap: i64,
+    /// Which walk plans a run: `auto` (default) chooses per run from the planner's estimate of
+    /// the eligible fraction; `key_order` or `timestamp_index` forces one (the timestamp walk
+    /// still needs an index that leads with a `timestamptz` timestamp, else the key walk is used
+    /// and the run says why). See [`crate::policy::path`].
+    pub path: PathSetting,
+}
+
+/// `planning.path`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(try_from = "String")]
+pub enum PathSetting {
+    /// Chosen per run from the estimated eligible fraction.
+    #[default]
+    Auto,
+    /// Always the key-order walk.
+    KeyOrder,
+    /// The timestamp-index walk whenever an index allows it.
+    TimestampIndex,
+}
+
+impl TryFrom<String> for PathSetting {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        match s.as_str() {
+            "auto" => Ok(PathSetting::Auto),
+            "key_order" => Ok(PathSetting::KeyOrder),
+            "timestamp_index" => Ok(PathSetting::TimestampIndex),
+            _ => Err(format!(
+                "must be \"auto\", \"key_order\" or \"timestamp_index\", not {s:?}"
+            )),
+        }
+    }
 }
 
 impl Default for PlanningConfig {
@@ -186,6 +219,7 @@ impl Default for PlanningConfig {
             page_rows: 10_000,
             lease: DurationSpec::from_seconds(60),
             closure_check_cap: 100_000,
+            path: PathSetting::Auto,
         }
     }
 }
@@ -442,5 +476,20 @@ mod tests {
         }
         assert_eq!("90d".parse::<DurationSpec>().unwrap().to_string(), "90d");
         assert_eq!("1440m".parse::<DurationSpec>().unwrap().to_string(), "1d");
+    }
+
+    #[test]
+    fn planning_path_names_its_three_values_and_refuses_others_plainly() {
+        for (s, p) in [
+            ("auto", PathSetting::Auto),
+            ("key_order", PathSetting::KeyOrder),
+            ("timestamp_index", PathSetting::TimestampIndex),
+        ] {
+            assert_eq!(PathSetting::try_from(s.to_string()), Ok(p));
+        }
+        assert_eq!(
+            PathSetting::try_from("fast".to_string()),
+            Err(r#"must be "auto", "key_order" or "timestamp_index", not "fast""#.to_string())
+        );
     }
 }

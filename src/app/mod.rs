@@ -27,6 +27,28 @@ pub struct Application {
     tls: Option<axum_server::tls_rustls::RustlsConfig>,
 }
 
+/// Checks every policy against the database: warnings and notes are logged, errors fail the
+/// start with the same messages as `check-config`.
+async fn check_policies_at_start(pool: &sqlx::PgPool, config: &Config) -> anyhow::Result<()> {
+    let path = config.planning.path;
+    let findings = policy_check::check_policies(pool, &config.policies, path).await?;
+    let mut errors = Vec::new();
+    for f in &findings {
+        match f.level {
+            policy_check::Level::Error => errors.push(f.to_string()),
+            policy_check::Level::Warning => warn!(finding = %f, "policy check"),
+            policy_check::Level::Info => info!(finding = %f, "policy check"),
+        }
+    }
+    if !errors.is_empty() {
+        anyhow::bail!(
+            "policies do not match the database:\n  - {}",
+            errors.join("\n  - ")
+        );
+    }
+    Ok(())
+}
+
 impl Application {
     /// Connects, migrates (when `migrate_on_start`), checks every policy against the database
     /// (an error in any policy fails the start, with the same messages as `check-config`),
@@ -45,21 +67,7 @@ impl Application {
             migrate(&config).await?;
         }
         let pool = connect(&config).await?;
-        let findings = policy_check::check_policies(&pool, &config.policies).await?;
-        let mut errors = Vec::new();
-        for f in &findings {
-            match f.level {
-                policy_check::Level::Error => errors.push(f.to_string()),
-                policy_check::Level::Warning => warn!(finding = %f, "policy check"),
-                policy_check::Level::Info => info!(finding = %f, "policy check"),
-            }
-        }
-        if !errors.is_empty() {
-            anyhow::bail!(
-                "policies do not match the database:\n  - {}",
-                errors.join("\n  - ")
-            );
-        }
+        check_policies_at_start(&pool, &config).await?;
         ledger::register_policy_versions(
             &pool,
             config

@@ -7,8 +7,16 @@
 //! writes it), adds the held rows per reason to the run, and moves the cursor past the page —
 //! all in one transaction, so a
 //! crash resumes from the last committed page and every eligible key lands in exactly one command.
-//! The scan goes in key order (keys never change), not timestamp order (timestamps may), which is
-//! what makes "exactly one command per key" hold while rows change under the scan.
+//! The walk goes along one of two paths, chosen on the run's first page
+//! ([`crate::policy::path::choose`]): in key order over every key (keys never change, so a key
+//! is met once), or, when few rows are old enough and an index leads with the timestamp, over
+//! `timestamp < cutoff` in (timestamp, key) order — a row whose timestamp moves forward past
+//! the cursor is met again there, and the run's planned keys (written in the page's transaction)
+//! keep it out of a second command. Either way every eligible key lands in at most one command;
+//! a row whose timestamp moves back behind the timestamp walk's cursor is left to the closure
+//! check and the next run (DESIGN §14).
+
+mod scan;
 
 use std::collections::BTreeMap;
 
@@ -18,8 +26,10 @@ use uuid::Uuid;
 
 use crate::ledger;
 use crate::policy::RuleSet;
+use crate::policy::path::PlanningPath;
 use crate::retry::Failure;
 use crate::state::AppState;
+use scan::{Cursor, scan_page};
 
 /// Most bytes of item keys one planning page handles.
 pub const PAGE_KEY_BYTES: usize = 16 * 1024 * 1024;
@@ -115,7 +125,9 @@ async fn hold_job(state: &AppState, run_id: &str, token: Uuid, f: &Failure) {
 /// A planning job as its page reads it: the cursor, the next batch number and the run's fixed
 /// inputs.
 struct Job {
-    cursor: Option<String>,
+    cursor: Cursor,
+    /// The run's path, once its first page chose it.
+    path: Option<PlanningPath>,
     carry: Vec<String>,
     next_batch_no: i32,
     policy: String,
@@ -132,7 +144,7 @@ async fn lock_job(
     token: Uuid,
 ) -> sqlx::Result<Option<Job>> {
     let job = sqlx::query(
-        "select j.cursor_key, j.carry_keys, j.next_batch_no, r.policy, r.policy_version, r.window_at, r.cutoff,
+        "select j.cursor_key, j.cursor_timestamp, j.path, j.carry_keys, j.next_batch_no, r.policy, r.policy_version, r.window_at, r.cutoff,
                 r.dry_run
            from sweeper.planning_jobs j join sweeper.runs r using (run_id)
           where j.run_id = $1 and j.lease_token = $2 and not j.done
@@ -143,7 +155,14 @@ async fn lock_job(
     .fetch_optional(&mut **tx)
     .await?;
     Ok(job.map(|job| Job {
-        cursor: job.get("cursor_key"),
+        cursor: Cursor {
+            key: job.get("cursor_key"),
+            timestamp: job.get("cursor_timestamp"),
+        },
+        path: job
+            .get::<Option<String>, _>("path")
+            .as_deref()
+            .and_then(PlanningPath::parse),
         carry: job.get("carry_keys"),
         next_batch_no: job.get("next_batch_no"),
         policy: job.get("policy"),
@@ -154,64 +173,10 @@ async fn lock_job(
     }))
 }
 
-/// One scanned page: its classified rows in key order, and whether the scan reached the end of
-/// the table (a page cut by the byte budget did not).
-struct Scanned {
-    rows: Vec<sqlx::postgres::PgRow>,
-    end_of_table: bool,
-}
-
-/// One bounded scan in key order after the cursor: at most `page_rows` rows, and, for keys of
-/// variable width (text), of those only as many as fit PAGE_KEY_BYTES of keys (always at least
-/// one), so a page stays bounded in bytes too (DESIGN §2.11). Fixed-width keys (bigint,
-/// integer, uuid: at most 16 bytes) cannot reach the budget and skip the byte count.
-async fn scan_page(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    rules: &RuleSet,
-    cursor: Option<&str>,
-    page_rows: i64,
-) -> sqlx::Result<Scanned> {
-    let fixed_width = matches!(rules.key_type(), "bigint" | "integer" | "uuid");
-    let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new("");
-    if !fixed_width {
-        q.push(
-            "select item_key, old_enough, null_timestamp, reason, scanned from (
-                 select p.*, sum(octet_length(p.item_key)) over (order by p.sort_key) as key_bytes,
-                        count(*) over () as scanned
-                   from (",
-        );
-    }
-    rules.push_classify_select(&mut q);
-    q.push(" where ");
-    rules.push_has_key(&mut q);
-    if let Some(c) = cursor {
-        q.push(format!(" and {} > cast(", rules.key_sql()));
-        q.push_bind(c.to_string());
-        q.push(format!(" as {})", rules.key_type()));
-    }
-    q.push(format!(" order by {} limit ", rules.key_sql()));
-    q.push_bind(page_rows);
-    if !fixed_width {
-        q.push(") p) w where w.key_bytes - octet_length(w.item_key) < ");
-        q.push_bind(PAGE_KEY_BYTES as i64);
-        q.push(" order by w.sort_key");
-    }
-    let rows = q.build().fetch_all(&mut **tx).await?;
-    let scanned: i64 = if fixed_width {
-        rows.len() as i64
-    } else {
-        rows.first().map(|r| r.get("scanned")).unwrap_or(0)
-    };
-    let cut_by_bytes = (rows.len() as i64) < scanned;
-    Ok(Scanned {
-        end_of_table: scanned < page_rows && !cut_by_bytes,
-        rows,
-    })
-}
-
 /// Held rows per reason among the rows consumed: older than the cutoff but excluded, or never
-/// eligible because their timestamp is NULL (`null_timestamp`: counted exactly, since the
-/// key-order walk visits every row with a key).
+/// eligible because their timestamp is NULL (`null_timestamp`: counted exactly on the
+/// key-order walk, which visits every row with a key; the timestamp-index walk never meets
+/// them and counts them at its end, [`held_at_end`]).
 fn held_counts(consumed: &[sqlx::postgres::PgRow]) -> BTreeMap<String, i64> {
     let mut held: BTreeMap<String, i64> = BTreeMap::new();
     for r in consumed {
@@ -225,22 +190,19 @@ fn held_counts(consumed: &[sqlx::postgres::PgRow]) -> BTreeMap<String, i64> {
     held
 }
 
-/// Plans one page of `run_id` if `token` still holds the job's lease: scan, cut into commands,
-/// record the page (and, when planning is done, the closure check) in one transaction.
-// Over 80 lines: the steps of one planning transaction in order (lock, rules, scan, cut, record,
-// closure check).
-pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<PlanStep, Failure> {
-    let db = |e: sqlx::Error| Failure::from_db(&e);
-    let mut tx = state.pool.begin().await.map_err(db)?;
-    let Some(job) = lock_job(&mut tx, run_id, token).await.map_err(db)? else {
-        return Ok(PlanStep::LostLease);
-    };
+/// The rules a page of `job` plans under: the stricter of its pinned and current versions.
+async fn job_rules(
+    state: &AppState,
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    job: &Job,
+    run_id: &str,
+) -> Result<RuleSet, Failure> {
     let (pinned, _current_version, current) =
-        ledger::run_specs::<crate::policy::PolicySpec>(&mut tx, &job.policy, &job.pinned_version)
+        ledger::run_specs::<crate::policy::PolicySpec>(tx, &job.policy, &job.pinned_version)
             .await
-            .map_err(db)?;
+            .map_err(|e| Failure::from_db(&e))?;
     let table = state.catalog.get(&state.pool, &pinned.target.table).await?;
-    let rules = RuleSet::effective(
+    Ok(RuleSet::effective(
         &pinned,
         current.as_ref(),
         job.cutoff,
@@ -249,39 +211,74 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         state.checked_types.get(&job.policy),
     )
     .map_err(|h| h.into_failure())?
-    .with_effects(&job.policy, run_id);
+    .with_effects(&job.policy, run_id))
+}
+
+/// Plans one page of `run_id` if `token` still holds the job's lease: choose the path (first
+/// page), scan, keep the keys not planned before, cut into commands, record the page (and, when
+/// planning is done, the closure check) in one transaction.
+// Over 80 lines: the steps of one planning transaction in order (lock, rules, path, scan, dedupe,
+// cut, record, closure check).
+pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<PlanStep, Failure> {
+    let db = |e: sqlx::Error| Failure::from_db(&e);
+    let mut tx = state.pool.begin().await.map_err(db)?;
+    let Some(job) = lock_job(&mut tx, run_id, token).await.map_err(db)? else {
+        return Ok(PlanStep::LostLease);
+    };
+    let rules = job_rules(state, &mut tx, &job, run_id).await?;
     let configured = state.config.policy(&job.policy);
     let batch_size = configured.map(|p| p.batch_size).unwrap_or(250);
     let page_rows = state.config.planning.page_rows;
+    // The path is chosen once, on the first page, and kept: switching walks mid-run would lose
+    // what the cursor means.
+    let chosen = match job.path {
+        Some(_) => None,
+        None => Some(
+            crate::policy::path::choose(
+                &mut tx,
+                &rules.target,
+                rules.cutoff,
+                state.config.planning.path,
+            )
+            .await
+            .map_err(db)?,
+        ),
+    };
+    let path = job
+        .path
+        .or(chosen.as_ref().map(|c| c.path))
+        .unwrap_or(PlanningPath::KeyOrder);
 
-    let page = scan_page(&mut tx, &rules, job.cursor.as_deref(), page_rows)
+    let page = scan_page(&mut tx, &rules, path, &job.cursor, page_rows)
         .await
         .map_err(db)?;
-    let rows = &page.rows;
     // The whole page is consumed: the cursor moves past its last row, and its eligible keys
     // join those carried from earlier pages.
-    let new_cursor: Option<String> = match rows.last() {
-        Some(r) => Some(r.get("item_key")),
-        None => job.cursor.clone(),
-    };
-    let mut held = held_counts(rows);
+    let cursor = page.cursor_after(&job.cursor);
+    let mut held = held_counts(&page.rows);
+    let mut found: Vec<String> = page
+        .rows
+        .iter()
+        .filter(|r| {
+            r.get::<bool, _>("old_enough") && r.get::<Option<String>, _>("reason").is_none()
+        })
+        .map(|r| r.get::<String, _>("item_key"))
+        .collect();
+    if path == PlanningPath::TimestampIndex {
+        found = ledger::planning::not_yet_planned(&mut tx, run_id, found)
+            .await
+            .map_err(db)?;
+    }
     let mut keys = job.carry.clone();
-    keys.extend(
-        rows.iter()
-            .filter(|r| {
-                r.get::<bool, _>("old_enough") && r.get::<Option<String>, _>("reason").is_none()
-            })
-            .map(|r| r.get::<String, _>("item_key")),
-    );
-    let done = page.end_of_table;
+    keys.extend(found);
+    let done = page.end_of_walk;
     let (batches, carry) = fill_commands(keys, batch_size, COMMAND_KEY_BYTES, done);
     let items: i64 = batches.iter().map(|b| b.len() as i64).sum();
     let cap = state.config.planning.closure_check_cap;
     if done {
-        let null_keys = count_null_keys(&mut tx, &rules, cap).await.map_err(db)?;
-        if null_keys > 0 {
-            held.insert(NULL_KEY.to_string(), null_keys);
-        }
+        held_at_end(&mut tx, &rules, path, cap, &mut held)
+            .await
+            .map_err(db)?;
     }
 
     let page = ledger::planning::Page {
@@ -292,7 +289,13 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
             .map(|p| p.transport)
             .unwrap_or(crate::policy::Transport::Builtin)
             .as_str(),
-        cursor: new_cursor.as_deref(),
+        path: chosen
+            .as_ref()
+            .map(|c| (c.path.as_str(), c.reason.as_str())),
+        cursor: cursor.key.as_deref(),
+        cursor_timestamp: cursor
+            .timestamp
+            .filter(|_| path == PlanningPath::TimestampIndex),
         carry: &carry,
         items,
         held: &held,
@@ -308,12 +311,48 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
             .map_err(db)?;
     }
     tx.commit().await.map_err(db)?;
+    if let Some(c) = &chosen {
+        info!(run_id, path = c.path.as_str(), reason = %c.reason, "planning path chosen");
+    }
     if done {
         info!(run_id, status, "planning done");
         Ok(PlanStep::Done)
     } else {
         Ok(PlanStep::Page)
     }
+}
+
+/// Held rows counted once the walk is done: rows with a NULL key (no command can name them),
+/// and, on the timestamp-index walk (which never meets them), rows with a NULL timestamp —
+/// both up to `cap`, through the indexes.
+async fn held_at_end(
+    conn: &mut sqlx::PgConnection,
+    rules: &RuleSet,
+    path: PlanningPath,
+    cap: i64,
+    held: &mut BTreeMap<String, i64>,
+) -> sqlx::Result<()> {
+    let null_keys = count_null_keys(&mut *conn, rules, cap).await?;
+    if null_keys > 0 {
+        held.insert(NULL_KEY.to_string(), null_keys);
+    }
+    if path == PlanningPath::TimestampIndex {
+        let mut q =
+            sqlx::QueryBuilder::<sqlx::Postgres>::new("select count(*) from (select 1 from ");
+        q.push(rules.table_sql());
+        q.push(" where ");
+        rules.push_has_key(&mut q);
+        q.push(" and ");
+        rules.push_timestamp(&mut q);
+        q.push(" is null limit ");
+        q.push_bind(cap);
+        q.push(") capped");
+        let null_timestamps: i64 = q.build_query_scalar().fetch_one(&mut *conn).await?;
+        if null_timestamps > 0 {
+            held.insert(NULL_TIMESTAMP.to_string(), null_timestamps);
+        }
+    }
+    Ok(())
 }
 
 /// Fills commands from `keys` (the keys carried from earlier pages, then this page's):

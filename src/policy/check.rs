@@ -44,11 +44,16 @@ impl fmt::Display for Finding {
     }
 }
 
-/// Checks every policy; database errors (not findings) are returned as `Err`.
-pub async fn check_policies(pool: &PgPool, policies: &[Policy]) -> sqlx::Result<Vec<Finding>> {
+/// Checks every policy (the planning path a run would take under `path`, `planning.path`);
+/// database errors (not findings) are returned as `Err`.
+pub async fn check_policies(
+    pool: &PgPool,
+    policies: &[Policy],
+    path: crate::config::PathSetting,
+) -> sqlx::Result<Vec<Finding>> {
     let mut out = Vec::new();
     for p in policies {
-        check_policy(pool, p, &mut out).await?;
+        check_policy(pool, p, path, &mut out).await?;
     }
     Ok(out)
 }
@@ -77,7 +82,12 @@ pub fn check_schedule(p: &Policy) -> Option<Finding> {
     })
 }
 
-async fn check_policy(pool: &PgPool, p: &Policy, out: &mut Vec<Finding>) -> sqlx::Result<()> {
+async fn check_policy(
+    pool: &PgPool,
+    p: &Policy,
+    path: crate::config::PathSetting,
+    out: &mut Vec<Finding>,
+) -> sqlx::Result<()> {
     out.extend(check_schedule(p));
     let t = &p.spec.target;
     let Some(info) = TableInfo::load(pool, &t.table).await? else {
@@ -88,7 +98,13 @@ async fn check_policy(pool: &PgPool, p: &Policy, out: &mut Vec<Finding>) -> sqlx
         });
         return Ok(());
     };
-    let mut c = Check { pool, p, info, out };
+    let mut c = Check {
+        pool,
+        p,
+        info,
+        path,
+        out,
+    };
     c.privileges().await?;
     c.key().await?;
     c.action_columns().await?;
@@ -102,6 +118,7 @@ struct Check<'a> {
     pool: &'a PgPool,
     p: &'a Policy,
     info: TableInfo,
+    path: crate::config::PathSetting,
     out: &'a mut Vec<Finding>,
 }
 
@@ -309,6 +326,16 @@ impl Check<'_> {
             );
         }
         if self.col(t.timestamp.as_str()).is_some() {
+            self.planning_path().await?;
+        }
+        Ok(())
+    }
+
+    /// Whether an index leads with the timestamp, and which planning path a run triggered now
+    /// would take ([`crate::policy::path::choose`]).
+    async fn planning_path(&mut self) -> sqlx::Result<()> {
+        let t = &self.p.spec.target;
+        {
             let indexed: bool = sqlx::query_scalar(
                 "select exists (select 1 from pg_index i
                                   join pg_attribute a on a.attrelid = i.indrelid and a.attnum = i.indkey[0]
@@ -322,14 +349,35 @@ impl Check<'_> {
                 self.say(
                     Level::Warning,
                     format!(
-                        "target.timestamp: no index leads with {}; the closure check after each run scans the table \
-                         (create index on {} ({}))",
-                        t.timestamp.as_str(),
+                        "target.timestamp: no index leads with {ts}; every run plans by walking every key of the \
+                         table and the closure check after each run scans it (create index on {} ({ts}, {}))",
                         t.table,
-                        t.timestamp.as_str()
+                        t.key.as_str(),
+                        ts = t.timestamp.as_str(),
                     ),
                 );
             }
+            let mut conn = self.pool.acquire().await?;
+            // The ledger's clock when the ledger is there (check-config may run before the
+            // first migration), the database's otherwise.
+            let now = match crate::ledger::now(&mut conn).await {
+                Ok(now) => now,
+                Err(_) => {
+                    sqlx::query_scalar("select now()")
+                        .fetch_one(&mut *conn)
+                        .await?
+                }
+            };
+            let cutoff = now - chrono::TimeDelta::seconds(self.p.spec.retain_for_seconds);
+            let choice = crate::policy::path::choose(&mut conn, t, cutoff, self.path).await?;
+            self.say(
+                Level::Info,
+                format!(
+                    "planning: a run triggered now plans along the {} path: {}",
+                    choice.path.as_str(),
+                    choice.reason
+                ),
+            );
         }
         Ok(())
     }

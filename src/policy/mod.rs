@@ -17,6 +17,7 @@ pub mod action;
 mod catalog;
 pub mod check;
 mod name;
+pub mod path;
 mod rules;
 mod spec;
 mod written;

@@ -231,6 +231,14 @@ impl RuleSet {
     /// Pushes [`RuleSet::classify_select`]'s text onto `q` (to nest it in a larger query).
     pub fn push_classify_select(&self, q: &mut QueryBuilder<'_, Postgres>) {
         q.push("select ");
+        self.push_classify_columns(q);
+        q.push(" from ");
+        q.push(self.table_sql());
+    }
+
+    /// Pushes the classifying columns of [`RuleSet::classify_select`] alone (`sort_key,
+    /// item_key, old_enough, null_timestamp, reason`), for a scan that selects more.
+    pub fn push_classify_columns(&self, q: &mut QueryBuilder<'_, Postgres>) {
         q.push(self.key_sql());
         q.push(" as sort_key, ");
         q.push(self.key_sql());
@@ -240,8 +248,7 @@ impl RuleSet {
         self.push_timestamp(q);
         q.push(" is null as null_timestamp, ");
         self.push_excluded_reason(q);
-        q.push(" as reason from ");
-        q.push(self.table_sql());
+        q.push(" as reason");
     }
 
     /// Pushes the full eligibility predicate: old enough and held by no exclusion.

@@ -15,6 +15,7 @@ mod jwks;
 #[path = "../kit/mod.rs"]
 mod kit;
 mod planning;
+mod planning_paths;
 mod pubsub;
 mod push_bodies;
 mod qstash;

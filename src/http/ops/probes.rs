@@ -2,16 +2,25 @@
 
 use super::*;
 
-/// `GET /policies` (scope `ops:read`): loaded policies with their version and the ledger's
-/// current version. No secrets: policies hold none.
+/// `GET /policies` (scope `ops:read`): loaded policies with their version, the ledger's
+/// current version and `planning` — the path a run triggered now would plan along, and why
+/// ([`crate::policy::path::PathChoice`]). No secrets: policies hold none.
 pub async fn policies(State(state): State<AppState>, caller: Caller) -> Result<Response, Problem> {
     caller.require("ops:read")?;
     let current = ledger::current_versions(&state.pool).await?;
+    let mut conn = state.pool.acquire().await?;
+    let now = ledger::now(&mut conn).await?;
+    let mut planning = Vec::new();
+    for p in &state.config.policies {
+        planning.push(planning_path(&mut conn, p, now, state.config.planning.path).await);
+    }
+    drop(conn);
     let list: Vec<_> = state
         .config
         .policies
         .iter()
-        .map(|p| {
+        .zip(planning)
+        .map(|(p, planning)| {
             json!({
                 "name": p.name,
                 "version": p.version,
@@ -24,10 +33,30 @@ pub async fn policies(State(state): State<AppState>, caller: Caller) -> Result<R
                 "action": p.spec.action,
                 "batch_size": p.batch_size,
                 "transport": p.transport,
+                "planning": planning,
             })
         })
         .collect();
     Ok(Json(json!({ "policies": list })).into_response())
+}
+
+/// The planning path a run triggered now would take (its cutoff `now − retain_for`), and why;
+/// `{"path": null, "reason": …}` when the database cannot say (the table is missing).
+async fn planning_path(
+    conn: &mut sqlx::PgConnection,
+    p: &crate::policy::Policy,
+    now: chrono::DateTime<chrono::Utc>,
+    path: crate::config::PathSetting,
+) -> serde_json::Value {
+    let cutoff = now - chrono::TimeDelta::seconds(p.spec.retain_for_seconds);
+    match crate::policy::path::choose(conn, &p.spec.target, cutoff, path).await {
+        Ok(choice) => json!(choice),
+        Err(e) => json!({
+            "path": null,
+            "reason": format!("the planning path could not be estimated: {}",
+                              crate::retry::Failure::from_db(&e).message),
+        }),
+    }
 }
 
 /// `GET /healthz`: the process is alive.

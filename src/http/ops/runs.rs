@@ -57,14 +57,18 @@ pub async fn list_runs(
     Ok(Json(json!({ "runs": runs })).into_response())
 }
 
-/// (pages_done, done, consecutive failures, last_error, last_error_at) of a planning job.
-pub(super) type PlanningState = (
-    i32,
-    bool,
-    i32,
-    Option<String>,
-    Option<chrono::DateTime<chrono::Utc>>,
-);
+/// A planning job as `GET /runs/{id}` shows it.
+#[derive(sqlx::FromRow)]
+pub(super) struct PlanningState {
+    pages_done: i32,
+    done: bool,
+    failures: i32,
+    last_error: Option<String>,
+    last_error_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// `key_order` or `timestamp_index`; NULL until the first page chose it.
+    path: Option<String>,
+    path_reason: Option<String>,
+}
 
 pub(super) use ledger::StoppedCommand;
 
@@ -83,7 +87,7 @@ pub async fn get_run(
     let commands = ledger::command_states(&state.pool, &run_id).await?;
     let stopped = ledger::stopped_commands(&state.pool, &run_id).await?;
     let planning: Option<PlanningState> = sqlx::query_as(
-        "select pages_done, done, failures, last_error, last_error_at
+        "select pages_done, done, failures, last_error, last_error_at, path, path_reason
                from sweeper.planning_jobs where run_id = $1",
     )
     .bind(&run_id)
@@ -111,9 +115,10 @@ pub async fn get_run(
     body["commands"] = json!(commands);
     body["held"] = held.unwrap_or(serde_json::Value::Null);
     body["planning"] = match planning {
-        Some((pages_done, done, failures, last_error, last_error_at)) => json!({
-            "pages_done": pages_done, "done": done, "consecutive_failures": failures,
-            "last_error": last_error, "last_error_at": last_error_at,
+        Some(p) => json!({
+            "pages_done": p.pages_done, "done": p.done, "consecutive_failures": p.failures,
+            "last_error": p.last_error, "last_error_at": p.last_error_at,
+            "path": p.path, "path_reason": p.path_reason,
         }),
         None => serde_json::Value::Null,
     };

@@ -1,0 +1,120 @@
+//! One planning page's scan, along the run's path: the key-order walk reads every row with a key
+//! after the cursor; the timestamp-index walk reads the rows older than the cutoff after the
+//! keyset cursor (timestamp, key). Both classify each row with the run's rules in the same
+//! statement and stay bounded in rows and in bytes of keys.
+
+use sqlx::Row;
+
+use crate::policy::RuleSet;
+use crate::policy::path::PlanningPath;
+
+use super::PAGE_KEY_BYTES;
+
+/// Where the walk stands: after this key (and, on the timestamp-index walk, this timestamp).
+#[derive(Debug, Clone, Default)]
+pub(super) struct Cursor {
+    pub(super) key: Option<String>,
+    pub(super) timestamp: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// One scanned page: its classified rows in walk order, and whether the walk reached its end
+/// (a page cut by the byte budget did not).
+pub(super) struct Scanned {
+    pub(super) rows: Vec<sqlx::postgres::PgRow>,
+    pub(super) end_of_walk: bool,
+}
+
+impl Scanned {
+    /// The cursor after the page: its last row, or `before` when the page was empty.
+    pub(super) fn cursor_after(&self, before: &Cursor) -> Cursor {
+        match self.rows.last() {
+            Some(r) => Cursor {
+                key: Some(r.get("item_key")),
+                timestamp: r.get("sort_ts"),
+            },
+            None => before.clone(),
+        }
+    }
+}
+
+/// One bounded scan along `path` after `cursor`: at most `page_rows` rows, and, for keys of
+/// variable width (text), of those only as many as fit PAGE_KEY_BYTES of keys (always at least
+/// one), so a page stays bounded in bytes too (DESIGN §2.11). Fixed-width keys (bigint,
+/// integer, uuid: at most 16 bytes) cannot reach the budget and skip the byte count.
+pub(super) async fn scan_page(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    rules: &RuleSet,
+    path: PlanningPath,
+    cursor: &Cursor,
+    page_rows: i64,
+) -> sqlx::Result<Scanned> {
+    let fixed_width = matches!(rules.key_type(), "bigint" | "integer" | "uuid");
+    let (key, key_type) = (rules.key_sql(), rules.key_type().to_string());
+    let order = match path {
+        PlanningPath::KeyOrder => "sort_key",
+        PlanningPath::TimestampIndex => "sort_ts, sort_key",
+    };
+    let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new("");
+    if !fixed_width {
+        q.push(format!(
+            "select item_key, sort_ts, old_enough, null_timestamp, reason, scanned from (
+                 select p.*, sum(octet_length(p.item_key)) over (order by {order}) as key_bytes,
+                        count(*) over () as scanned
+                   from ("
+        ));
+    }
+    q.push("select ");
+    rules.push_classify_columns(&mut q);
+    q.push(", ");
+    rules.push_timestamp(&mut q);
+    q.push(format!(" as sort_ts from {} where ", rules.table_sql()));
+    rules.push_has_key(&mut q);
+    match (path, &cursor.key, cursor.timestamp) {
+        (PlanningPath::KeyOrder, Some(c), _) => {
+            q.push(format!(" and {key} > cast("));
+            q.push_bind(c.clone());
+            q.push(format!(" as {key_type})"));
+        }
+        (PlanningPath::KeyOrder, None, _) => {}
+        (PlanningPath::TimestampIndex, c, ts) => {
+            // The raw column against the cutoff (the path needs timestamptz), so the index's
+            // range bounds the walk; `ts >= cursor` lets an index on the timestamp alone start
+            // at the cursor too, the row comparison then skips what was planned.
+            q.push(" and ");
+            rules.push_timestamp(&mut q);
+            q.push(" < ");
+            q.push_bind(rules.cutoff);
+            if let (Some(c), Some(ts)) = (c, ts) {
+                q.push(" and ");
+                rules.push_timestamp(&mut q);
+                q.push(" >= ");
+                q.push_bind(ts);
+                q.push(" and (");
+                rules.push_timestamp(&mut q);
+                q.push(format!(", {key}) > ("));
+                q.push_bind(ts);
+                q.push(", cast(");
+                q.push_bind(c.clone());
+                q.push(format!(" as {key_type}))"));
+            }
+        }
+    }
+    q.push(format!(" order by {order} limit "));
+    q.push_bind(page_rows);
+    if !fixed_width {
+        q.push(") p) w where w.key_bytes - octet_length(w.item_key) < ");
+        q.push_bind(PAGE_KEY_BYTES as i64);
+        q.push(format!(" order by {order}"));
+    }
+    let rows = q.build().fetch_all(&mut **tx).await?;
+    let scanned: i64 = if fixed_width {
+        rows.len() as i64
+    } else {
+        rows.first().map(|r| r.get("scanned")).unwrap_or(0)
+    };
+    let cut_by_bytes = (rows.len() as i64) < scanned;
+    Ok(Scanned {
+        end_of_walk: scanned < page_rows && !cut_by_bytes,
+        rows,
+    })
+}
