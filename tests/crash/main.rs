@@ -143,6 +143,52 @@ async fn a_crash_while_planning_resumes_from_the_persisted_cursor() {
     assert_end_state(&pool, &run_id, &eligible).await;
 }
 
+/// The same crash on the timestamp-index walk: the cursor (timestamp, key) and the run's planned
+/// keys committed with the first page are where the restarted walk resumes.
+#[tokio::test]
+async fn a_crash_while_planning_along_the_timestamp_index_resumes_from_its_cursor() {
+    let (db, pool, eligible) = prepare().await;
+    let text = config(&db.url, 0).replace(
+        "page_rows = 50",
+        "page_rows = 50\npath = \"timestamp_index\"",
+    );
+    let how = Launch {
+        crash_at: Some("plan_after_page"),
+        ..Default::default()
+    };
+    let mut server = Server::launch(&text, how).await;
+    let run_id = trigger(&server).await;
+    server.wait_crashed().await;
+    let (pages, path, cursor_at, planned): (
+        i32,
+        String,
+        Option<chrono::DateTime<chrono::Utc>>,
+        i64,
+    ) = sqlx::query_as(
+        "select pages_done, path, cursor_timestamp,
+                    (select count(*) from sweeper.planned_keys where run_id = $1)
+               from sweeper.planning_jobs where run_id = $1",
+    )
+    .bind(&run_id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(pages, 1, "the crash came after the first page committed");
+    assert_eq!(path, "timestamp_index");
+    assert!(
+        cursor_at.is_some() && planned > 0,
+        "{cursor_at:?} {planned}"
+    );
+    let text = config(&db.url, 2).replace(
+        "page_rows = 50",
+        "page_rows = 50\npath = \"timestamp_index\"",
+    );
+    let _server = Server::launch(&text, Launch::default()).await;
+    advance(&pool, 61).await; // past the planning lease
+    wait_terminal(&pool, &run_id).await;
+    assert_end_state(&pool, &run_id, &eligible).await;
+}
+
 #[tokio::test]
 async fn a_crash_after_the_delete_before_commit_loses_nothing() {
     let (db, pool, eligible) = prepare().await;
