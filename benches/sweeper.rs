@@ -7,7 +7,9 @@
 //!
 //! Options: `--rows N` (default 1000000), `--backlog N` (default 10000000), `--reps N` (3),
 //! `--batch N` (250), `--naive-sample N` (20000), `--triggers N` (25), `--wrk-seconds N` (5),
-//! `--json PATH` (target/bench/sweeper.json), `--smoke` (small sizes, for CI).
+//! `--json PATH` (target/bench/sweeper.json), `--growth N,N,...` (the sparse scenario's table
+//! sizes, 1000000,3000000,10000000), `--sparse-eligible N` (50000), `--smoke` (small sizes, for
+//! CI).
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -19,6 +21,9 @@ use tokio::sync::Mutex;
 #[allow(dead_code)]
 #[path = "../tests/kit/mod.rs"]
 mod kit;
+
+#[path = "contenders/floor.rs"]
+mod floor;
 
 use kit::db::{copy_database, database_url, drop_database};
 use kit::process::{Launch, Server};
@@ -35,6 +40,10 @@ struct Opts {
     triggers: usize,
     wrk_seconds: u64,
     json: String,
+    /// Table sizes of the sparse scenario (its growth table).
+    growth: Vec<i64>,
+    /// Eligible rows in each of them.
+    sparse_eligible: i64,
 }
 
 fn opts() -> Opts {
@@ -47,6 +56,8 @@ fn opts() -> Opts {
         triggers: 25,
         wrk_seconds: 5,
         json: "target/bench/sweeper.json".into(),
+        growth: vec![1_000_000, 3_000_000, 10_000_000],
+        sparse_eligible: 50_000,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -60,6 +71,8 @@ fn opts() -> Opts {
                 o.naive_sample = 2_000;
                 o.triggers = 20;
                 o.wrk_seconds = 2;
+                o.growth = vec![50_000, 200_000];
+                o.sparse_eligible = 1_000;
                 i += 1;
                 continue;
             }
@@ -71,6 +84,13 @@ fn opts() -> Opts {
             "--triggers" => o.triggers = next().parse().expect("--triggers N"),
             "--wrk-seconds" => o.wrk_seconds = next().parse().expect("--wrk-seconds N"),
             "--json" => o.json = next(),
+            "--growth" => {
+                o.growth = next()
+                    .split(',')
+                    .map(|n| n.parse().expect("--growth N,N,..."))
+                    .collect()
+            }
+            "--sparse-eligible" => o.sparse_eligible = next().parse().expect("--sparse-eligible N"),
             // cargo bench passes --bench; ignore what is not ours.
             _ => {
                 i += 1;
@@ -189,9 +209,9 @@ async fn eligible_count(pool: &PgPool) -> i64 {
         .unwrap()
 }
 
-/// The physical limit: sweeper's own delete_rows statements per command (the consume pipeline,
-/// called in process: no HTTP, no queue, no service), `conns` commands at a time.
-async fn physical(db: &str, batch: usize, conns: usize) -> f64 {
+/// Sweeper's statements in process: its own delete_rows statements per command (the consume
+/// pipeline, called in process: no HTTP, no queue, no service), `conns` commands at a time.
+async fn in_process(db: &str, batch: usize, conns: usize) -> f64 {
     let config = sweeper::settings::Config::from_toml(&config_toml(db, 0, batch)).unwrap();
     let policy = config.policies[0].clone();
     let app = sweeper::app::Application::build(config).await.unwrap();
@@ -290,9 +310,9 @@ async fn serve(db: &str, workers: usize, batch: usize) -> Server {
 }
 
 /// Sweeper end to end: a real server process, a real HTTP trigger, the built-in queue draining
-/// the run with `workers` workers; items/s from the trigger to the run's completion, and the
-/// server's peak RSS.
-async fn sweeper_builtin(db: &str, batch: usize, workers: usize) -> (f64, f64) {
+/// the run with `workers` workers; (items deleted, seconds from the trigger to the run's
+/// completion, the server's peak RSS in MB).
+async fn sweeper_builtin(db: &str, batch: usize, workers: usize) -> (i64, f64, f64) {
     let server = serve(db, workers, batch).await;
     let started = Instant::now();
     let r = reqwest::Client::new()
@@ -323,8 +343,15 @@ async fn sweeper_builtin(db: &str, batch: usize, workers: usize) -> (f64, f64) {
     };
     let seconds = started.elapsed().as_secs_f64();
     let rss = server.peak_rss_mb();
+    let path: Option<String> =
+        sqlx::query_scalar("select path from sweeper.planning_jobs where run_id = $1")
+            .bind(&run_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    eprintln!("  planned along {}", path.as_deref().unwrap_or("?"));
     pool.close().await;
-    (deleted as f64 / seconds, rss)
+    (deleted, seconds, rss)
 }
 
 /// Trigger latency with a backlog: `n` dry-run triggers (each a new run) against a table of
@@ -435,7 +462,36 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
+/// The sparse scenario on a table of `rows` rows with about `eligible` eligible: sweeper (trigger
+/// → completed, 1 worker) and the floor finding its rows through the timestamp index (1
+/// connection), interleaved `reps` times; (median sweeper seconds, median floor seconds, items).
+async fn sparse(rows: i64, eligible: i64, batch: usize, reps: usize) -> (f64, f64, i64) {
+    let seed_db = format!("sweeper_bench_sparse_{rows}");
+    let work = format!("sweeper_bench_sparse_work_{rows}");
+    eprintln!("seeding {rows} rows, about {eligible} eligible ...");
+    floor::seed_sparse(&seed_db, rows, eligible, window()).await;
+    let (mut sw, mut fl, mut items) = (Vec::new(), Vec::new(), 0);
+    for rep in 0..reps {
+        copy_database(&seed_db, &work).await;
+        let (deleted, seconds, _) = sweeper_builtin(&work, batch, 1).await;
+        eprintln!("rep {rep} sparse {rows}: sweeper {deleted} items in {seconds:.2} s");
+        sw.push(seconds);
+        items = deleted;
+        copy_database(&seed_db, &work).await;
+        let cutoff = window() - chrono::TimeDelta::days(90);
+        let (n, seconds) = floor::floor(&work, cutoff, floor::Find::TimestampIndex, batch, 1).await;
+        eprintln!("rep {rep} sparse {rows}: floor {n} items in {seconds:.2} s");
+        assert_eq!(n, deleted, "the floor and sweeper delete the same rows");
+        fl.push(seconds);
+    }
+    drop_database(&work).await;
+    drop_database(&seed_db).await;
+    (median(&mut sw), median(&mut fl), items)
+}
+
 #[tokio::main]
+// Over 80 lines: one benchmark run in order (seed, interleaved contenders, sparse and growth,
+// trigger latency, fast path, report).
 async fn main() {
     let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
     let o = opts();
@@ -457,30 +513,40 @@ async fn main() {
     );
 
     let contenders = [
-        "physical_1conn",
-        "physical_2conn",
+        "floor_1conn",
+        "floor_2conn",
+        "in_process_1conn",
+        "in_process_2conn",
         "naive",
         "sweeper_builtin_1worker",
         "sweeper_builtin_2workers",
     ];
+    let cutoff = window() - chrono::TimeDelta::days(90);
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); contenders.len()];
     let mut rss: Vec<f64> = Vec::new();
     for rep in 0..o.reps {
         for (i, name) in contenders.iter().enumerate() {
             copy_database(&seed_db, work).await;
             let v = match *name {
-                "physical_1conn" => physical(work, o.batch, 1).await,
-                "physical_2conn" => physical(work, o.batch, 2).await,
-                "naive" => naive(work, o.naive_sample).await,
-                "sweeper_builtin_1worker" => {
-                    let (v, r) = sweeper_builtin(work, o.batch, 1).await;
-                    rss.push(r);
-                    v
+                "floor_1conn" | "floor_2conn" => {
+                    let conns = if *name == "floor_1conn" { 1 } else { 2 };
+                    let (n, secs) =
+                        floor::floor(work, cutoff, floor::Find::KeyOrder, o.batch, conns).await;
+                    assert_eq!(n, eligible);
+                    n as f64 / secs
                 }
+                "in_process_1conn" => in_process(work, o.batch, 1).await,
+                "in_process_2conn" => in_process(work, o.batch, 2).await,
+                "naive" => naive(work, o.naive_sample).await,
                 _ => {
-                    let (v, r) = sweeper_builtin(work, o.batch, 2).await;
+                    let workers = if *name == "sweeper_builtin_1worker" {
+                        1
+                    } else {
+                        2
+                    };
+                    let (n, secs, r) = sweeper_builtin(work, o.batch, workers).await;
                     rss.push(r);
-                    v
+                    n as f64 / secs
                 }
             };
             eprintln!("rep {rep} {name}: {v:.0} items/s");
@@ -490,30 +556,37 @@ async fn main() {
     // The fast path needs a completed run: the last copy has one.
     let fast = fast_path(work, o.batch, o.wrk_seconds).await;
     drop_database(work).await;
+    drop_database(&seed_db).await;
+
+    // Sparse, and its growth: the same eligible count on ever larger tables.
+    let mut growth = Vec::new();
+    for &rows in &o.growth {
+        let (sw, fl, items) = sparse(rows, o.sparse_eligible, o.batch, o.reps).await;
+        growth.push(json!({"rows": rows, "items": items, "sweeper_seconds": sw,
+                           "floor_seconds": fl, "ratio": fl / sw}));
+    }
 
     let backlog_db = format!("sweeper_bench_backlog_{}", o.backlog);
     eprintln!("seeding the {}-row backlog ...", o.backlog);
     seed(&backlog_db, o.backlog).await;
     let (p50, p99) = trigger_latency(&backlog_db, o.batch, o.triggers).await;
     drop_database(&backlog_db).await;
-    drop_database(&seed_db).await;
 
     let med: Vec<f64> = results.iter_mut().map(|v| median(v)).collect();
-    let [phys1, phys2, naive_ips, sw1, sw2] = [med[0], med[1], med[2], med[3], med[4]];
+    let [fl1, fl2, ip1, ip2, naive_ips, sw1, sw2] = [0, 1, 2, 3, 4, 5, 6].map(|i| med[i]);
     let peak_rss = rss.iter().cloned().fold(0.0, f64::max);
     let table = json!({
         "rows": o.rows,
         "eligible": eligible,
         "batch": o.batch,
         "repetitions": o.reps,
-        "items_per_second": {
-            "physical_1conn": phys1, "physical_2conn": phys2, "naive": naive_ips,
-            "sweeper_builtin_1worker": sw1, "sweeper_builtin_2workers": sw2,
-        },
+        "items_per_second": contenders.iter().zip(&med).map(|(n, v)| (n.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
         "samples": contenders.iter().zip(&results).map(|(n, v)| (n.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
-        "ratio_to_physical": { "sweeper_builtin_1worker": sw1 / phys1, "sweeper_builtin_2workers": sw2 / phys2 },
-        "ratio_to_naive": { "physical_1conn": phys1 / naive_ips, "sweeper_builtin_1worker": sw1 / naive_ips,
+        "ratio_to_floor": { "sweeper_builtin_1worker": sw1 / fl1, "sweeper_builtin_2workers": sw2 / fl2,
+                            "in_process_1conn": ip1 / fl1, "in_process_2conn": ip2 / fl2 },
+        "ratio_to_naive": { "floor_1conn": fl1 / naive_ips, "sweeper_builtin_1worker": sw1 / naive_ips,
                             "sweeper_builtin_2workers": sw2 / naive_ips },
+        "sparse_growth": growth,
         "trigger_latency_ms": { "backlog_rows": o.backlog, "triggers": o.triggers, "p50": p50, "p99": p99 },
         "fast_path": fast.map(|(c, l)| json!({"consume_duplicate_rps": c, "one_lookup_rps": l, "ratio": c / l})),
         "server_peak_rss_mb": peak_rss,
@@ -526,20 +599,40 @@ async fn main() {
         o.rows, eligible, o.batch, o.reps
     );
     println!(
-        "{:<28}{:>12}{:>14}{:>12}",
-        "contender", "items/s", "vs physical", "vs naive"
+        "{:<36}{:>12}{:>12}{:>12}",
+        "contender", "items/s", "vs floor", "vs naive"
     );
-    let row = |name: &str, v: f64, phys: Option<f64>| {
-        let vp = phys
+    let row = |name: &str, v: f64, fl: Option<f64>| {
+        let vf = fl
             .map(|p| format!("{:.2}x", v / p))
             .unwrap_or_else(|| "-".into());
-        println!("{name:<28}{v:>12.0}{vp:>14}{:>11.1}x", v / naive_ips);
+        println!("{name:<36}{v:>12.0}{vf:>12}{:>11.1}x", v / naive_ips);
     };
-    row("physical limit, 1 conn", phys1, None);
-    row("physical limit, 2 conns", phys2, None);
+    row("PostgreSQL floor, 1 conn", fl1, None);
+    row("PostgreSQL floor, 2 conns", fl2, None);
+    row("sweeper's statements in process, 1", ip1, Some(fl1));
+    row("sweeper's statements in process, 2", ip2, Some(fl2));
     row("naive (row by row)", naive_ips, None);
-    row("sweeper built-in, 1 worker", sw1, Some(phys1));
-    row("sweeper built-in, 2 workers", sw2, Some(phys2));
+    row("sweeper built-in, 1 worker", sw1, Some(fl1));
+    row("sweeper built-in, 2 workers", sw2, Some(fl2));
+    println!(
+        "sparse (about {} eligible, timestamp index), 1 worker / 1 conn:",
+        o.sparse_eligible
+    );
+    println!(
+        "{:>12}{:>8}{:>14}{:>12}{:>10}",
+        "rows", "items", "sweeper s", "floor s", "ratio"
+    );
+    for g in &growth {
+        println!(
+            "{:>12}{:>8}{:>14.2}{:>12.2}{:>9.2}x",
+            g["rows"].as_i64().unwrap(),
+            g["items"].as_i64().unwrap(),
+            g["sweeper_seconds"].as_f64().unwrap(),
+            g["floor_seconds"].as_f64().unwrap(),
+            g["ratio"].as_f64().unwrap()
+        );
+    }
     println!(
         "trigger latency with a {}-row backlog: p50 {p50:.1} ms, p99 {p99:.1} ms ({} dry-run triggers)",
         o.backlog, o.triggers

@@ -1,0 +1,158 @@
+//! PostgreSQL's own floor for sweeper's work, and the sparse table it is measured on.
+//!
+//! The floor is the least any correct tool must do per batch of `delete_rows` with an audit:
+//! one transaction — `WITH d AS (DELETE … WHERE id = ANY($ids) AND closed_at < $cutoff AND NOT
+//! legal_hold RETURNING id) INSERT INTO sweeper.audit … FROM d; INSERT <done marker>; COMMIT` —
+//! on batches cut before the clock starts, `conns` connections taking batches from one list.
+
+use std::time::Instant;
+
+use sqlx::{Connection, PgConnection};
+use tokio::sync::Mutex;
+
+use super::kit;
+use super::kit::db::database_url;
+
+/// Where the floor finds its rows (the cut is not timed).
+#[derive(Debug, Clone, Copy)]
+pub enum Find {
+    /// In key order over the table (the dense scenario).
+    KeyOrder,
+    /// Through the timestamp index, `closed_at < cutoff` in (closed_at, id) order (sparse).
+    TimestampIndex,
+}
+
+/// The floor on database `db`: eligible ids found by `find`, cut into batches of `batch`, then
+/// deleted and audited batch by batch on `conns` connections. Returns (items, seconds).
+pub async fn floor(
+    db: &str,
+    cutoff: chrono::DateTime<chrono::Utc>,
+    find: Find,
+    batch: usize,
+    conns: usize,
+) -> (i64, f64) {
+    let url = database_url(db);
+    let mut c = PgConnection::connect(&url).await.unwrap();
+    let order = match find {
+        Find::KeyOrder => "id",
+        Find::TimestampIndex => "closed_at, id",
+    };
+    let ids: Vec<i64> = sqlx::query_scalar(&format!(
+        "select id from demo.tickets where closed_at < $1 and not legal_hold order by {order}"
+    ))
+    .bind(cutoff)
+    .fetch_all(&mut c)
+    .await
+    .unwrap();
+    sqlx::query("create table public.floor_done (batch_no integer primary key)")
+        .execute(&mut c)
+        .await
+        .unwrap();
+    c.close().await.unwrap();
+    let batches: Vec<(i32, Vec<i64>)> = ids
+        .chunks(batch)
+        .enumerate()
+        .map(|(i, b)| (i as i32, b.to_vec()))
+        .rev()
+        .collect();
+    let queue = std::sync::Arc::new(Mutex::new(batches));
+    let mut sessions = Vec::new();
+    for _ in 0..conns {
+        sessions.push(PgConnection::connect(&url).await.unwrap());
+    }
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for mut s in sessions {
+        let q = queue.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut deleted = 0u64;
+            loop {
+                let Some((no, ids)) = q.lock().await.pop() else {
+                    return deleted;
+                };
+                let mut tx = s.begin().await.unwrap();
+                deleted += sqlx::query(
+                    "with d as (delete from demo.tickets
+                                 where id = any($1) and closed_at < $2 and not legal_hold
+                             returning id)
+                     insert into sweeper.audit (policy, policy_version, run_id, window_at, cutoff,
+                                                command_id, item_key, outcome, actor, dry_run)
+                     select 'floor', 'v', 'floor', $2, $2, 'floor:' || $3, d.id::text,
+                            'deleted', 'floor', false
+                       from d",
+                )
+                .bind(&ids)
+                .bind(cutoff)
+                .bind(no)
+                .execute(&mut *tx)
+                .await
+                .unwrap()
+                .rows_affected();
+                sqlx::query("insert into public.floor_done values ($1)")
+                    .bind(no)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+            }
+        }));
+    }
+    let mut items = 0;
+    for t in tasks {
+        items += t.await.unwrap() as i64;
+    }
+    (items, started.elapsed().as_secs_f64())
+}
+
+/// Seeds database `name` with `rows` tickets of ~200 bytes of which about `eligible` are older
+/// than the cutoff (spread over the ten days before it, ~2 % of them on legal hold, so not
+/// eligible); the rest were closed in the 89 days after it. Indexed on `closed_at`, vacuumed
+/// and analysed, like the dense seed.
+pub async fn seed_sparse(
+    name: &str,
+    rows: i64,
+    eligible: i64,
+    window: chrono::DateTime<chrono::Utc>,
+) {
+    let pool = kit::db::create_migrated(name).await;
+    let mut c = pool.acquire().await.unwrap();
+    for stmt in [
+        "create schema demo",
+        "create table demo.tickets (id bigint primary key, customer_id bigint not null,
+             status text not null, legal_hold boolean not null, closed_at timestamptz,
+             subject text not null, body text not null)",
+        "select setseed(0.29)",
+    ] {
+        sqlx::query(stmt).execute(&mut *c).await.unwrap();
+    }
+    let old_fraction = eligible as f64 / rows as f64 / 0.98;
+    let mut start = 1i64;
+    while start <= rows {
+        let end = (start + 1_000_000 - 1).min(rows);
+        sqlx::query(
+            "insert into demo.tickets
+             select g, 1 + g % 50000, 'closed', random() < 0.02,
+                    case when random() < $4
+                         then $3::timestamptz - interval '91 days' - random() * interval '10 days'
+                         else $3::timestamptz - random() * interval '89 days' end,
+                    'Ticket ' || g || ': refund request for order', repeat('x', 120)
+               from generate_series($1::bigint, $2::bigint) g",
+        )
+        .bind(start)
+        .bind(end)
+        .bind(window)
+        .bind(old_fraction)
+        .execute(&mut *c)
+        .await
+        .unwrap();
+        start = end + 1;
+    }
+    for stmt in [
+        "create index tickets_closed_at on demo.tickets (closed_at)",
+        "vacuum analyze demo.tickets",
+    ] {
+        sqlx::query(stmt).execute(&mut *c).await.unwrap();
+    }
+    drop(c);
+    pool.close().await;
+}
