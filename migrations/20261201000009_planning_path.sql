@@ -10,12 +10,13 @@ alter table sweeper.planning_jobs
     -- keyset cursor (timestamp, key).
     add column cursor_timestamp timestamptz;
 
--- The keys a `timestamp_index` run has put into a command. A row's timestamp can move forward
--- past the cursor after its key was planned; the walk meets it again and this table keeps it out
--- of a second command (its second command would otherwise audit `already_absent` after
--- `deleted`). Written in each page's transaction, emptied by the run's last page: once planning
--- is done no key can be planned again.
-create table sweeper.planned_keys (
+-- The keys a `timestamp_index` run's walk has met (eligible or held), each classified once, at the
+-- first page that met it. A row's timestamp can move forward past the cursor after that; the walk
+-- meets it again, and this table keeps it out of a second command (its second command would
+-- otherwise audit `already_absent` after `deleted`) and out of a second held count. Written in
+-- each page's transaction; emptied by the run's last page, or when the run is cancelled: once
+-- planning is over no key can be met again.
+create table sweeper.seen_keys (
     run_id   text not null references sweeper.runs (run_id),
     item_key text not null,
     primary key (run_id, item_key)

@@ -183,6 +183,11 @@ pub async fn cancel(
     .bind(run_id)
     .execute(&mut *tx)
     .await?;
+    // Planning is over for a cancelled run too: its timestamp walk's seen keys go.
+    sqlx::query("delete from sweeper.seen_keys where run_id = $1")
+        .bind(run_id)
+        .execute(&mut *tx)
+        .await?;
     let n = sqlx::query(
         "update sweeper.commands
             set state = 'cancelled', finished_at = sweeper.now(), lease_until = null, lease_owner = null

@@ -76,31 +76,30 @@ pub async fn hold(
     Ok(())
 }
 
-/// Of `keys` (found eligible on a `timestamp_index` page), those no earlier page of the run put
-/// into a command, in their order; records them as planned in the caller's transaction (one
+/// Of `keys` (the old-enough rows a `timestamp_index` page met, eligible or held), those no
+/// earlier page of the run met; records them as seen in the caller's transaction (one
 /// statement). A row whose timestamp moved forward past the cursor is met again by the walk:
-/// this keeps its key out of a second command.
-pub async fn not_yet_planned(
+/// this keeps it out of a second command and out of a second held count.
+pub async fn first_seen(
     conn: &mut PgConnection,
     run_id: &str,
-    keys: Vec<String>,
-) -> sqlx::Result<Vec<String>> {
+    keys: &[String],
+) -> sqlx::Result<std::collections::HashSet<String>> {
     if keys.is_empty() {
-        return Ok(keys);
+        return Ok(Default::default());
     }
-    let new: std::collections::HashSet<String> = sqlx::query_scalar(
-        "insert into sweeper.planned_keys (run_id, item_key)
+    Ok(sqlx::query_scalar(
+        "insert into sweeper.seen_keys (run_id, item_key)
          select $1, k from unnest($2::text[]) as k
          on conflict do nothing
          returning item_key",
     )
     .bind(run_id)
-    .bind(&keys)
+    .bind(keys)
     .fetch_all(conn)
     .await?
     .into_iter()
-    .collect();
-    Ok(keys.into_iter().filter(|k| new.contains(k)).collect())
+    .collect())
 }
 
 /// What one planned page writes.
@@ -118,8 +117,9 @@ pub struct Page<'a> {
     pub path: Option<(&'a str, &'a str)>,
     /// The job's cursor after this page: the last key planned ...
     pub cursor: Option<&'a str>,
-    /// ... and, on the `timestamp_index` path, its row's timestamp.
-    pub cursor_timestamp: Option<chrono::DateTime<chrono::Utc>>,
+    /// ... and, on the `timestamp_index` path, its row's timestamp, as PostgreSQL's text of a
+    /// `timestamptz` (so `-infinity` round-trips).
+    pub cursor_timestamp: Option<&'a str>,
     /// Eligible keys behind the cursor not yet in a command (fewer than a command's worth),
     /// carried to the next page.
     pub carry: &'a [String],
@@ -164,7 +164,7 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
             set cursor_key = $2, next_batch_no = next_batch_no + $3, pages_done = pages_done + 1,
                 failures = 0, held_kind = null, held_reason = null, held_since = null,
                 done = $4, lease_until = (select sweeper.now()) + make_interval(secs => $5),
-                carry_keys = $6, cursor_timestamp = $7,
+                carry_keys = $6, cursor_timestamp = $7::timestamptz,
                 path = coalesce(path, $8), path_reason = coalesce(path_reason, $9)
           where run_id = $1",
     )
@@ -180,8 +180,8 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
     .execute(&mut *conn)
     .await?;
     if p.done {
-        // Planning is over: no key of this run can be planned again.
-        sqlx::query("delete from sweeper.planned_keys where run_id = $1")
+        // Planning is over: no key of this run can be met again.
+        sqlx::query("delete from sweeper.seen_keys where run_id = $1")
             .bind(p.run_id)
             .execute(&mut *conn)
             .await?;

@@ -144,7 +144,7 @@ async fn lock_job(
     token: Uuid,
 ) -> sqlx::Result<Option<Job>> {
     let job = sqlx::query(
-        "select j.cursor_key, j.cursor_timestamp, j.path, j.carry_keys, j.next_batch_no, r.policy, r.policy_version, r.window_at, r.cutoff,
+        "select j.cursor_key, j.cursor_timestamp::text as cursor_timestamp, j.path, j.carry_keys, j.next_batch_no, r.policy, r.policy_version, r.window_at, r.cutoff,
                 r.dry_run
            from sweeper.planning_jobs j join sweeper.runs r using (run_id)
           where j.run_id = $1 and j.lease_token = $2 and not j.done
@@ -177,7 +177,7 @@ async fn lock_job(
 /// eligible because their timestamp is NULL (`null_timestamp`: counted exactly on the
 /// key-order walk, which visits every row with a key; the timestamp-index walk never meets
 /// them and counts them at its end, [`held_at_end`]).
-fn held_counts(consumed: &[sqlx::postgres::PgRow]) -> BTreeMap<String, i64> {
+fn held_counts(consumed: &[&sqlx::postgres::PgRow]) -> BTreeMap<String, i64> {
     let mut held: BTreeMap<String, i64> = BTreeMap::new();
     for r in consumed {
         let old_enough: bool = r.get("old_enough");
@@ -253,22 +253,33 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         .await
         .map_err(db)?;
     // The whole page is consumed: the cursor moves past its last row, and its eligible keys
-    // join those carried from earlier pages.
-    let cursor = page.cursor_after(&job.cursor);
-    let mut held = held_counts(&page.rows);
-    let mut found: Vec<String> = page
-        .rows
-        .iter()
-        .filter(|r| {
-            r.get::<bool, _>("old_enough") && r.get::<Option<String>, _>("reason").is_none()
-        })
-        .map(|r| r.get::<String, _>("item_key"))
-        .collect();
-    if path == PlanningPath::TimestampIndex {
-        found = ledger::planning::not_yet_planned(&mut tx, run_id, found)
+    // join those carried from earlier pages. On the timestamp walk a row met on an earlier page
+    // (its timestamp moved forward past the cursor) was classified then: it is skipped.
+    let cursor = page.cursor_after(path, &job.cursor);
+    let old_enough = |r: &sqlx::postgres::PgRow| r.get::<bool, _>("old_enough");
+    let rows: Vec<&sqlx::postgres::PgRow> = if path == PlanningPath::TimestampIndex {
+        let met: Vec<String> = page
+            .rows
+            .iter()
+            .filter(|r| old_enough(r))
+            .map(|r| r.get("item_key"))
+            .collect();
+        let first = ledger::planning::first_seen(&mut tx, run_id, &met)
             .await
             .map_err(db)?;
-    }
+        page.rows
+            .iter()
+            .filter(|r| first.contains(&r.get::<String, _>("item_key")))
+            .collect()
+    } else {
+        page.rows.iter().collect()
+    };
+    let mut held = held_counts(&rows);
+    let found = rows
+        .iter()
+        .filter(|r| old_enough(r))
+        .filter(|r| r.get::<Option<String>, _>("reason").is_none())
+        .map(|r| r.get::<String, _>("item_key"));
     let mut keys = job.carry.clone();
     keys.extend(found);
     let done = page.end_of_walk;
@@ -293,9 +304,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
             .as_ref()
             .map(|c| (c.path.as_str(), c.reason.as_str())),
         cursor: cursor.key.as_deref(),
-        cursor_timestamp: cursor
-            .timestamp
-            .filter(|_| path == PlanningPath::TimestampIndex),
+        cursor_timestamp: cursor.timestamp.as_deref(),
         carry: &carry,
         items,
         held: &held,

@@ -10,11 +10,12 @@ use crate::policy::path::PlanningPath;
 
 use super::PAGE_KEY_BYTES;
 
-/// Where the walk stands: after this key (and, on the timestamp-index walk, this timestamp).
+/// Where the walk stands: after this key (and, on the timestamp-index walk, this timestamp, as
+/// PostgreSQL's text of a `timestamptz`: `infinity` and `-infinity` have no chrono value).
 #[derive(Debug, Clone, Default)]
 pub(super) struct Cursor {
     pub(super) key: Option<String>,
-    pub(super) timestamp: Option<chrono::DateTime<chrono::Utc>>,
+    pub(super) timestamp: Option<String>,
 }
 
 /// One scanned page: its classified rows in walk order, and whether the walk reached its end
@@ -25,12 +26,16 @@ pub(super) struct Scanned {
 }
 
 impl Scanned {
-    /// The cursor after the page: its last row, or `before` when the page was empty.
-    pub(super) fn cursor_after(&self, before: &Cursor) -> Cursor {
+    /// The cursor after the page: its last row, or `before` when the page was empty. The
+    /// key-order walk has no timestamp in its cursor.
+    pub(super) fn cursor_after(&self, path: PlanningPath, before: &Cursor) -> Cursor {
         match self.rows.last() {
             Some(r) => Cursor {
                 key: Some(r.get("item_key")),
-                timestamp: r.get("sort_ts"),
+                timestamp: match path {
+                    PlanningPath::KeyOrder => None,
+                    PlanningPath::TimestampIndex => r.get("cursor_ts"),
+                },
             },
             None => before.clone(),
         }
@@ -49,7 +54,6 @@ pub(super) async fn scan_page(
     page_rows: i64,
 ) -> sqlx::Result<Scanned> {
     let fixed_width = matches!(rules.key_type(), "bigint" | "integer" | "uuid");
-    let (key, key_type) = (rules.key_sql(), rules.key_type().to_string());
     let order = match path {
         PlanningPath::KeyOrder => "sort_key",
         PlanningPath::TimestampIndex => "sort_ts, sort_key",
@@ -57,7 +61,7 @@ pub(super) async fn scan_page(
     let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new("");
     if !fixed_width {
         q.push(format!(
-            "select item_key, sort_ts, old_enough, null_timestamp, reason, scanned from (
+            "select item_key, cursor_ts, old_enough, null_timestamp, reason, scanned from (
                  select p.*, sum(octet_length(p.item_key)) over (order by {order}) as key_bytes,
                         count(*) over () as scanned
                    from ("
@@ -67,38 +71,14 @@ pub(super) async fn scan_page(
     rules.push_classify_columns(&mut q);
     q.push(", ");
     rules.push_timestamp(&mut q);
-    q.push(format!(" as sort_ts from {} where ", rules.table_sql()));
+    q.push(" as sort_ts, (");
+    rules.push_timestamp(&mut q);
+    q.push(format!(
+        ")::text as cursor_ts from {} where ",
+        rules.table_sql()
+    ));
     rules.push_has_key(&mut q);
-    match (path, &cursor.key, cursor.timestamp) {
-        (PlanningPath::KeyOrder, Some(c), _) => {
-            q.push(format!(" and {key} > cast("));
-            q.push_bind(c.clone());
-            q.push(format!(" as {key_type})"));
-        }
-        (PlanningPath::KeyOrder, None, _) => {}
-        (PlanningPath::TimestampIndex, c, ts) => {
-            // The raw column against the cutoff (the path needs timestamptz), so the index's
-            // range bounds the walk; `ts >= cursor` lets an index on the timestamp alone start
-            // at the cursor too, the row comparison then skips what was planned.
-            q.push(" and ");
-            rules.push_timestamp(&mut q);
-            q.push(" < ");
-            q.push_bind(rules.cutoff);
-            if let (Some(c), Some(ts)) = (c, ts) {
-                q.push(" and ");
-                rules.push_timestamp(&mut q);
-                q.push(" >= ");
-                q.push_bind(ts);
-                q.push(" and (");
-                rules.push_timestamp(&mut q);
-                q.push(format!(", {key}) > ("));
-                q.push_bind(ts);
-                q.push(", cast(");
-                q.push_bind(c.clone());
-                q.push(format!(" as {key_type}))"));
-            }
-        }
-    }
+    push_after_cursor(&mut q, rules, path, cursor);
     q.push(format!(" order by {order} limit "));
     q.push_bind(page_rows);
     if !fixed_width {
@@ -117,4 +97,46 @@ pub(super) async fn scan_page(
         end_of_walk: scanned < page_rows && !cut_by_bytes,
         rows,
     })
+}
+
+/// Pushes the walk's range after `cursor`: `and key > $cursor` on the key-order walk; on the
+/// timestamp-index walk `and ts < $cutoff` and, past the first page, `and ts >= $ts and (ts, key)
+/// > ($ts, $key)`.
+fn push_after_cursor(
+    q: &mut sqlx::QueryBuilder<'_, sqlx::Postgres>,
+    rules: &RuleSet,
+    path: PlanningPath,
+    cursor: &Cursor,
+) {
+    let (key, key_type) = (rules.key_sql(), rules.key_type().to_string());
+    match (path, &cursor.key, &cursor.timestamp) {
+        (PlanningPath::KeyOrder, Some(c), _) => {
+            q.push(format!(" and {key} > cast("));
+            q.push_bind(c.clone());
+            q.push(format!(" as {key_type})"));
+        }
+        (PlanningPath::KeyOrder, None, _) => {}
+        (PlanningPath::TimestampIndex, c, ts) => {
+            // The raw column against the cutoff (the path needs timestamptz), so the index's
+            // range bounds the walk; `ts >= cursor` lets an index on the timestamp alone start
+            // at the cursor too, the row comparison then skips what was planned.
+            q.push(" and ");
+            rules.push_timestamp(q);
+            q.push(" < ");
+            q.push_bind(rules.cutoff);
+            if let (Some(c), Some(ts)) = (c, ts) {
+                q.push(" and ");
+                rules.push_timestamp(q);
+                q.push(" >= cast(");
+                q.push_bind(ts.clone());
+                q.push(" as timestamptz) and (");
+                rules.push_timestamp(q);
+                q.push(format!(", {key}) > (cast("));
+                q.push_bind(ts.clone());
+                q.push(" as timestamptz), cast(");
+                q.push_bind(c.clone());
+                q.push(format!(" as {key_type}))"));
+            }
+        }
+    }
 }

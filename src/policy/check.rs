@@ -335,50 +335,52 @@ impl Check<'_> {
     /// would take ([`crate::policy::path::choose`]).
     async fn planning_path(&mut self) -> sqlx::Result<()> {
         let t = &self.p.spec.target;
+        let mut conn = self.pool.acquire().await?;
+        // The same test the planner applies: a valid, non-partial B-tree index whose first
+        // column is the timestamp.
+        if crate::policy::path::timestamp_index(&mut conn, t)
+            .await?
+            .is_none()
         {
-            let indexed: bool = sqlx::query_scalar(
-                "select exists (select 1 from pg_index i
-                                  join pg_attribute a on a.attrelid = i.indrelid and a.attnum = i.indkey[0]
-                                 where i.indrelid = to_regclass($1) and a.attname = $2)",
-            )
-            .bind(t.table.quoted())
-            .bind(t.timestamp.as_str())
-            .fetch_one(self.pool)
-            .await?;
-            if !indexed {
-                self.say(
-                    Level::Warning,
-                    format!(
-                        "target.timestamp: no index leads with {ts}; every run plans by walking every key of the \
-                         table and the closure check after each run scans it (create index on {} ({ts}, {}))",
-                        t.table,
-                        t.key.as_str(),
-                        ts = t.timestamp.as_str(),
-                    ),
-                );
-            }
-            let mut conn = self.pool.acquire().await?;
-            // The ledger's clock when the ledger is there (check-config may run before the
-            // first migration), the database's otherwise.
-            let now = match crate::ledger::now(&mut conn).await {
-                Ok(now) => now,
-                Err(_) => {
-                    sqlx::query_scalar("select now()")
-                        .fetch_one(&mut *conn)
-                        .await?
-                }
-            };
-            let cutoff = now - chrono::TimeDelta::seconds(self.p.spec.retain_for_seconds);
-            let choice = crate::policy::path::choose(&mut conn, t, cutoff, self.path).await?;
             self.say(
-                Level::Info,
+                Level::Warning,
                 format!(
-                    "planning: a run triggered now plans along the {} path: {}",
-                    choice.path.as_str(),
-                    choice.reason
+                    "target.timestamp: no index leads with {ts}; every run plans by walking every key of the \
+                     table and the closure check after each run scans it (create index on {} ({ts}, {}))",
+                    t.table,
+                    t.key.as_str(),
+                    ts = t.timestamp.as_str(),
                 ),
             );
         }
+        // The ledger's clock when the ledger is there (check-config may run before the first
+        // migration), the database's otherwise.
+        let now = match crate::ledger::now(&mut conn).await {
+            Ok(now) => now,
+            Err(_) => {
+                sqlx::query_scalar("select now()")
+                    .fetch_one(&mut *conn)
+                    .await?
+            }
+        };
+        let cutoff = now - chrono::TimeDelta::seconds(self.p.spec.retain_for_seconds);
+        let choice = crate::policy::path::choose(&mut conn, t, cutoff, self.path).await?;
+        // A forced timestamp walk that cannot be had is worth a warning.
+        let level = match (self.path, choice.path) {
+            (
+                crate::config::PathSetting::TimestampIndex,
+                crate::policy::path::PlanningPath::KeyOrder,
+            ) => Level::Warning,
+            _ => Level::Info,
+        };
+        self.say(
+            level,
+            format!(
+                "planning: a run triggered now plans along the {} path: {}",
+                choice.path.as_str(),
+                choice.reason
+            ),
+        );
         Ok(())
     }
 

@@ -71,7 +71,7 @@ pub async fn timestamp_index(
 ) -> sqlx::Result<Option<(String, bool)>> {
     sqlx::query_as(
         "select i.indexrelid::regclass::text,
-                coalesce(i.indnatts > 1 and k.attname = $3, false) as key_second
+                coalesce(i.indnkeyatts > 1 and k.attname = $3, false) as key_second
            from pg_index i
            join pg_class ic on ic.oid = i.indexrelid
            join pg_am am on am.oid = ic.relam and am.amname = 'btree'
@@ -79,7 +79,7 @@ pub async fn timestamp_index(
            left join pg_attribute k on k.attrelid = i.indrelid and k.attnum = i.indkey[1]
           where i.indrelid = to_regclass($1) and t.attname = $2
             and i.indisvalid and i.indisready and i.indpred is null
-          order by key_second desc, i.indnatts, ic.relname
+          order by key_second desc, i.indnkeyatts, ic.relname
           limit 1",
     )
     .bind(target.table.quoted())
@@ -143,23 +143,30 @@ pub async fn choose(
             None,
         ));
     }
+    // A forced timestamp walk that cannot be had says so.
+    let forced = |reason: String| match setting {
+        PathSetting::TimestampIndex => {
+            format!("planning.path = \"timestamp_index\", but {reason}: the key-order walk is used")
+        }
+        _ => reason,
+    };
     if let Some(zone) = &target.timestamp_zone {
         return Ok(key_order(
-            format!(
+            forced(format!(
                 "{ts} is a timestamp without time zone read in {zone}: the timestamp-index walk \
                  needs a timestamptz column"
-            ),
+            )),
             None,
             None,
         ));
     }
     let Some((index, key_second)) = timestamp_index(conn, target).await? else {
         return Ok(key_order(
-            format!(
+            forced(format!(
                 "no index leads with {ts} (create index on {} ({ts}, {}))",
                 target.table,
                 target.key.as_str()
-            ),
+            )),
             None,
             None,
         ));

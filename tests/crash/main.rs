@@ -166,7 +166,7 @@ async fn a_crash_while_planning_along_the_timestamp_index_resumes_from_its_curso
         i64,
     ) = sqlx::query_as(
         "select pages_done, path, cursor_timestamp,
-                    (select count(*) from sweeper.planned_keys where run_id = $1)
+                    (select count(*) from sweeper.seen_keys where run_id = $1)
                from sweeper.planning_jobs where run_id = $1",
     )
     .bind(&run_id)

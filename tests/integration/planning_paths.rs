@@ -49,7 +49,7 @@ async fn seen_so_far(pool: &PgPool, run_id: &str) -> HashSet<i64> {
     let keys: Vec<String> = sqlx::query_scalar(
         "select k from sweeper.commands, unnest(item_keys) k where run_id = $1
          union select k from sweeper.planning_jobs, unnest(carry_keys) k where run_id = $1
-         union select item_key from sweeper.planned_keys where run_id = $1",
+         union select item_key from sweeper.seen_keys where run_id = $1",
     )
     .bind(run_id)
     .fetch_all(pool)
@@ -67,25 +67,33 @@ async fn set_closed_at(pool: &PgPool, ids: &[i64], closed: DateTime<Utc>) {
         .unwrap();
 }
 
-/// 3,000 tickets, 600 old enough, pages of 50 rows, commands of 25, the timestamp walk forced;
-/// planning driven page by page while other sessions move rows: planned rows moved forward past
-/// the cursor (met again), unplanned rows moved back behind it (missed: the closure check and
-/// the next run), moved forward across the cutoff, or deleted. Every key lands in at most one
-/// command, the run completes with one outcome per item, and the rows moved back are what the
-/// closure check reports.
-#[tokio::test]
-async fn the_timestamp_walk_plans_each_eligible_key_once_while_timestamps_move() {
-    use sweeper::plan::{PlanStep, plan_page};
+/// A non-serving replica over 3,000 tickets (`old(id)`: old enough; `hold(id)`: on legal hold),
+/// pages of 50 rows, commands of 25, the timestamp walk forced, with a run created and its
+/// planning job claimed by this test: nothing plans but the test.
+struct Driven {
+    db: TestDb,
+    pool: PgPool,
+    state: sweeper::app::AppState,
+    run_id: String,
+    token: uuid::Uuid,
+}
+
+async fn driven(old: impl Fn(i64) -> bool, hold: impl Fn(i64) -> bool) -> Driven {
     let db = TestDb::create().await;
     let pool = PgPool::connect(&db.url).await.unwrap();
     for stmt in TICKETS.split(';').map(str::trim).filter(|s| !s.is_empty()) {
         sqlx::query(stmt).execute(&pool).await.unwrap();
     }
     set_clock(&pool, at("2026-09-01T02:01:00Z")).await;
-    seed(&pool, 3_000, |id| id <= 600).await;
+    seed(&pool, 3_000, old).await;
+    let held: Vec<i64> = (1..=3_000).filter(|id| hold(*id)).collect();
+    sqlx::query("update demo.tickets set legal_hold = true where id = any($1)")
+        .bind(&held)
+        .execute(&pool)
+        .await
+        .unwrap();
     let extra = "[planning]\npage_rows = 50\npath = \"timestamp_index\"";
     let config = config_toml(&db.url, 0, extra, &ticket_policy(25));
-    // A replica that does not serve: nothing plans but this test.
     let app =
         sweeper::app::Application::build(sweeper::settings::Config::from_toml(&config).unwrap())
             .await
@@ -110,7 +118,32 @@ async fn the_timestamp_walk_plans_each_eligible_key_once_while_timestamps_move()
         .await
         .unwrap();
     assert_eq!(claimed.as_deref(), Some(run_id.as_str()));
+    Driven {
+        db,
+        pool,
+        state,
+        run_id,
+        token,
+    }
+}
 
+/// 3,000 tickets, 600 old enough, pages of 50 rows, commands of 25, the timestamp walk forced;
+/// planning driven page by page while other sessions move rows: planned rows moved forward past
+/// the cursor (met again), unplanned rows moved back behind it (missed: the closure check and
+/// the next run), moved forward across the cutoff, or deleted, and held rows moved forward. Every
+/// key lands in at most one command, each held row is counted once, the run completes with one
+/// outcome per item, and the rows moved back are what the closure check reports.
+#[tokio::test]
+async fn the_timestamp_walk_plans_each_eligible_key_once_while_timestamps_move() {
+    use sweeper::plan::{PlanStep, plan_page};
+    // Ids 591..=600, the oldest, are on legal hold: held, met on the first pages.
+    let Driven {
+        db: _db,
+        pool,
+        state,
+        run_id,
+        token,
+    } = driven(|id| id <= 600, |id| (591..=600).contains(&id)).await;
     let (mut moved_back, mut moved_across, mut deleted_unplanned) = (vec![], vec![], vec![]);
     let mut moved_forward = vec![];
     let mut pages = 0;
@@ -140,6 +173,9 @@ async fn the_timestamp_walk_plans_each_eligible_key_once_while_timestamps_move()
             moved_across = ahead[10..20].to_vec();
             set_closed_at(&pool, &moved_across, cutoff() + TimeDelta::hours(1)).await;
             deleted_unplanned = ahead[20..30].to_vec();
+            // Held rows already met, moved forward too: met again, counted once.
+            assert!((591..=600).all(|id| seen.contains(&id)));
+            set_closed_at(&pool, &[591, 592, 593], cutoff() - TimeDelta::seconds(2)).await;
             sqlx::query("delete from demo.tickets where id = any($1)")
                 .bind([deleted_planned.clone(), deleted_unplanned.clone()].concat())
                 .execute(&pool)
@@ -157,12 +193,13 @@ async fn the_timestamp_walk_plans_each_eligible_key_once_while_timestamps_move()
             !moved_back.contains(id)
                 && !moved_across.contains(id)
                 && !deleted_unplanned.contains(id)
+                && !(591..=600).contains(id)
         })
         .collect();
     assert_eq!(keys.keys().copied().collect::<HashSet<i64>>(), expected);
     assert!(moved_forward.iter().all(|id| keys.contains_key(id)));
     let (path, left): (Option<String>, i64) = sqlx::query_as(
-        "select path, (select count(*) from sweeper.planned_keys where run_id = $1)
+        "select path, (select count(*) from sweeper.seen_keys where run_id = $1)
            from sweeper.planning_jobs where run_id = $1",
     )
     .bind(&run_id)
@@ -170,7 +207,7 @@ async fn the_timestamp_walk_plans_each_eligible_key_once_while_timestamps_move()
     .await
     .unwrap();
     assert_eq!(path.as_deref(), Some("timestamp_index"));
-    assert_eq!(left, 0, "the last page emptied the run's planned keys");
+    assert_eq!(left, 0, "the last page emptied the run's seen keys");
 
     while let sweeper::app::worker::WorkerStep::Ran(_) =
         sweeper::app::worker::run_one_command(&state).await.unwrap()
@@ -185,6 +222,11 @@ async fn the_timestamp_walk_plans_each_eligible_key_once_while_timestamps_move()
     assert_eq!(run["already_absent"], 5, "{run}");
     assert_eq!(run["remaining_eligible"], 10, "the rows moved back: {run}");
     assert_eq!(
+        run["held_at_planning"],
+        serde_json::json!({"legal_hold": 10}),
+        "each held row counted once: {run}"
+    );
+    assert_eq!(
         crate::kit::ledger::items_with_several_outcomes(&pool).await,
         0
     );
@@ -193,7 +235,12 @@ async fn the_timestamp_walk_plans_each_eligible_key_once_while_timestamps_move()
             .fetch_all(&pool)
             .await
             .unwrap();
-    let mut kept = [moved_back.clone(), moved_across.clone()].concat();
+    let mut kept = [
+        moved_back.clone(),
+        moved_across.clone(),
+        (591..=600).collect(),
+    ]
+    .concat();
     kept.sort();
     assert_eq!(left, kept);
 }
@@ -293,4 +340,97 @@ async fn auto_takes_the_timestamp_walk_on_a_sparse_run_and_the_key_walk_otherwis
                 (closed_at, id))"),
         "{said:?}"
     );
+    // Forced, but impossible: a warning that says the setting was overridden.
+    let findings = sweeper::policy::check::check_policies(
+        &app.pool,
+        &app.state.config.policies,
+        sweeper::config::PathSetting::TimestampIndex,
+    )
+    .await
+    .unwrap();
+    let said: Vec<String> = findings.iter().map(|f| f.to_string()).collect();
+    assert!(
+        said.iter().any(|f| f.starts_with(
+            "warning: policy[ticket-retention]: planning: a run triggered now plans along the \
+             key_order path: planning.path = \"timestamp_index\", but no index leads with closed_at"
+        )),
+        "{said:?}"
+    );
+    // The table gone: the endpoint says it cannot tell, and why.
+    sqlx::query("drop table demo.tickets")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let p = planning(app.api.policies().await);
+    assert_eq!(
+        p,
+        serde_json::json!({"path": null, "reason": "table demo.tickets does not exist"})
+    );
+}
+
+/// A run cancelled while its timestamp walk is under way: planning stops and its seen keys go
+/// (nothing else would ever empty them).
+#[tokio::test]
+async fn cancelling_a_run_mid_walk_empties_its_seen_keys() {
+    let d = driven(|id| id <= 600, |_| false).await;
+    for _ in 0..3 {
+        let step = sweeper::plan::plan_page(&d.state, &d.run_id, d.token)
+            .await
+            .unwrap();
+        assert_eq!(step, sweeper::plan::PlanStep::Page);
+    }
+    let seen = || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from sweeper.seen_keys where run_id = $1")
+            .bind(&d.run_id)
+            .fetch_one(&d.pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(seen().await, 150);
+    sweeper::ledger::control::cancel(&d.pool, &d.run_id, "test", "stop")
+        .await
+        .unwrap();
+    assert_eq!(seen().await, 0);
+    let step = sweeper::plan::plan_page(&d.state, &d.run_id, d.token)
+        .await
+        .unwrap();
+    assert_eq!(step, sweeper::plan::PlanStep::LostLease, "planning stopped");
+}
+
+/// `infinity` and `-infinity` timestamps (a common "never" marker) on both walks, with pages of 3
+/// rows so such a row ends a page: planning does not trip over them, `-infinity` rows are
+/// eligible and deleted, `infinity` rows kept.
+#[tokio::test]
+async fn infinite_timestamps_plan_on_both_walks() {
+    for path in ["key_order", "timestamp_index"] {
+        let app = TestApp::spawn(Spawn {
+            now: Some(at("2026-09-01T02:01:00Z")),
+            policies: ticket_policy(4),
+            workers: 1,
+            extra_toml: format!("[planning]\npage_rows = 3\npath = \"{path}\""),
+            ..Default::default()
+        })
+        .await;
+        sqlx::query(
+            "insert into demo.tickets (id, status, legal_hold, closed_at)
+             select g, 'closed', false,
+                    case when g <= 4 then '-infinity'::timestamptz
+                         when g <= 8 then '2026-01-01'::timestamptz
+                         else 'infinity'::timestamptz end
+               from generate_series(1, 12) g",
+        )
+        .execute(&app.pool)
+        .await
+        .unwrap();
+        let run_id = app.api.trigger_new("ticket-retention", "").await;
+        let run = app.wait_terminal(&run_id).await;
+        assert_eq!(run["status"], "completed", "{path}: {run}");
+        assert_eq!(run["deleted"], 8, "{path}: {run}");
+        assert_eq!(run["planning"]["path"], path, "{run}");
+        assert_eq!(
+            app.ticket_ids().await,
+            (9..=12).collect::<Vec<i64>>(),
+            "{path}"
+        );
+    }
 }

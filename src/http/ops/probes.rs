@@ -49,6 +49,22 @@ async fn planning_path(
     path: crate::config::PathSetting,
 ) -> serde_json::Value {
     let cutoff = now - chrono::TimeDelta::seconds(p.spec.retain_for_seconds);
+    let table = &p.spec.target.table;
+    match sqlx::query_scalar::<_, bool>("select to_regclass($1) is not null")
+        .bind(table.quoted())
+        .fetch_one(&mut *conn)
+        .await
+    {
+        Ok(true) => {}
+        Ok(false) => {
+            return json!({"path": null, "reason": format!("table {table} does not exist")});
+        }
+        Err(e) => {
+            return json!({"path": null, "reason": format!(
+                "the planning path could not be estimated: {}",
+                crate::retry::Failure::from_db(&e).message)});
+        }
+    }
     match crate::policy::path::choose(conn, &p.spec.target, cutoff, path).await {
         Ok(choice) => json!(choice),
         Err(e) => json!({
