@@ -3,7 +3,9 @@
 //! The floor is the least any correct tool must do per batch of `delete_rows` with an audit:
 //! one transaction — `WITH d AS (DELETE … WHERE id = ANY($ids) AND closed_at < $cutoff AND NOT
 //! legal_hold RETURNING id) INSERT INTO sweeper.audit … FROM d; INSERT <done marker>; COMMIT` —
-//! on batches cut before the clock starts, `conns` connections taking batches from one list.
+//! on batches cut before the clock starts, `conns` connections taking batches from one list. It
+//! sets `recorded_at` itself (`now()`, once per statement) rather than pay the column's default,
+//! sweeper's per-row clock function.
 
 use std::time::Instant;
 
@@ -76,9 +78,10 @@ pub async fn floor(
                                  where id = any($1) and closed_at < $2 and not legal_hold
                              returning id)
                      insert into sweeper.audit (policy, policy_version, run_id, window_at, cutoff,
-                                                command_id, item_key, outcome, actor, dry_run)
+                                                command_id, item_key, outcome, actor, dry_run,
+                                                recorded_at)
                      select 'floor', 'v', 'floor', $2, $2, 'floor:' || $3, d.id::text,
-                            'deleted', 'floor', false
+                            'deleted', 'floor', false, now()
                        from d",
                 )
                 .bind(&ids)
