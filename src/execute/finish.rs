@@ -50,17 +50,16 @@ pub async fn record_closure_check(
     rules: &RuleSet,
     cap: i64,
 ) -> sqlx::Result<()> {
-    let mut q: QueryBuilder<Postgres> = QueryBuilder::new("select count(*) from (select 1 from ");
-    q.push(rules.table_sql());
-    q.push(" where ");
     // Rows without a key are held (`null_key`, counted at planning), not remaining.
-    rules.push_has_key(&mut q);
-    q.push(" and ");
-    rules.push_eligible(&mut q);
-    q.push(" limit ");
-    q.push_bind(cap);
-    q.push(") capped");
-    let remaining: i64 = q.build_query_scalar().fetch_one(&mut *conn).await?;
+    let remaining: i64 = rules
+        .capped_count(cap, |q| {
+            rules.push_has_key(q);
+            q.push(" and ");
+            rules.push_eligible(q);
+        })
+        .build_query_scalar()
+        .fetch_one(&mut *conn)
+        .await?;
     ledger::runs::set_remaining_eligible(conn, run_id, remaining, cap).await
 }
 

@@ -346,17 +346,16 @@ async fn held_at_end(
         held.insert(NULL_KEY.to_string(), null_keys);
     }
     if path == PlanningPath::TimestampIndex {
-        let mut q =
-            sqlx::QueryBuilder::<sqlx::Postgres>::new("select count(*) from (select 1 from ");
-        q.push(rules.table_sql());
-        q.push(" where ");
-        rules.push_has_key(&mut q);
-        q.push(" and ");
-        rules.push_timestamp(&mut q);
-        q.push(" is null limit ");
-        q.push_bind(cap);
-        q.push(") capped");
-        let null_timestamps: i64 = q.build_query_scalar().fetch_one(&mut *conn).await?;
+        let null_timestamps: i64 = rules
+            .capped_count(cap, |q| {
+                rules.push_has_key(q);
+                q.push(" and ");
+                rules.push_timestamp(q);
+                q.push(" is null");
+            })
+            .build_query_scalar()
+            .fetch_one(&mut *conn)
+            .await?;
         if null_timestamps > 0 {
             held.insert(NULL_TIMESTAMP.to_string(), null_timestamps);
         }
@@ -415,14 +414,14 @@ async fn count_null_keys(
     rules: &RuleSet,
     cap: i64,
 ) -> sqlx::Result<i64> {
-    let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new("select count(*) from (select 1 from ");
-    q.push(rules.table_sql());
-    q.push(format!(" where {} is null and ", rules.key_sql()));
-    rules.push_eligible(&mut q);
-    q.push(" limit ");
-    q.push_bind(cap);
-    q.push(") capped");
-    q.build_query_scalar().fetch_one(conn).await
+    rules
+        .capped_count(cap, |q| {
+            q.push(format!("{} is null and ", rules.key_sql()));
+            rules.push_eligible(q);
+        })
+        .build_query_scalar()
+        .fetch_one(conn)
+        .await
 }
 
 /// Runs planning jobs until `shutdown`; nudged by triggers, and polling as a fallback.

@@ -266,6 +266,24 @@ impl RuleSet {
         q.push(format!("{} is not null", self.key_sql()));
     }
 
+    /// `select count(*)` of the target's rows matching what `push_where` pushes, counting at
+    /// most `cap` (the counts that report held or remaining rows stay bounded whatever the
+    /// table holds).
+    pub fn capped_count(
+        &self,
+        cap: i64,
+        push_where: impl FnOnce(&mut QueryBuilder<'_, Postgres>),
+    ) -> QueryBuilder<'static, Postgres> {
+        let mut q = QueryBuilder::new("select count(*) from (select 1 from ");
+        q.push(self.table_sql());
+        q.push(" where ");
+        push_where(&mut q);
+        q.push(" limit ");
+        q.push_bind(cap);
+        q.push(") capped");
+        q
+    }
+
     /// Pushes `key = any(cast($keys as keytype[]))`.
     pub fn push_key_in(&self, q: &mut QueryBuilder<'_, Postgres>, keys: Vec<String>) {
         q.push(format!("{} = any(cast(", self.key_sql()));
