@@ -160,15 +160,7 @@ fn window() -> chrono::DateTime<chrono::Utc> {
 async fn seed(name: &str, rows: i64) {
     let pool = kit::db::create_migrated(name).await;
     let mut c = pool.acquire().await.unwrap();
-    for stmt in [
-        "create schema demo",
-        "create table demo.tickets (id bigint primary key, customer_id bigint not null,
-             status text not null, legal_hold boolean not null, closed_at timestamptz,
-             subject text not null, body text not null)",
-        "select setseed(0.17)",
-    ] {
-        sqlx::query(stmt).execute(&mut *c).await.unwrap();
-    }
+    floor::create_tickets(&mut c, 0.17).await;
     let w = window();
     // Closed uniformly over the 300 days before the window: 210/300 = 70 % before the cutoff.
     let mut start = 1i64;

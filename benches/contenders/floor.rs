@@ -119,15 +119,7 @@ pub async fn seed_sparse(
 ) {
     let pool = kit::db::create_migrated(name).await;
     let mut c = pool.acquire().await.unwrap();
-    for stmt in [
-        "create schema demo",
-        "create table demo.tickets (id bigint primary key, customer_id bigint not null,
-             status text not null, legal_hold boolean not null, closed_at timestamptz,
-             subject text not null, body text not null)",
-        "select setseed(0.29)",
-    ] {
-        sqlx::query(stmt).execute(&mut *c).await.unwrap();
-    }
+    create_tickets(&mut c, 0.29).await;
     let old_fraction = eligible as f64 / rows as f64 / 0.98;
     let mut start = 1i64;
     while start <= rows {
@@ -158,4 +150,22 @@ pub async fn seed_sparse(
     }
     drop(c);
     pool.close().await;
+}
+
+/// Creates the benchmark's `demo.tickets` (~200-byte rows) on `c` and seeds the session's
+/// random generator with `seed`, so the rows that follow are the same on every run.
+pub async fn create_tickets(c: &mut sqlx::PgConnection, seed: f64) {
+    for stmt in [
+        "create schema demo",
+        "create table demo.tickets (id bigint primary key, customer_id bigint not null,
+             status text not null, legal_hold boolean not null, closed_at timestamptz,
+             subject text not null, body text not null)",
+    ] {
+        sqlx::query(stmt).execute(&mut *c).await.unwrap();
+    }
+    sqlx::query("select setseed($1)")
+        .bind(seed)
+        .execute(&mut *c)
+        .await
+        .unwrap();
 }
