@@ -252,11 +252,12 @@ async fn in_process(db: &str, batch: usize, conns: usize) -> f64 {
         t.await.unwrap();
     }
     let seconds = started.elapsed().as_secs_f64();
-    let deleted: i64 = sqlx::query_scalar("select deleted from sweeper.runs where run_id = $1")
-        .bind(&run.run_id)
-        .fetch_one(&state.pool)
-        .await
-        .unwrap();
+    let deleted: i64 =
+        sqlx::query_scalar("select deleted from sweeper.run_totals where run_id = $1")
+            .bind(&run.run_id)
+            .fetch_one(&state.pool)
+            .await
+            .unwrap();
     state.pool.close().await;
     deleted as f64 / seconds
 }
@@ -323,7 +324,7 @@ async fn sweeper_builtin(db: &str, batch: usize, workers: usize) -> (i64, f64, f
     let pool = PgPool::connect(&database_url(db)).await.unwrap();
     let deleted: i64 = loop {
         let (status, deleted): (String, i64) =
-            sqlx::query_as("select status, deleted from sweeper.runs where run_id = $1")
+            sqlx::query_as("select status, deleted from sweeper.run_totals where run_id = $1")
                 .bind(&run_id)
                 .fetch_one(&pool)
                 .await

@@ -1,6 +1,6 @@
 //! Housekeeping: periodic ledger work done by one replica at a time (it holds the
-//! `housekeeping` job lease): republishing push commands no queue delivered, and purging old
-//! terminal commands in bounded batches.
+//! `housekeeping` job lease): republishing push commands no queue delivered, completing runs a
+//! crash left done but open, and purging old terminal commands in bounded batches.
 
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -44,6 +44,13 @@ pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
             "push commands not delivered within republish_after are published again"
         );
     }
+    let completed = complete_done_runs(state).await?;
+    if completed > 0 {
+        info!(
+            runs = completed,
+            "completed runs whose last command ended without completing them"
+        );
+    }
     let mut total = 0;
     loop {
         let n = ledger::purge_terminal_commands(
@@ -63,6 +70,46 @@ pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
             return Ok(total);
         }
     }
+}
+
+/// Completes the runs that are done but still open: what a crash between a command's commit
+/// and its completion check leaves (`execute::complete_after`). The closure check runs as it
+/// would have; a run whose rules cannot be built now (its table changed) completes without it
+/// (`remaining_eligible` stays null). Returns how many runs were completed.
+pub async fn complete_done_runs(state: &AppState) -> sqlx::Result<u64> {
+    let mut n = 0;
+    for run_id in ledger::runs::done_but_open(&state.pool, 100).await? {
+        let mut conn = state.pool.acquire().await?;
+        let Some(run) = ledger::get_run(&mut conn, &run_id).await? else {
+            continue;
+        };
+        let rules = if run.dry_run {
+            None
+        } else {
+            let named = crate::plan::RunRef {
+                run_id: &run.run_id,
+                policy: &run.policy,
+                pinned_version: &run.policy_version,
+                cutoff: run.cutoff,
+                window: run.window_at,
+            };
+            match crate::plan::run_rules(state, &mut conn, &named).await {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    warn!(run_id, error = %e.message, "no closure check for this run: its rules cannot be built");
+                    None
+                }
+            }
+        };
+        drop(conn);
+        if crate::execute::complete_run(state, &run_id, rules.as_ref())
+            .await?
+            .is_some()
+        {
+            n += 1;
+        }
+    }
+    Ok(n)
 }
 
 /// Makes due again every push command no queue delivered within its transport's

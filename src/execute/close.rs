@@ -9,7 +9,7 @@ use std::time::Instant;
 use sqlx::{Postgres, QueryBuilder, Row, Transaction};
 use tracing::warn;
 
-use super::{Counts, Loaded, Outcome, finish_in_run, record_item_dead_letters};
+use super::{Counts, Loaded, Outcome, complete_after, finish_in_run, record_item_dead_letters};
 use crate::policy::ActionSpec;
 use crate::policy::action::Then;
 use crate::retry::Failure;
@@ -82,20 +82,24 @@ pub(super) async fn close(
         crate::ledger::commands::append_audit(&mut tx, &audited).await
     }
     .map_err(db)?;
-    let run_status = finish_in_run(
+    let recorded = finish_in_run(
         &mut tx,
-        &l.run_id,
-        complete,
+        state,
+        &l.policy,
+        command_id,
         &columns.counts,
         false,
         complete && l.redrive_of.is_some(),
-        complete.then_some(r),
-        state.config.planning.closure_check_cap,
     )
     .await
     .map_err(db)?;
     crate::crash_point!("effect_before_commit");
     tx.commit().await.map_err(db)?;
+    let run_status = if complete {
+        complete_after(state, &l.run_id, &l.policy, recorded, Some(r)).await
+    } else {
+        recorded.status
+    };
     if !columns.failed.is_empty() {
         warn!(
             command_id,

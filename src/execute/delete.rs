@@ -31,6 +31,10 @@ pub(super) async fn attempt(
     if loaded.rules.action.dependency().is_some() && !loaded.dry_run {
         return lease_for_calls(state, tx, command_id, executor, loaded, seen).await;
     }
+    if !per_item && !loaded.dry_run {
+        return delete_in_one_statement(state, tx, command_id, executor, actor, started, loaded)
+            .await;
+    }
     let rules = &loaded.rules;
     if per_item {
         // Each item's savepoint must see its own constraint violations, deferred ones included.
@@ -57,7 +61,7 @@ pub(super) async fn attempt(
     }
 
     // One statement: the audit rows, the command done, its attempt recorded, a redriven dead
-    // letter resolved.
+    // letter resolved; its counts recorded next.
     ledger::commands::succeed_with_audit(
         &mut tx,
         &ledger::commands::Audited {
@@ -77,15 +81,14 @@ pub(super) async fn attempt(
         },
     )
     .await?;
-    let run_status = finish_in_run(
+    let recorded = finish_in_run(
         &mut tx,
-        &loaded.run_id,
-        true,
+        state,
+        &loaded.policy,
+        command_id,
         &counts,
         false,
         loaded.redrive_of.is_some(),
-        (!loaded.dry_run).then_some(rules),
-        state.config.planning.closure_check_cap,
     )
     .await?;
     crate::crash_point!("consume_before_commit");
@@ -101,11 +104,135 @@ pub(super) async fn attempt(
     }
     crate::metrics::attempt_succeeded();
     crate::crash_point!("consume_after_commit");
+    let rules = (!loaded.dry_run).then_some(&loaded.rules);
+    let run_status = complete_after(state, &loaded.run_id, &loaded.policy, recorded, rules).await;
     Ok(Attempted::Done(ConsumeOutcome::Executed {
         command_id: command_id.to_string(),
         counts,
         run_status,
     }))
+}
+
+/// The healthy path of a delete-rows command, in four round trips whatever its size: `BEGIN`,
+/// the gate ([`super::load`]), one statement, `COMMIT`. The statement locks the candidate rows in
+/// key order, classifies each from that one snapshot, deletes the eligible ones with every
+/// predicate repeated, and records the audit rows, the command `succeeded` with its attempt and
+/// counts, and a redriven dead letter resolved ([`ledger::commands::push_succeed_after_delete`]).
+/// A permanent error (in the statement, or a deferred constraint at the commit) sends the
+/// command to the item-by-item path.
+async fn delete_in_one_statement(
+    state: &AppState,
+    mut tx: Transaction<'_, Postgres>,
+    command_id: &str,
+    executor: Executor,
+    actor: &str,
+    started: Instant,
+    loaded: Box<Loaded>,
+) -> Result<Attempted, AttemptError> {
+    let rules = &loaded.rules;
+    let mut q = push_items(rules, &loaded.keys);
+    ledger::commands::push_succeed_after_delete(
+        &mut q,
+        &ledger::commands::DeletedInOne {
+            command_id,
+            attempts_inc: matches!(executor, Executor::Delivery) as i32,
+            elapsed_seconds: started.elapsed().as_secs_f64(),
+            policy: &loaded.policy,
+            policy_version: &loaded.policy_version,
+            run_id: &loaded.run_id,
+            window: loaded.window,
+            cutoff: rules.cutoff,
+            actor,
+            item_redrive: loaded.redrive_of.is_some(),
+            others_cap: super::finish::others_cap(state, &loaded.policy),
+        },
+    );
+    crate::crash_point!("consume_before_delete");
+    let row = q.build().fetch_one(&mut *tx).await.map_err(|e| {
+        let f = Failure::from_db(&e);
+        if f.class == FailureClass::Permanent {
+            AttemptError::BulkFailed(f)
+        } else {
+            AttemptError::Failed(f)
+        }
+    })?;
+    let counts = Counts {
+        deleted: row.get("deleted"),
+        already_absent: row.get("already_absent"),
+        excluded: row.get("excluded"),
+        not_eligible: row.get("not_eligible"),
+        ..Counts::default()
+    };
+    let recorded = ledger::runs::Recorded {
+        status: row.get("status"),
+        others_pending: row.get("others_pending"),
+    };
+    crate::crash_point!("consume_before_commit");
+    if let Err(e) = tx.commit().await {
+        // A deferred constraint (a DEFERRABLE foreign key or constraint trigger) is checked
+        // here, not at the delete: redo the command item by item, with constraints immediate.
+        let f = Failure::from_db(&e);
+        return Err(if f.class == FailureClass::Permanent {
+            AttemptError::BulkFailed(f)
+        } else {
+            AttemptError::Failed(f)
+        });
+    }
+    crate::metrics::attempt_succeeded();
+    crate::crash_point!("consume_after_commit");
+    let run_status =
+        complete_after(state, &loaded.run_id, &loaded.policy, recorded, Some(rules)).await;
+    Ok(Attempted::Done(ConsumeOutcome::Executed {
+        command_id: command_id.to_string(),
+        counts,
+        run_status,
+    }))
+}
+
+/// `with cand as (...), del as (...), items as (...)`: the candidates locked in key order and
+/// classified, the eligible ones deleted with every predicate repeated (a row the delete did not
+/// remove is reported as it is, never as deleted), and one row per key of the command in its
+/// order (`ord, item_key, outcome, reason`; a key with no row is `already_absent`).
+fn push_items(rules: &RuleSet, keys: &[String]) -> QueryBuilder<'static, Postgres> {
+    let mut q = QueryBuilder::new("with cand as (select ");
+    q.push(rules.key_sql());
+    q.push("::text as item_key, ");
+    rules.push_old_enough(&mut q);
+    q.push(" as old_enough, ");
+    rules.push_excluded_reason(&mut q);
+    q.push(" as reason from ");
+    q.push(rules.table_sql());
+    q.push(" where ");
+    rules.push_key_in(&mut q, keys.to_vec());
+    q.push(format!(
+        " order by {} for update), del as (delete from ",
+        rules.key_sql()
+    ));
+    q.push(rules.table_sql());
+    q.push(format!(
+        " where {} = any(cast(array(select item_key from cand where old_enough and reason is null) as {}[])) and ",
+        rules.key_sql(),
+        rules.key_type()
+    ));
+    rules.push_eligible(&mut q);
+    q.push(format!(
+        " returning {}::text as item_key), items as (
+             select u.ord, u.item_key,
+                    case when d.item_key is not null then 'deleted'
+                         when c.item_key is null then 'already_absent'
+                         when c.reason is not null then 'excluded'
+                         else 'not_eligible' end as outcome,
+                    c.reason
+               from unnest(",
+        rules.key_sql()
+    ));
+    q.push_bind(keys.to_vec());
+    q.push(
+        "::text[]) with ordinality as u(item_key, ord)
+               left join cand c on c.item_key = u.item_key
+               left join del d on d.item_key = u.item_key)",
+    );
+    q
 }
 
 /// An action with external calls: no transaction may span them (DESIGN §2.6), so the command is

@@ -4,41 +4,97 @@
 
 use super::*;
 
-/// Records a command's terminal state in its run, under the run-row lock: counts, the pending
-/// counter, and completion when this was the last command of a fully planned run. With
-/// `terminal` false only the counts are added (a command that finished some of its items). A run with a
-/// dead letter that is not resolved completes as `completed_with_dead_letters`.
+/// Records a command's result as its run counts it, in the command's own transaction: its
+/// counts on its own row (no run-row lock, so workers of one run do not queue on one row), and
+/// what decides whether the run may be complete after the commit ([`complete_after`]).
 ///
 /// `item_redrive`: the command re-executed one item whose earlier outcome was `failed`, so that
-/// outcome is superseded. `rules`: run the closure check on completion (None for dry runs and
-/// for quarantined commands, whose rules may not be buildable).
-#[allow(clippy::too_many_arguments)]
+/// outcome is superseded.
 pub(crate) async fn finish_in_run(
     tx: &mut Transaction<'_, Postgres>,
-    run_id: &str,
-    terminal: bool,
+    state: &AppState,
+    policy: &str,
+    command_id: &str,
     counts: &Counts,
     quarantined: bool,
     item_redrive: bool,
-    rules: Option<&RuleSet>,
-    closure_cap: i64,
-) -> sqlx::Result<String> {
-    let status = ledger::runs::record_command(
+) -> sqlx::Result<ledger::runs::Recorded> {
+    ledger::runs::record_command(
         tx,
-        run_id,
         &ledger::runs::CommandDone {
-            terminal,
+            command_id,
             quarantined,
             item_redrive,
             counts,
+            others_cap: others_cap(state, policy),
         },
     )
-    .await?;
-    let completed = ledger::RunStatus::parse(&status).is_some_and(ledger::RunStatus::is_completed);
-    if let (true, Some(rules)) = (completed, rules) {
-        record_closure_check(tx, run_id, rules, closure_cap).await?;
+    .await
+}
+
+/// How many other pending commands a command that just ended counts before it stops counting:
+/// with fewer, it may be the run's last one. At most `max_concurrent_commands - 1` other commands
+/// of the policy execute while it does, so the last of a run to commit always counts fewer than
+/// this and asks.
+pub(crate) fn others_cap(state: &AppState, policy: &str) -> i64 {
+    state
+        .config
+        .policy(policy)
+        .map(|p| p.max_concurrent_commands as i64)
+        .unwrap_or(1)
+        + 1
+}
+
+/// After a command's commit: completes its run if it may have been the last one
+/// ([`ledger::runs::complete_if_done`], decided once), with the closure check when `rules` are
+/// given (not for dry runs, nor for a quarantine, whose rules may not be buildable). Returns the
+/// run's status as the caller reports it. A failure here loses nothing: the command is committed,
+/// and housekeeping completes a run that is done but open.
+pub(crate) async fn complete_after(
+    state: &AppState,
+    run_id: &str,
+    policy: &str,
+    recorded: ledger::runs::Recorded,
+    rules: Option<&RuleSet>,
+) -> String {
+    if recorded.others_pending >= others_cap(state, policy) {
+        return recorded.status;
     }
-    Ok(status)
+    crate::crash_point!("consume_before_completion");
+    match complete_run(state, run_id, rules).await {
+        Ok(Some(status)) => status,
+        Ok(None) => recorded.status,
+        Err(e) => {
+            warn!(run_id, error = %e, "completing the run failed; housekeeping will complete it");
+            recorded.status
+        }
+    }
+}
+
+/// Completes `run_id` if it is done, with the closure check when `rules` are given, in one
+/// transaction. `Some(status)` when this call completed it.
+pub(crate) async fn complete_run(
+    state: &AppState,
+    run_id: &str,
+    rules: Option<&RuleSet>,
+) -> sqlx::Result<Option<String>> {
+    let mut tx = state.pool.begin().await?;
+    let Some(status) = ledger::runs::complete_if_done(&mut tx, run_id).await? else {
+        tx.rollback().await?;
+        return Ok(None);
+    };
+    if let Some(rules) = rules {
+        record_closure_check(
+            &mut tx,
+            run_id,
+            rules,
+            state.config.planning.closure_check_cap,
+        )
+        .await?;
+    }
+    tx.commit().await?;
+    info!(run_id, status, "run completed");
+    Ok(Some(status))
 }
 
 /// The closure check: how many rows are still eligible under the run's rules, counted up to
@@ -317,19 +373,19 @@ async fn quarantine_command(
     ledger::commands::quarantine(&mut tx, &c.recorded(&reason, class.as_str()))
         .await
         .map_err(db)?;
-    finish_in_run(
+    let recorded = finish_in_run(
         &mut tx,
-        c.run_id,
-        true,
+        state,
+        c.policy,
+        c.command_id,
         &Counts::default(),
         true,
         false,
-        None,
-        state.config.planning.closure_check_cap,
     )
     .await
     .map_err(db)?;
     tx.commit().await.map_err(db)?;
+    complete_after(state, c.run_id, c.policy, recorded, None).await;
     crate::metrics::quarantined(class);
     warn!(command_id = c.command_id, class = class.as_str(), error = %reason,
           attempts = c.attempts, "command quarantined");

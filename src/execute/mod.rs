@@ -17,7 +17,9 @@ mod load;
 mod store;
 
 pub use envelope::{RAW_BODY_LIMIT, quarantine_envelope};
-pub(crate) use finish::{finish_in_run, record_failure, record_item_dead_letters};
+pub(crate) use finish::{
+    complete_after, complete_run, finish_in_run, record_failure, record_item_dead_letters,
+};
 pub use finish::{hold_recheck_seconds, record_closure_check};
 pub use load::slot_lock_key;
 

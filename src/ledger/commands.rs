@@ -4,7 +4,7 @@
 //! the command was loaded), so two executions cannot both change it.
 
 use chrono::{DateTime, Utc};
-use sqlx::PgConnection;
+use sqlx::{PgConnection, Postgres, QueryBuilder};
 
 /// `recorded_at` of a statement's audit rows: the ledger's clock read once per statement (an
 /// uncorrelated subquery is evaluated once). The column's default, `sweeper.now()`, is a
@@ -124,6 +124,118 @@ pub async fn succeed_with_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sql
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// A delete-rows command that ends in the statement that deletes its rows (see
+/// [`push_succeed_after_delete`]).
+#[derive(Debug)]
+pub struct DeletedInOne<'a> {
+    /// The command.
+    pub command_id: &'a str,
+    /// 1 when the attempt was not counted at claim time (a delivery), else 0.
+    pub attempts_inc: i32,
+    /// Seconds the try took until the statement was sent.
+    pub elapsed_seconds: f64,
+    /// The policy.
+    pub policy: &'a str,
+    /// The run's pinned version.
+    pub policy_version: &'a str,
+    /// The run.
+    pub run_id: &'a str,
+    /// The run's window.
+    pub window: DateTime<Utc>,
+    /// The cutoff the items were judged by.
+    pub cutoff: DateTime<Utc>,
+    /// Who executed it.
+    pub actor: &'a str,
+    /// It re-executes one item whose earlier outcome was `failed` (that outcome is superseded).
+    pub item_redrive: bool,
+    /// Count the run's other pending commands up to this many
+    /// ([`super::runs::Recorded::others_pending`]).
+    pub others_cap: i64,
+}
+
+/// The ledger's half of the one statement that executes a delete-rows command. The caller has
+/// pushed `with items as (...)` — one row per key of the command: `ord` (its position),
+/// `item_key`, `outcome` (`deleted`, `already_absent`, `excluded` or `not_eligible`) and
+/// `reason` — and this pushes the rest: the audit rows in the command's order, the command
+/// `succeeded` with its counts (its contribution to the run's), its attempt, a redriven dead
+/// letter resolved, and a final row `(deleted, already_absent, excluded, not_eligible, status,
+/// others_pending)` with the run's status and its other pending commands counted up to the cap.
+pub fn push_succeed_after_delete(q: &mut QueryBuilder<'_, Postgres>, d: &DeletedInOne<'_>) {
+    q.push(
+        ", au as (
+             insert into sweeper.audit
+                 (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
+                  outcome, reason, actor, dry_run, recorded_at)
+             select ",
+    );
+    q.push_bind(d.policy.to_string());
+    q.push(", ");
+    q.push_bind(d.policy_version.to_string());
+    q.push(", ");
+    q.push_bind(d.run_id.to_string());
+    q.push(", ");
+    q.push_bind(d.window);
+    q.push(", ");
+    q.push_bind(d.cutoff);
+    q.push(", ");
+    q.push_bind(d.command_id.to_string());
+    q.push(", i.item_key, i.outcome, i.reason, ");
+    q.push_bind(d.actor.to_string());
+    q.push(format!(
+        ", false, {RECORDED_AT} from items i order by i.ord),
+         tally as (
+             select count(*) filter (where outcome = 'deleted') as deleted,
+                    count(*) filter (where outcome = 'already_absent') as already_absent,
+                    count(*) filter (where outcome = 'excluded') as excluded,
+                    count(*) filter (where outcome = 'not_eligible') as not_eligible
+               from items),
+         c as (
+             update sweeper.commands cm
+                set state = 'succeeded', finished_at = sweeper.now(),
+                    lease_until = null, lease_owner = null, last_error = null,
+                    last_error_class = null, calling_since = null, {HOLD_CLEARED},
+                    deleted = cm.deleted + t.deleted,
+                    already_absent = cm.already_absent + t.already_absent,
+                    excluded = cm.excluded + t.excluded,
+                    not_eligible = cm.not_eligible + t.not_eligible,
+                    attempts = cm.attempts + "
+    ));
+    q.push_bind(d.attempts_inc);
+    q.push(", failed = cm.failed - ");
+    q.push_bind(d.item_redrive as i64);
+    q.push(" from tally t where cm.command_id = ");
+    q.push_bind(d.command_id.to_string());
+    q.push(
+        " returning cm.attempts, cm.redrive_of),
+         a as (
+             insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
+             select ",
+    );
+    q.push_bind(d.command_id.to_string());
+    q.push(", c.attempts, sweeper.now() - make_interval(secs => ");
+    q.push_bind(d.elapsed_seconds);
+    q.push(
+        "), sweeper.now(), 'succeeded' from c),
+         dl as (
+             update sweeper.dead_letters d
+                set status = 'resolved', resolved_at = sweeper.now()
+              where d.status = 'redriven'
+                and ((d.kind = 'command' and d.command_id = ",
+    );
+    q.push_bind(d.command_id.to_string());
+    q.push(
+        ") or d.dead_letter_id = (select redrive_of from c)))
+         select t.deleted, t.already_absent, t.excluded, t.not_eligible, r.status,
+                (select count(*) from (select 1 from sweeper.commands o
+                                        where o.run_id = r.run_id and o.command_id <> ",
+    );
+    q.push_bind(d.command_id.to_string());
+    q.push(" and o.state in ('pending', 'leased') limit ");
+    q.push_bind(d.others_cap);
+    q.push(") x) as others_pending from tally t, sweeper.runs r where r.run_id = ");
+    q.push_bind(d.run_id.to_string());
 }
 
 /// The audit rows of the items of a command that is not done yet (an external action's command

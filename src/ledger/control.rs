@@ -200,8 +200,6 @@ pub async fn cancel(
     let status: String = sqlx::query_scalar(
         "update sweeper.runs
             set status = case when status in ('planning', 'running') then 'cancelled' else status end,
-                pending_commands = case when status in ('planning', 'running') then 0
-                                        else pending_commands end,
                 completed_at = case when status in ('planning', 'running') then sweeper.now()
                                     else completed_at end
           where run_id = $1

@@ -207,7 +207,8 @@ pub async fn redrive(
                         due_since = sweeper.now(), age_credit_seconds = 0,
                         publish_generation = publish_generation + 1, finished_at = null,
                         lease_until = null, lease_owner = null, held_kind = null,
-                        held_reason = null, held_since = null, held_seen_at = null
+                        held_reason = null, held_since = null, held_seen_at = null,
+                        quarantined_commands = quarantined_commands - 1
                   where command_id = $1 and state = 'quarantined'",
             )
             .bind(&command_id)
@@ -219,7 +220,7 @@ pub async fn redrive(
                     "command {command_id} is no longer quarantined (purged or cancelled)"
                 )));
             }
-            reopen_run(&mut tx, &run_id, -1).await?;
+            reopen_run(&mut tx, &run_id, false).await?;
             command_id
         }
         "item" => {
@@ -251,7 +252,7 @@ pub async fn redrive(
             .bind(&command_id)
             .fetch_one(&mut *tx)
             .await?;
-            reopen_run(&mut tx, &run_id, 0).await?;
+            reopen_run(&mut tx, &run_id, true).await?;
             new_id
         }
         other => {
@@ -284,17 +285,17 @@ pub async fn redrive(
     Ok(ActResult::Redriven { command_id: queued })
 }
 
-/// One more pending command for a run, reopening it if it had completed.
+/// One more pending command for a run (`new_command`: a command added, else one re-queued),
+/// reopening it if it had completed. The quarantine a re-queued command lifts is given back on
+/// the command's own row (its contribution to the run's counts).
 async fn reopen_run(
     tx: &mut Transaction<'_, Postgres>,
     run_id: &str,
-    quarantined_delta: i32,
+    new_command: bool,
 ) -> sqlx::Result<()> {
     sqlx::query(
         "update sweeper.runs
-            set pending_commands = pending_commands + 1,
-                commands_total = commands_total + case when $2 = 0 then 1 else 0 end,
-                quarantined_commands = greatest(0, quarantined_commands + $2),
+            set commands_total = commands_total + case when $2 then 1 else 0 end,
                 status = case when status in ('completed', 'completed_with_dead_letters')
                               then 'running' else status end,
                 completed_at = case when status in ('completed', 'completed_with_dead_letters')
@@ -303,7 +304,7 @@ async fn reopen_run(
           where run_id = $1",
     )
     .bind(run_id)
-    .bind(quarantined_delta)
+    .bind(new_command)
     .execute(&mut **tx)
     .await?;
     Ok(())

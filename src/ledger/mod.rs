@@ -148,7 +148,7 @@ const RUN_COLUMNS: &str = "run_id, policy, policy_version, window_at, cutoff, dr
 
 /// Loads one run.
 pub async fn get_run(conn: &mut PgConnection, run_id: &str) -> sqlx::Result<Option<Run>> {
-    let sql = format!("select {RUN_COLUMNS} from sweeper.runs where run_id = $1");
+    let sql = format!("select {RUN_COLUMNS} from sweeper.run_totals where run_id = $1");
     sqlx::query_as(&sql).bind(run_id).fetch_optional(conn).await
 }
 
@@ -160,7 +160,7 @@ pub async fn list_runs(
     limit: i64,
 ) -> sqlx::Result<Vec<Run>> {
     let sql = format!(
-        "select {RUN_COLUMNS} from sweeper.runs
+        "select {RUN_COLUMNS} from sweeper.run_totals
           where ($1::text is null or policy = $1) and ($2::text is null or status = $2)
           order by window_at desc, created_at desc limit $3"
     );
@@ -293,8 +293,9 @@ pub async fn run_specs<S: DeserializeOwned + Send + Unpin + 'static>(
 }
 
 /// Purges terminal commands that finished more than `retention_seconds` ago and have no live dead
-/// letter, with their attempts, at most `batch` per call (DESIGN §7). Runs, audit, dead letters
-/// and the operator log are never purged. Returns how many commands were purged.
+/// letter, with their attempts, at most `batch` per call (DESIGN §7); their contributions to
+/// their runs' counts are settled into the run rows. Runs, audit, dead letters and the operator
+/// log are never purged. Returns how many commands were purged.
 pub async fn purge_terminal_commands(
     pool: &PgPool,
     retention_seconds: i64,
@@ -323,11 +324,29 @@ pub async fn purge_terminal_commands(
         .bind(&ids)
         .execute(&mut *tx)
         .await?;
-    let n = sqlx::query("delete from sweeper.commands where command_id = any($1)")
-        .bind(&ids)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
+    // A purged command's contribution to its run's counts is settled into the run row.
+    let n: i64 = sqlx::query_scalar(
+        "with d as (delete from sweeper.commands where command_id = any($1)
+                    returning run_id, quarantined_commands, deleted, already_absent, excluded,
+                              not_eligible, failed, would_delete, reconciled),
+              s as (select run_id, count(*) as n, sum(quarantined_commands) as q,
+                           sum(deleted) as de, sum(already_absent) as aa, sum(excluded) as ex,
+                           sum(not_eligible) as ne, sum(failed) as fa, sum(would_delete) as wd,
+                           sum(reconciled) as re
+                      from d group by run_id),
+              u as (update sweeper.runs r
+                       set quarantined_commands = r.quarantined_commands + s.q,
+                           deleted = r.deleted + s.de, already_absent = r.already_absent + s.aa,
+                           excluded = r.excluded + s.ex, not_eligible = r.not_eligible + s.ne,
+                           failed = r.failed + s.fa, would_delete = r.would_delete + s.wd,
+                           reconciled = r.reconciled + s.re
+                      from s where r.run_id = s.run_id)
+         select coalesce(sum(n), 0)::int8 from s",
+    )
+    .bind(&ids)
+    .fetch_one(&mut *tx)
+    .await?;
+    let n = n as u64;
     tx.commit().await?;
     Ok(n)
 }

@@ -135,9 +135,8 @@ pub struct Page<'a> {
 
 /// Writes a page in the caller's transaction (which locked the job row): the commands (due at
 /// the window instant, never before), the job's cursor, carried keys and renewed lease, and the
-/// run's counts;
-/// on the last page the run becomes `running`, or terminal when nothing is pending. Returns the
-/// run's status.
+/// run's counts; on the last page the run becomes `running` (whether it is already complete is
+/// decided after the commit, by [`super::runs::complete_if_done`]). Returns the run's status.
 pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<String> {
     let n_commands = p.batches.len() as i32;
     if n_commands > 0 {
@@ -189,7 +188,6 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
     sqlx::query_scalar(
         "update sweeper.runs
             set commands_total = commands_total + $2,
-                pending_commands = pending_commands + $2,
                 eligible_planned = eligible_planned + $3,
                 held_at_planning = (
                     select coalesce(jsonb_object_agg(k, v), '{}'::jsonb)
@@ -201,12 +199,8 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
                 planning_done = $5,
                 planned_at = case when $5 then sweeper.now() end,
                 status = case when status <> 'planning' then status
-                              when $5 and pending_commands + $2 = 0 then
-                                  case when quarantined_commands > 0 or failed > 0
-                                       then 'completed_with_dead_letters' else 'completed' end
                               when $5 then 'running'
-                              else 'planning' end,
-                completed_at = case when $5 and pending_commands + $2 = 0 then sweeper.now() end
+                              else 'planning' end
           where run_id = $1
           returning status",
     )

@@ -120,47 +120,54 @@ pub async fn create_dry(pool: &PgPool, new: &NewRun<'_>) -> sqlx::Result<Option<
 /// A command's terminal state (or a partial result) as its run counts it.
 #[derive(Debug)]
 pub struct CommandDone<'a> {
-    /// The command is terminal: the run's pending counter goes down.
-    pub terminal: bool,
+    /// The command.
+    pub command_id: &'a str,
     /// It was quarantined.
     pub quarantined: bool,
     /// It re-executed one item whose earlier outcome was `failed` (that outcome is superseded).
     pub item_redrive: bool,
     /// Its items' outcomes.
     pub counts: &'a super::Counts,
+    /// Count the run's other pending commands up to this many (see [`Recorded`]).
+    pub others_cap: i64,
 }
 
-/// Adds a command's result to its run under the run-row lock: counts, the pending counter, and
-/// completion when this was the last command of a fully planned run (`completed`, or
-/// `completed_with_dead_letters` while a dead letter of the run is not resolved). Only the
-/// command that completes the run sees a completed status: the status changes once, when the
-/// pending counter reaches zero. Returns the run's status.
+/// What a command's result left for its run, as the recording transaction saw it.
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    /// The run's status (not locked: the run row is not written per command).
+    pub status: String,
+    /// The run's other commands not yet terminal, counted up to the cap: below it, this command
+    /// may be the run's last and [`complete_if_done`] is worth asking after the commit.
+    pub others_pending: i64,
+}
+
+/// Adds a command's result to its own row (its contribution to the run's counts; the caller's
+/// transaction holds the command row's lock) and reads what the run needs to decide next. The
+/// run row is not touched: workers of one run do not queue on it (DESIGN §7's pending counter is
+/// replaced by counting, see `sweeper.run_totals`).
 pub async fn record_command(
     conn: &mut PgConnection,
-    run_id: &str,
     d: &CommandDone<'_>,
-) -> sqlx::Result<String> {
-    sqlx::query_scalar(
-        "update sweeper.runs
-            set pending_commands = pending_commands - case when $11 then 1 else 0 end,
-                quarantined_commands = quarantined_commands + $2,
-                deleted = deleted + $3, already_absent = already_absent + $4,
-                excluded = excluded + $5, not_eligible = not_eligible + $6,
-                failed = greatest(0, failed + $7 - $9), would_delete = would_delete + $8,
-                reconciled = reconciled + $10,
-                status = case
-                    when $11 and status in ('planning', 'running') and planning_done and pending_commands = 1
-                    then case when exists (select 1 from sweeper.dead_letters d
-                                            where d.run_id = $1 and d.status <> 'resolved')
-                              then 'completed_with_dead_letters' else 'completed' end
-                    else status end,
-                completed_at = case
-                    when $11 and status in ('planning', 'running') and planning_done and pending_commands = 1
-                    then sweeper.now() else completed_at end
-          where run_id = $1
-          returning status",
+) -> sqlx::Result<Recorded> {
+    let (status, others_pending) = sqlx::query_as(
+        "with c as (
+             update sweeper.commands
+                set quarantined_commands = quarantined_commands + $2,
+                    deleted = deleted + $3, already_absent = already_absent + $4,
+                    excluded = excluded + $5, not_eligible = not_eligible + $6,
+                    failed = failed + $7 - $9, would_delete = would_delete + $8,
+                    reconciled = reconciled + $10
+              where command_id = $1
+          returning run_id)
+         select r.status,
+                (select count(*) from (select 1 from sweeper.commands o
+                                        where o.run_id = r.run_id and o.command_id <> $1
+                                          and o.state in ('pending', 'leased')
+                                        limit $11) x)
+           from sweeper.runs r where r.run_id = (select run_id from c)",
     )
-    .bind(run_id)
+    .bind(d.command_id)
     .bind(d.quarantined as i32)
     .bind(d.counts.deleted)
     .bind(d.counts.already_absent)
@@ -170,8 +177,53 @@ pub async fn record_command(
     .bind(d.counts.would_delete)
     .bind(d.item_redrive as i64)
     .bind(d.counts.reconciled)
-    .bind(d.terminal)
+    .bind(d.others_cap)
     .fetch_one(conn)
+    .await?;
+    Ok(Recorded {
+        status,
+        others_pending,
+    })
+}
+
+/// Completes `run_id` if planning is done and no command is pending: `completed`, or
+/// `completed_with_dead_letters` while a dead letter of the run is not resolved. Decided once:
+/// the UPDATE is guarded by the run's status, so of two concurrent callers one changes it and the
+/// other finds it completed. Callers run it after their own commit (a snapshot that sees their
+/// command terminal): the last command to commit always sees every other one terminal. Returns
+/// the status when this call completed the run.
+pub async fn complete_if_done(
+    conn: &mut PgConnection,
+    run_id: &str,
+) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar(
+        "update sweeper.runs r
+            set status = case when exists (select 1 from sweeper.dead_letters d
+                                            where d.run_id = r.run_id and d.status <> 'resolved')
+                              then 'completed_with_dead_letters' else 'completed' end,
+                completed_at = sweeper.now()
+          where r.run_id = $1 and r.status in ('planning', 'running') and r.planning_done
+            and not exists (select 1 from sweeper.commands c
+                             where c.run_id = r.run_id and c.state in ('pending', 'leased'))
+          returning r.status",
+    )
+    .bind(run_id)
+    .fetch_optional(conn)
+    .await
+}
+
+/// Runs that are done but not completed: planning done, nothing pending, status still
+/// `running` — what a crash between a command's commit and [`complete_if_done`] leaves.
+pub async fn done_but_open(pool: &PgPool, limit: i64) -> sqlx::Result<Vec<String>> {
+    sqlx::query_scalar(
+        "select r.run_id from sweeper.runs r
+          where r.status in ('planning', 'running') and r.planning_done
+            and not exists (select 1 from sweeper.commands c
+                             where c.run_id = r.run_id and c.state in ('pending', 'leased'))
+          order by r.created_at limit $1",
+    )
+    .bind(limit)
+    .fetch_all(pool)
     .await
 }
 

@@ -16,7 +16,10 @@
 //! a row whose timestamp moves back behind the timestamp walk's cursor is left to the closure
 //! check and the next run (DESIGN §14).
 
+mod rules;
 mod scan;
+
+pub use rules::{RunRef, run_rules};
 
 use std::collections::BTreeMap;
 
@@ -197,21 +200,14 @@ async fn job_rules(
     job: &Job,
     run_id: &str,
 ) -> Result<RuleSet, Failure> {
-    let (pinned, _current_version, current) =
-        ledger::run_specs::<crate::policy::PolicySpec>(tx, &job.policy, &job.pinned_version)
-            .await
-            .map_err(|e| Failure::from_db(&e))?;
-    let table = state.catalog.get(&state.pool, &pinned.target.table).await?;
-    Ok(RuleSet::effective(
-        &pinned,
-        current.as_ref(),
-        job.cutoff,
-        job.window,
-        &table,
-        state.checked_types.get(&job.policy),
-    )
-    .map_err(|h| h.into_failure())?
-    .with_effects(&job.policy, run_id))
+    let run = RunRef {
+        run_id,
+        policy: &job.policy,
+        pinned_version: &job.pinned_version,
+        cutoff: job.cutoff,
+        window: job.window,
+    };
+    run_rules(state, tx, &run).await
 }
 
 /// Plans one page of `run_id` if `token` still holds the job's lease: choose the path (first
@@ -314,12 +310,15 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     let status = ledger::planning::record_page(&mut tx, &page)
         .await
         .map_err(db)?;
-    if done && !job.dry_run && ledger::is_terminal_run_status(&status) {
-        crate::execute::record_closure_check(&mut tx, run_id, &rules, cap)
-            .await
-            .map_err(db)?;
-    }
     tx.commit().await.map_err(db)?;
+    if done {
+        // Every command may already be terminal (or there are none): the run is complete if so,
+        // decided after the commit like a command's end (see `execute::complete_after`).
+        let rules = (!job.dry_run).then_some(&rules);
+        if let Err(e) = crate::execute::complete_run(state, run_id, rules).await {
+            warn!(run_id, error = %e, "completing the run failed; housekeeping will complete it");
+        }
+    }
     if let Some(c) = &chosen {
         info!(run_id, path = c.path.as_str(), reason = %c.reason, "planning path chosen");
     }

@@ -329,7 +329,7 @@ action = {{ kind = "object_store", dependency = "{dep}", column = "object_key", 
     let r = trigger(&server, "uploads-nowhere", "2026-09-01").await;
     assert_eq!(wait_status(&pool, &r).await, "completed_with_dead_letters");
     let (absent, quarantined): (i64, i32) = sqlx::query_as(
-        "select already_absent, quarantined_commands from sweeper.runs where run_id = $1",
+        "select already_absent, quarantined_commands from sweeper.run_totals where run_id = $1",
     )
     .bind(&r)
     .fetch_one(&pool)
@@ -352,7 +352,7 @@ action = {{ kind = "object_store", dependency = "{dep}", column = "object_key", 
     let r = trigger(&server, "uploads", "2026-09-01").await;
     assert_eq!(wait_status(&pool, &r).await, "completed");
     let (deleted, absent): (i64, i64) =
-        sqlx::query_as("select deleted, already_absent from sweeper.runs where run_id = $1")
+        sqlx::query_as("select deleted, already_absent from sweeper.run_totals where run_id = $1")
             .bind(&r)
             .fetch_one(&pool)
             .await

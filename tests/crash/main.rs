@@ -211,6 +211,38 @@ async fn a_crash_after_the_delete_before_commit_loses_nothing() {
     assert_end_state(&pool, &run_id, &eligible).await;
 }
 
+/// A crash between the last command's commit and its completion check leaves the run done but
+/// open (every command terminal, status `running`); housekeeping completes it, closure check
+/// included. One command of 1,000 keys holds the whole run, so the crash is at its last one.
+#[tokio::test]
+async fn a_crash_before_the_completion_check_is_completed_by_housekeeping() {
+    let (db, pool, eligible) = prepare().await;
+    let text = |housekeeping: &str| {
+        config_toml(
+            &db.url,
+            1,
+            &format!(
+                "[planning]\npage_rows = 50\n[ledger]\nhousekeeping_interval = \"{housekeeping}\""
+            ),
+            &ticket_policy(1000),
+        )
+    };
+    let how = Launch {
+        crash_at: Some("consume_before_completion"),
+        ..Default::default()
+    };
+    let mut server = Server::launch(&text("60s"), how).await;
+    let run_id = trigger(&server).await;
+    server.wait_crashed().await;
+    let states = kit::ledger::command_states(&pool, &run_id).await;
+    assert_eq!(states, vec!["succeeded"], "the command committed");
+    assert_eq!(kit::ledger::run_status(&pool, &run_id).await, "running");
+    advance(&pool, 200).await; // past the crashed replica's housekeeping lease
+    let _server = Server::launch(&text("1s"), Launch::default()).await;
+    wait_terminal(&pool, &run_id).await;
+    assert_end_state(&pool, &run_id, &eligible).await;
+}
+
 #[tokio::test]
 async fn a_crash_after_commit_before_the_answer_is_absorbed_by_redelivery() {
     let (db, pool, eligible) = prepare().await;

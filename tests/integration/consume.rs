@@ -403,3 +403,59 @@ async fn reverting_a_configuration_makes_the_reverted_version_current_again() {
     a.drain().await;
     assert_eq!(a.wait_terminal(&run_id).await["status"], "completed");
 }
+
+/// The run row is not written per command (DESIGN §7's pending counter is replaced by counting
+/// the run's commands): a session holding the run row locked delays only the run's completion,
+/// never its commands. Before, every command updated the run row under its lock and waited here.
+#[tokio::test]
+async fn commands_execute_while_their_run_row_is_locked_and_the_last_completes_the_run() {
+    use sqlx::Connection;
+    let app = planned_app(10, TICKETS).await;
+    let eligible = seed_mixed(&app.pool, 60, at(WINDOW)).await;
+    let run_id = trigger_and_plan(&app, "").await;
+    let commands = app.command_ids(&run_id).await;
+    assert!(commands.len() >= 3, "{commands:?}");
+
+    let mut holder = sqlx::PgConnection::connect(&app.db.url).await.unwrap();
+    sqlx::query("begin").execute(&mut holder).await.unwrap();
+    sqlx::query("select 1 from sweeper.runs where run_id = $1 for update")
+        .bind(&run_id)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let (last, rest) = commands.split_last().unwrap();
+    for c in rest {
+        let answer = tokio::time::timeout(std::time::Duration::from_secs(5), app.consume(c))
+            .await
+            .expect("a command does not wait for its run row");
+        assert_eq!(answer.body["result"], "executed", "{}", answer.body);
+        assert_eq!(answer.body["run_status"], "running", "{}", answer.body);
+    }
+    let run = app.get_json(&format!("/runs/{run_id}")).await;
+    assert_eq!(run["pending_commands"], 1, "{run}");
+    assert_eq!(run["status"], "running", "{run}");
+    let deleted_so_far = run["deleted"].as_i64().unwrap();
+    assert!(deleted_so_far > 0, "{run}");
+
+    // The last command commits; only its completion check waits for the run row.
+    let release = async {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        let state: String =
+            sqlx::query_scalar("select state from sweeper.commands where command_id = $1")
+                .bind(last)
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+        sqlx::query("rollback").execute(&mut holder).await.unwrap();
+        state
+    };
+    let (answer, state_while_locked) = tokio::join!(app.consume(last), release);
+    assert_eq!(state_while_locked, "succeeded");
+    assert_eq!(answer.body["result"], "executed", "{}", answer.body);
+    assert_eq!(answer.body["run_status"], "completed", "{}", answer.body);
+    let run = app.get_json(&format!("/runs/{run_id}")).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(run["pending_commands"], 0, "{run}");
+    assert_eq!(run["deleted"].as_i64().unwrap() as usize, eligible.len());
+    assert_eq!(run["remaining_eligible"], 0, "the closure check ran: {run}");
+}

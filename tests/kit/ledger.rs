@@ -203,11 +203,10 @@ pub async fn force_quarantined(pool: &PgPool, policy: &str, run_id: &str, comman
     .await
     .unwrap();
     sqlx::query(
-        "update sweeper.runs set pending_commands = pending_commands - 1,
-                                 quarantined_commands = quarantined_commands + 1
-          where run_id = $1",
+        "update sweeper.commands set quarantined_commands = quarantined_commands + 1
+          where command_id = $1",
     )
-    .bind(run_id)
+    .bind(command_id)
     .execute(pool)
     .await
     .unwrap();

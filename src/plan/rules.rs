@@ -1,0 +1,45 @@
+//! The rules a run acts under, built from the ledger: planning's pages and housekeeping's
+//! completion of a run a crash left open both need them.
+
+use crate::ledger;
+use crate::policy::RuleSet;
+use crate::retry::Failure;
+use crate::state::AppState;
+
+/// What names a run's rules: the run, its policy and pinned version, its cutoff and window.
+pub struct RunRef<'a> {
+    /// The run.
+    pub run_id: &'a str,
+    /// Its policy.
+    pub policy: &'a str,
+    /// Its pinned version.
+    pub pinned_version: &'a str,
+    /// Its cutoff.
+    pub cutoff: chrono::DateTime<chrono::Utc>,
+    /// Its window.
+    pub window: chrono::DateTime<chrono::Utc>,
+}
+
+/// The rules `run` acts under: the stricter of its pinned and current versions, over the
+/// target's columns as this replica checked them.
+pub async fn run_rules(
+    state: &AppState,
+    conn: &mut sqlx::PgConnection,
+    run: &RunRef<'_>,
+) -> Result<RuleSet, Failure> {
+    let (pinned, _current_version, current) =
+        ledger::run_specs::<crate::policy::PolicySpec>(conn, run.policy, run.pinned_version)
+            .await
+            .map_err(|e| Failure::from_db(&e))?;
+    let table = state.catalog.get(&state.pool, &pinned.target.table).await?;
+    Ok(RuleSet::effective(
+        &pinned,
+        current.as_ref(),
+        run.cutoff,
+        run.window,
+        &table,
+        state.checked_types.get(run.policy),
+    )
+    .map_err(|h| h.into_failure())?
+    .with_effects(run.policy, run.run_id))
+}
