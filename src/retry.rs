@@ -112,6 +112,14 @@ impl Failure {
                     || code.starts_with("53")
                     || code.starts_with("57P");
                 let message = format!("{} (SQLSTATE {code})", db.message());
+                if code == "23514" && is_missing_audit_partition(db.as_ref()) {
+                    // The ledger cannot record this month yet: housekeeping (and every start)
+                    // creates the audit's partitions ahead of the clock. Never the items' fault.
+                    return Self::transient(format!(
+                        "ledger unavailable: the audit has no partition for now ({message}); \
+                         sweeper creates them at start and every housekeeping round"
+                    ));
+                }
                 if transient {
                     Self::transient(message)
                 } else if code.starts_with("42") {
@@ -128,6 +136,18 @@ impl Failure {
             _ => Self::permanent(e.to_string()),
         }
     }
+}
+
+/// Whether `db` is PostgreSQL's "no partition of relation found for row" for
+/// `sweeper.audit` (SQLSTATE 23514 with the table named in the error's fields), not for a
+/// partitioned target table.
+fn is_missing_audit_partition(db: &dyn sqlx::error::DatabaseError) -> bool {
+    db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+        .is_some_and(|pg| {
+            pg.schema() == Some("sweeper")
+                && pg.table() == Some("audit")
+                && pg.message().starts_with("no partition of relation")
+        })
 }
 
 /// A command's budget: how many attempts and how much age it may spend before quarantine.

@@ -1,6 +1,7 @@
 //! Housekeeping: periodic ledger work done by one replica at a time (it holds the
-//! `housekeeping` job lease): republishing push commands no queue delivered, completing runs a
-//! crash left done but open, and purging old terminal commands in bounded batches.
+//! `housekeeping` job lease): republishing push commands no queue delivered, creating the audit's
+//! partitions ahead of the clock, completing runs a crash left done but open, and purging old
+//! terminal commands in bounded batches.
 
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -43,6 +44,10 @@ pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
             commands = republish,
             "push commands not delivered within republish_after are published again"
         );
+    }
+    let partitions = ledger::audit::ensure_partitions(&state.pool).await?;
+    if partitions > 0 {
+        info!(partitions, "created audit partitions ahead of the clock");
     }
     let completed = complete_done_runs(state).await?;
     if completed > 0 {

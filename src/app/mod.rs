@@ -67,6 +67,9 @@ impl Application {
             migrate(&config).await?;
         }
         let pool = connect(&config).await?;
+        ledger::audit::ensure_partitions(&pool)
+            .await
+            .context("creating the audit's partitions ahead of the clock")?;
         check_policies_at_start(&pool, &config).await?;
         ledger::register_policy_versions(
             &pool,

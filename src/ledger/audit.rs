@@ -40,6 +40,19 @@ fn ser_window<S: serde::Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S:
     s.serialize_str(&crate::window::format(*t))
 }
 
+/// Months of audit partitions kept ready after the current one (UTC months, ledger clock).
+pub const PARTITION_MONTHS_AHEAD: i32 = 2;
+
+/// Creates the audit's monthly partitions up to [`PARTITION_MONTHS_AHEAD`] months after the
+/// current one (`sweeper.ensure_audit_partitions`, migration 20261201000011). Run at every start
+/// and every housekeeping round, so an audit row never lacks its month. Returns how many it made.
+pub async fn ensure_partitions(pool: &PgPool) -> sqlx::Result<i32> {
+    sqlx::query_scalar("select sweeper.ensure_audit_partitions($1)")
+        .bind(PARTITION_MONTHS_AHEAD)
+        .fetch_one(pool)
+        .await
+}
+
 /// A page of a run's audit rows in log order, after `after` (exclusive), at most `limit` rows,
 /// optionally only one outcome. Keyset pagination on `audit_id`.
 pub async fn items_page(

@@ -1,6 +1,7 @@
 //! Integration tests: a real server on a real port, a real PostgreSQL, real JWTs.
 
 mod architecture;
+mod audit;
 mod cli;
 mod common;
 mod consume;

@@ -1,0 +1,230 @@
+//! The audit trail partitioned by month (issue 13): append-only on every partition, partitions
+//! ready ahead of a moved clock, a missing partition a transient failure that loses nothing, and
+//! one item's history found across months through its `(policy, item_key)` index.
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+
+use crate::common::*;
+
+/// The audit's partitions, in range order.
+async fn partitions(pool: &PgPool) -> Vec<(String, DateTime<Utc>)> {
+    sqlx::query_as("select partition, to_at from sweeper.audit_partitions order by to_at")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// The partition each audit row of `run_id` lives in.
+async fn partitions_of_run(pool: &PgPool, run_id: &str) -> Vec<String> {
+    sqlx::query_scalar(
+        "select distinct tableoid::regclass::text from sweeper.audit where run_id = $1",
+    )
+    .bind(run_id)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn every_audit_partition_refuses_updates_deletes_and_truncation() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        workers: 1,
+        ..Default::default()
+    })
+    .await;
+    seed_mixed(&app.pool, 10, at("2026-09-01T02:00:00Z")).await;
+    let (_, run) = app.trigger("ticket-retention", "").await;
+    app.wait_terminal(run["run_id"].as_str().unwrap()).await;
+    let parts = partitions(&app.pool).await;
+    assert!(parts.len() >= 3, "{parts:?}");
+    assert_eq!(
+        parts[0].0, "audit_before",
+        "the table that existed is the first partition"
+    );
+    let before: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert!(before > 0);
+    for (name, _) in &parts {
+        for stmt in [
+            format!("update sweeper.{name} set outcome = 'excluded'"),
+            format!("delete from sweeper.{name}"),
+            format!("truncate sweeper.{name}"),
+        ] {
+            let err = sqlx::query(&stmt).execute(&app.pool).await.unwrap_err();
+            assert!(err.to_string().contains("append-only"), "{stmt}: {err}");
+        }
+    }
+    let after: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(after, before);
+}
+
+#[tokio::test]
+async fn partitions_are_made_two_months_ahead_of_a_moved_clock() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        ..Default::default()
+    })
+    .await;
+    // Five months on: housekeeping makes the months up to two after the current one.
+    set_clock(&app.pool, at("2027-05-20T10:00:00Z")).await;
+    sweeper::app::housekeeping::housekeeping_once(&app.state)
+        .await
+        .unwrap();
+    let parts = partitions(&app.pool).await;
+    assert_eq!(
+        parts.last().unwrap().1,
+        at("2027-08-01T00:00:00Z"),
+        "{parts:?}"
+    );
+    let names: Vec<&str> = parts.iter().map(|(n, _)| n.as_str()).collect();
+    for month in ["audit_2027_05", "audit_2027_06", "audit_2027_07"] {
+        assert!(names.contains(&month), "{names:?}");
+    }
+    // Again: nothing more to make, and the ranges have no gap.
+    assert_eq!(
+        sweeper::ledger::audit::ensure_partitions(&app.pool)
+            .await
+            .unwrap(),
+        0
+    );
+    let gaps: i64 = sqlx::query_scalar(
+        "select count(*) from (select from_at, lag(to_at) over (order by to_at) as prev
+                                 from sweeper.audit_partitions) p
+          where prev is not null and from_at <> prev",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(gaps, 0);
+}
+
+#[tokio::test]
+async fn a_missing_partition_is_a_transient_failure_and_the_command_runs_once_it_exists() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        ..Default::default()
+    })
+    .await;
+    // The clock jumps past every partition made so far (no housekeeping round has run).
+    set_clock(&app.pool, at("2027-09-01T02:01:00Z")).await;
+    let eligible = seed_mixed(&app.pool, 20, at("2027-09-01T02:00:00Z")).await;
+    let (run_id, commands) = app.planned_run().await;
+    let answer = app.consume(&commands[0]).await;
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    let (state, attempts, error, class): (String, i32, String, String) = sqlx::query_as(
+        "select state, attempts, last_error, last_error_class from sweeper.commands
+          where command_id = $1",
+    )
+    .bind(&commands[0])
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (state.as_str(), attempts, class.as_str()),
+        ("pending", 1, "transient")
+    );
+    assert!(error.starts_with("ledger unavailable"), "{error}");
+    let left: i64 = sqlx::query_scalar("select count(*) from demo.tickets")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 20, "nothing deleted without its audit rows");
+
+    sweeper::app::housekeeping::housekeeping_once(&app.state)
+        .await
+        .unwrap();
+    crate::kit::ledger::advance_clock(&app.pool, 600).await; // past the retry's backoff
+    for c in &commands {
+        let answer = app.consume(c).await;
+        assert_eq!(answer.body["result"], "executed", "{}", answer.body);
+    }
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["deleted"].as_i64().unwrap() as usize, eligible.len());
+    assert_eq!(
+        partitions_of_run(&app.pool, &run_id).await,
+        ["sweeper.audit_2027_09"]
+    );
+}
+
+#[tokio::test]
+async fn an_items_history_is_found_across_two_months_through_its_index() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2027-01-31T02:01:00Z")),
+        ..Default::default()
+    })
+    .await;
+    sweeper::ledger::audit::ensure_partitions(&app.pool)
+        .await
+        .unwrap();
+    let item = seed_mixed(&app.pool, 20, at("2027-01-31T02:00:00Z")).await[0];
+    // January: planned, then put on legal hold before its command runs.
+    let (first, commands) = app.planned_run().await;
+    sqlx::query("update demo.tickets set legal_hold = true where id = $1")
+        .bind(item)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    for c in &commands {
+        app.consume(c).await;
+    }
+    app.wait_terminal(&first).await;
+    // February, in the next month's partition: the hold is lifted and the row deleted.
+    sqlx::query("update demo.tickets set legal_hold = false where id = $1")
+        .bind(item)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    set_clock(&app.pool, at("2027-02-01T02:01:00Z")).await;
+    let (second, commands) = app.planned_run().await;
+    for c in &commands {
+        app.consume(c).await;
+    }
+    app.wait_terminal(&second).await;
+
+    let lookup = "select run_id, outcome, tableoid::regclass::text from sweeper.audit
+                   where policy = 'ticket-retention' and item_key = $1 order by recorded_at";
+    let history: Vec<(String, String, String)> = sqlx::query_as(lookup)
+        .bind(item.to_string())
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    let expected = vec![
+        (
+            first,
+            "excluded".to_string(),
+            "sweeper.audit_2027_01".to_string(),
+        ),
+        (
+            second,
+            "deleted".to_string(),
+            "sweeper.audit_2027_02".to_string(),
+        ),
+    ];
+    assert_eq!(history, expected);
+    // Every partition answers it from an index (with sequential scans ruled out, a partition
+    // without one would show a Seq Scan).
+    let mut conn = app.pool.acquire().await.unwrap();
+    sqlx::query("set enable_seqscan = off")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(&format!("explain {lookup}"))
+        .bind(item.to_string())
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+    let plan = plan.join("\n");
+    assert!(!plan.contains("Seq Scan"), "{plan}");
+    assert!(plan.contains("audit_2027_02_policy_item_key_idx"), "{plan}");
+    sqlx::query("reset enable_seqscan")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+}
