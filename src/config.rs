@@ -307,18 +307,21 @@ fn default_reload_check() -> DurationSpec {
 #[serde(deny_unknown_fields, default)]
 pub struct LedgerConfig {
     /// Terminal commands without an open dead letter, and their attempts, are purged this long
-    /// after they finished. Must exceed every redelivery horizon in use: a delivery of a purged
-    /// command is acknowledged as a no-op only because its run is terminal. At least 8d (Pub/Sub
-    /// retains an unacknowledged message for up to 7 days).
+    /// after they finished; past every redelivery horizon (a delivery of a purged command is a
+    /// no-op only because its run is terminal): at least 8d (Pub/Sub keeps a message 7 days).
     pub command_retention: DurationSpec,
     /// Rows deleted per purge statement.
     pub purge_batch: i64,
     /// How often housekeeping runs.
     pub housekeeping_interval: DurationSpec,
-    /// Work held longer than this (a command or planning job whose target's schema does not
-    /// match, or whose policy changed its target) is *overdue*: `held.overdue` on the run and
-    /// `sweeper_held_overdue`, so an alert fires though held work spends no budget.
+    /// Work held longer than this (a schema that does not match, a changed target) is
+    /// *overdue* (`held.overdue`, `sweeper_held_overdue`): held work spends no budget.
     pub hold_alert_after: DurationSpec,
+    /// How long the audit keeps a month (unset: for ever; at least the longest `retain_for` +
+    /// 30d): then it is exported, verified and dropped (see `app::audit_retention`).
+    pub audit_retention: Option<DurationSpec>,
+    /// Where expired months go: `sweeper-audit-{partition}.jsonl.gz` (JSON Lines, gzip).
+    pub audit_export_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for LedgerConfig {
@@ -328,6 +331,8 @@ impl Default for LedgerConfig {
             purge_batch: 1_000,
             housekeeping_interval: DurationSpec::from_seconds(60),
             hold_alert_after: DurationSpec::from_seconds(15 * 60),
+            audit_retention: None,
+            audit_export_dir: None,
         }
     }
 }

@@ -207,6 +207,7 @@ impl Config {
         let qstash = raw.qstash.and_then(|q| {
             crate::transport::qstash::Qstash::from_config(q, publishes_qstash, &mut errors)
         });
+        audit_retention_rules(&raw.ledger, &policies, &mut errors);
         if !errors.is_empty() {
             return Err(ConfigError(errors));
         }
@@ -428,6 +429,39 @@ fn policies_from(
         }
     }
     policies
+}
+
+/// `ledger.audit_retention`: at least the longest `retain_for` plus 30 days (a row's audit must
+/// outlive the row's own retention, with a month to notice a failed export), and an export
+/// directory to write the months to.
+fn audit_retention_rules(
+    ledger: &crate::config::LedgerConfig,
+    policies: &[Policy],
+    errors: &mut Vec<String>,
+) {
+    let Some(retention) = ledger.audit_retention else {
+        return;
+    };
+    let longest = policies
+        .iter()
+        .map(|p| p.spec.retain_for_seconds)
+        .max()
+        .unwrap_or(0);
+    let floor = longest + 30 * 86_400;
+    if retention.seconds() < floor {
+        errors.push(format!(
+            "ledger.audit_retention ({retention}) must be at least the longest retain_for plus 30d \
+             ({}d): an item's audit must outlive the item's own retention",
+            (floor + 86_399) / 86_400
+        ));
+    }
+    if ledger.audit_export_dir.is_none() {
+        errors.push(
+            "ledger.audit_retention needs ledger.audit_export_dir: an expired month is exported \
+             before it is dropped"
+                .into(),
+        );
+    }
 }
 
 #[cfg(test)]

@@ -49,6 +49,19 @@ pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
     if partitions > 0 {
         info!(partitions, "created audit partitions ahead of the clock");
     }
+    if state.config.ledger.audit_retention.is_some()
+        && ledger::take_job_lease(&state.pool, "audit_retention", state.replica_id, 3_600.0).await?
+    {
+        // Its own lease (an hour, renewed every round): exporting a month may outlast the
+        // housekeeping lease, and two replicas must not export the same month at once.
+        match super::audit_retention::audit_retention_pass(state).await {
+            Ok(0) => {}
+            Ok(n) => info!(months = n, "audit months exported and dropped"),
+            Err(e) => {
+                warn!(error = %format!("{e:#}"), "audit retention failed; retrying next round")
+            }
+        }
+    }
     let completed = complete_done_runs(state).await?;
     if completed > 0 {
         info!(

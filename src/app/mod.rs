@@ -15,6 +15,7 @@ use crate::policy::check as policy_check;
 use crate::settings::Config;
 pub use crate::state::{AppState, connect, migrate};
 
+pub mod audit_retention;
 pub mod housekeeping;
 pub mod relay;
 pub mod worker;

@@ -77,3 +77,186 @@ pub async fn items_page(
     .fetch_all(pool)
     .await
 }
+
+/// One monthly partition of the audit: `from_at` (None: unbounded below, the first one) to
+/// `to_at` (exclusive), as `sweeper.audit_partitions` records it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Partition {
+    /// The table's name in schema `sweeper` (`audit_before`, `audit_YYYY_MM`).
+    pub partition: String,
+    /// Its lower bound (inclusive), if any.
+    pub from_at: Option<DateTime<Utc>>,
+    /// Its upper bound (exclusive).
+    pub to_at: DateTime<Utc>,
+}
+
+impl Partition {
+    /// `sweeper."name"`. The name comes from `sweeper.audit_partitions`, which only
+    /// `ensure_audit_partitions` writes; quoted anyway.
+    fn table(&self) -> String {
+        format!("sweeper.\"{}\"", self.partition.replace('"', "\"\""))
+    }
+}
+
+/// An expired month's export as the ledger records it (`sweeper.audit_exports`).
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Export {
+    /// The partition.
+    pub partition: String,
+    /// `exported`, `detach_pending` or `dropped`.
+    pub state: String,
+    /// Rows written.
+    pub rows: i64,
+    /// SHA-256 of the file, hex.
+    pub sha256: String,
+    /// The file's path.
+    pub location: String,
+}
+
+/// The partitions whose month ended at least `retention_seconds` ago (ledger clock), oldest
+/// first, with their export record if one was made.
+pub async fn expired_partitions(
+    pool: &PgPool,
+    retention_seconds: i64,
+) -> sqlx::Result<Vec<(Partition, Option<Export>)>> {
+    let rows: Vec<(String, Option<DateTime<Utc>>, DateTime<Utc>)> = sqlx::query_as(
+        "select partition, from_at, to_at from sweeper.audit_partitions
+          where to_at <= (select sweeper.now()) - make_interval(secs => $1)
+          order by to_at",
+    )
+    .bind(retention_seconds as f64)
+    .fetch_all(pool)
+    .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for (partition, from_at, to_at) in rows {
+        let export: Option<Export> = sqlx::query_as(
+            "select partition, state, rows, sha256, location from sweeper.audit_exports
+              where partition = $1",
+        )
+        .bind(&partition)
+        .fetch_optional(pool)
+        .await?;
+        out.push((
+            Partition {
+                partition,
+                from_at,
+                to_at,
+            },
+            export,
+        ));
+    }
+    Ok(out)
+}
+
+/// Whether the partition holds a row of a run that is not terminal (such a month is never
+/// dropped: the run may still be read, redriven or completed). Runs that are not terminal are
+/// few; each is looked up through the partition's `(run_id, audit_id)` index.
+pub async fn holds_open_runs(pool: &PgPool, p: &Partition) -> sqlx::Result<bool> {
+    sqlx::query_scalar(&format!(
+        "select exists (select 1 from {} a
+                         where a.run_id = any(array(select run_id from sweeper.runs
+                                                     where status in ('planning', 'running'))))",
+        p.table()
+    ))
+    .fetch_one(pool)
+    .await
+}
+
+/// A page of the partition's rows in `audit_id` order after `after` (keyset), at most `limit`.
+pub async fn partition_page(
+    pool: &PgPool,
+    p: &Partition,
+    after: i64,
+    limit: i64,
+) -> sqlx::Result<Vec<AuditRow>> {
+    sqlx::query_as(&format!(
+        "select audit_id, recorded_at, policy, policy_version, run_id, window_at, cutoff,
+                command_id, item_key, outcome, reason, actor, dry_run
+           from {} where audit_id > $1 order by audit_id limit $2",
+        p.table()
+    ))
+    .bind(after)
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
+
+/// How many rows the partition holds.
+pub async fn partition_rows(pool: &PgPool, p: &Partition) -> sqlx::Result<i64> {
+    sqlx::query_scalar(&format!("select count(*) from {}", p.table()))
+        .fetch_one(pool)
+        .await
+}
+
+/// Records the verified export of `p`.
+pub async fn record_export(
+    pool: &PgPool,
+    p: &Partition,
+    rows: i64,
+    sha256: &str,
+    location: &str,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "insert into sweeper.audit_exports (partition, from_at, to_at, state, rows, sha256, location)
+         values ($1, $2, $3, 'exported', $4, $5, $6)",
+    )
+    .bind(&p.partition)
+    .bind(p.from_at)
+    .bind(p.to_at)
+    .bind(rows)
+    .bind(sha256)
+    .bind(location)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Detaches `p` from the audit with `DETACH PARTITION … CONCURRENTLY` (audit writes and reads go
+/// on; it cannot run in a transaction block, so it runs on its own). The record says
+/// `detach_pending` first: a crash in the middle leaves PostgreSQL's own "detach pending" state,
+/// which the next pass finishes with `FINALIZE`. Already detached: nothing to do.
+pub async fn detach(pool: &PgPool, p: &Partition) -> sqlx::Result<()> {
+    sqlx::query("update sweeper.audit_exports set state = 'detach_pending' where partition = $1")
+        .bind(&p.partition)
+        .execute(pool)
+        .await?;
+    let pending: Option<bool> = sqlx::query_scalar(
+        "select i.inhdetachpending from pg_inherits i
+          where i.inhparent = 'sweeper.audit'::regclass and i.inhrelid = to_regclass($1)",
+    )
+    .bind(p.table())
+    .fetch_optional(pool)
+    .await?;
+    let how = match pending {
+        None => return Ok(()),
+        Some(true) => "finalize",
+        Some(false) => "concurrently",
+    };
+    sqlx::query(&format!(
+        "alter table sweeper.audit detach partition {} {how}",
+        p.table()
+    ))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Drops the detached partition `p` and records it dropped, in one transaction.
+pub async fn drop_partition(pool: &PgPool, p: &Partition) -> sqlx::Result<()> {
+    let mut tx = pool.begin().await?;
+    sqlx::query(&format!("drop table if exists {}", p.table()))
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query("delete from sweeper.audit_partitions where partition = $1")
+        .bind(&p.partition)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        "update sweeper.audit_exports set state = 'dropped', dropped_at = sweeper.now()
+          where partition = $1",
+    )
+    .bind(&p.partition)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await
+}

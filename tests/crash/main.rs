@@ -243,6 +243,101 @@ async fn a_crash_before_the_completion_check_is_completed_by_housekeeping() {
     assert_end_state(&pool, &run_id, &eligible).await;
 }
 
+/// `ledger.audit_retention`: a crash after a month's export was recorded, before its partition
+/// was detached, repeats harmlessly: the next pass re-verifies the same file and drops the month
+/// once, with one export record.
+#[tokio::test]
+async fn a_crash_between_an_audit_export_and_its_drop_repeats_harmlessly() {
+    let (db, pool, eligible) = prepare().await;
+    let dir = std::env::temp_dir().join(format!("sweeper-crash-export-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = config_toml(
+        &db.url,
+        2,
+        &format!(
+            "[planning]\npage_rows = 50\n[ledger]\nhousekeeping_interval = \"1s\"\n\
+             audit_retention = \"120d\"\naudit_export_dir = \"{}\"",
+            dir.display()
+        ),
+        &ticket_policy(10),
+    );
+    let server = Server::launch(&text, Launch::default()).await;
+    let run_id = trigger(&server).await;
+    wait_terminal(&pool, &run_id).await;
+    let month: String =
+        sqlx::query_scalar("select distinct tableoid::regclass::text from sweeper.audit")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    drop(server);
+    // A year on, every month of this run has expired.
+    advance(&pool, 365 * 86_400).await;
+    let how = Launch {
+        crash_at: Some("audit_after_export"),
+        ..Default::default()
+    };
+    let mut server = Server::launch(&text, how).await;
+    server.wait_crashed().await;
+    let (state, sha256, location): (String, String, String) = sqlx::query_as(
+        "select state, sha256, location from sweeper.audit_exports
+          where 'sweeper.' || partition = $1",
+    )
+    .bind(&month)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(state, "exported");
+    let written = std::fs::read(&location).unwrap();
+    advance(&pool, 3_700).await; // past the crashed replica's audit-retention lease
+    let _server = Server::launch(&text, Launch::default()).await;
+    let started = Instant::now();
+    loop {
+        let state: String = sqlx::query_scalar(
+            "select state from sweeper.audit_exports where 'sweeper.' || partition = $1",
+        )
+        .bind(&month)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if state == "dropped" {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{month} still {state}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (exports, same_sha): (i64, bool) = sqlx::query_as(
+        "select count(*), bool_and(sha256 = $2) from sweeper.audit_exports
+          where 'sweeper.' || partition = $1",
+    )
+    .bind(&month)
+    .bind(&sha256)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((exports, same_sha), (1, true));
+    assert_eq!(
+        std::fs::read(&location).unwrap(),
+        written,
+        "the export was not rewritten"
+    );
+    let audited: i64 = sqlx::query_scalar("select count(*) from sweeper.audit where run_id = $1")
+        .bind(&run_id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(audited, 0, "the month was dropped");
+    let lines = {
+        use std::io::BufRead;
+        let gz = flate2::read::GzDecoder::new(std::fs::File::open(&location).unwrap());
+        std::io::BufReader::new(gz).lines().count()
+    };
+    assert_eq!(lines, eligible.len(), "one exported line per audited item");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[tokio::test]
 async fn a_crash_after_commit_before_the_answer_is_absorbed_by_redelivery() {
     let (db, pool, eligible) = prepare().await;

@@ -228,3 +228,159 @@ async fn an_items_history_is_found_across_two_months_through_its_index() {
         .await
         .unwrap();
 }
+
+/// A fresh directory for exports.
+fn export_dir() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("sweeper-audit-export-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The lines of a gzip JSON Lines export, parsed.
+fn read_export(path: &std::path::Path) -> Vec<serde_json::Value> {
+    use std::io::BufRead;
+    let gz = flate2::read::GzDecoder::new(std::fs::File::open(path).unwrap());
+    std::io::BufReader::new(gz)
+        .lines()
+        .map(|l| serde_json::from_str(&l.unwrap()).unwrap())
+        .collect()
+}
+
+async fn table_exists(pool: &PgPool, name: &str) -> bool {
+    sqlx::query_scalar::<_, bool>("select to_regclass($1) is not null")
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_expired_month_is_exported_verified_and_dropped_and_an_open_runs_month_is_kept() {
+    let dir = export_dir();
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2027-01-31T02:01:00Z")),
+        policies: ticket_policy(2),
+        extra_toml: format!(
+            "[ledger]\naudit_retention = \"120d\"\naudit_export_dir = \"{}\"",
+            dir.display()
+        ),
+        ..Default::default()
+    })
+    .await;
+    sweeper::ledger::audit::ensure_partitions(&app.pool)
+        .await
+        .unwrap();
+    seed_mixed(&app.pool, 30, at("2027-01-31T02:00:00Z")).await;
+    // January: a completed run.
+    let (january, commands) = app.planned_run().await;
+    for c in &commands {
+        app.consume(c).await;
+    }
+    app.wait_terminal(&january).await;
+    // February: a run left running (one of its commands executed), so February stays.
+    set_clock(&app.pool, at("2027-02-01T02:01:00Z")).await;
+    let (february, commands) = app.planned_run().await;
+    assert!(commands.len() >= 2, "{commands:?}");
+    app.consume(&commands[0]).await;
+    assert_eq!(
+        partitions_of_run(&app.pool, &february).await,
+        ["sweeper.audit_2027_02"]
+    );
+    let january_rows: i64 =
+        sqlx::query_scalar("select count(*) from sweeper.audit_2027_01 where run_id = $1")
+            .bind(&january)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert!(january_rows > 0);
+    let total: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+
+    // July: both months ended more than 120 days ago.
+    set_clock(&app.pool, at("2027-07-15T00:00:00Z")).await;
+    sweeper::ledger::audit::ensure_partitions(&app.pool)
+        .await
+        .unwrap();
+    let dropped = sweeper::app::audit_retention::audit_retention_pass(&app.state)
+        .await
+        .unwrap();
+    assert!(dropped >= 1, "{dropped}");
+    let file = dir.join("sweeper-audit-audit_2027_01.jsonl.gz");
+    let lines = read_export(&file);
+    assert_eq!(lines.len() as i64, january_rows);
+    assert!(
+        lines.iter().all(|l| l["run_id"] == january.as_str()),
+        "{lines:?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .all(|l| l["outcome"].is_string() && l["item_key"].is_string())
+    );
+    let (state, rows, sha256, location): (String, i64, String, String) = sqlx::query_as(
+        "select state, rows, sha256, location from sweeper.audit_exports
+          where partition = 'audit_2027_01'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    use sha2::Digest;
+    let on_disk = hex::encode(sha2::Sha256::digest(std::fs::read(&file).unwrap()));
+    assert_eq!(
+        (state.as_str(), rows, sha256.as_str(), location.as_str()),
+        (
+            "dropped",
+            january_rows,
+            on_disk.as_str(),
+            file.to_str().unwrap()
+        )
+    );
+    assert!(!table_exists(&app.pool, "sweeper.audit_2027_01").await);
+    assert!(
+        table_exists(&app.pool, "sweeper.audit_2027_02").await,
+        "a month with rows of a running run is kept"
+    );
+    let left: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, total - january_rows);
+
+    // Again: nothing more to drop while February's run is open; the export is untouched.
+    assert_eq!(
+        sweeper::app::audit_retention::audit_retention_pass(&app.state)
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(read_export(&file).len() as i64, january_rows);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn an_audit_retention_shorter_than_retention_plus_30_days_or_without_a_directory_is_refused() {
+    let config = |ledger: &str| {
+        sweeper::settings::Config::from_toml(&config_toml(
+            "postgres://x@127.0.0.1/x",
+            0,
+            ledger,
+            &ticket_policy(10),
+        ))
+    };
+    let err = config("[ledger]\naudit_retention = \"100d\"\naudit_export_dir = \"/tmp\"")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(
+            "ledger.audit_retention (100d) must be at least the longest retain_for plus 30d (120d)"
+        ),
+        "{err}"
+    );
+    let err = config("[ledger]\naudit_retention = \"400d\"")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("needs ledger.audit_export_dir"), "{err}");
+    assert!(config("[ledger]\naudit_retention = \"120d\"\naudit_export_dir = \"/tmp\"").is_ok());
+}

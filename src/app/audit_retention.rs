@@ -1,0 +1,197 @@
+//! `ledger.audit_retention`: the audit stops growing. Each month whose partition ended longer
+//! ago than the retention is exported (JSON Lines, gzip, one file per month in
+//! `ledger.audit_export_dir`), the file is re-read to verify its row count and SHA-256, both are
+//! recorded in the ledger (`sweeper.audit_exports`), and only then is the partition detached
+//! (`DETACH … CONCURRENTLY`) and dropped. A month holding rows of a run that is not terminal is
+//! skipped. Every step can be repeated: a crash after the export re-verifies the file and goes
+//! on; a crash in the detach is finished by the next pass (`FINALIZE`).
+//!
+//! Memory and statement size stay bounded whatever the month holds: rows are read in keyset
+//! pages of [`PAGE_ROWS`] and compressed as they come, off the async runtime.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use flate2::Compression;
+use flate2::read::GzDecoder;
+use flate2::write::GzEncoder;
+use sha2::{Digest, Sha256};
+use tracing::{info, warn};
+
+use crate::ledger;
+use crate::ledger::audit::{Export, Partition};
+use crate::state::AppState;
+
+/// Audit rows read per statement while exporting.
+pub const PAGE_ROWS: i64 = 10_000;
+
+/// One pass: every expired month, oldest first, exported, verified, detached and dropped.
+/// Returns how many months were dropped. Nothing happens when `ledger.audit_retention` is unset.
+pub async fn audit_retention_pass(state: &AppState) -> anyhow::Result<u64> {
+    let (Some(retention), Some(dir)) = (
+        state.config.ledger.audit_retention,
+        state.config.ledger.audit_export_dir.as_deref(),
+    ) else {
+        return Ok(0);
+    };
+    let mut dropped = 0;
+    for (p, export) in ledger::audit::expired_partitions(&state.pool, retention.seconds()).await? {
+        if ledger::audit::holds_open_runs(&state.pool, &p).await? {
+            info!(
+                partition = p.partition,
+                "audit month kept: it holds rows of a run that is not terminal"
+            );
+            continue;
+        }
+        let export = match export {
+            Some(e) => {
+                // An earlier pass exported it: the file must still be what it recorded.
+                verify(Path::new(&e.location), e.rows, &e.sha256).await?;
+                e
+            }
+            None => export_month(state, &p, dir).await?,
+        };
+        crate::crash_point!("audit_after_export");
+        ledger::audit::detach(&state.pool, &p)
+            .await
+            .with_context(|| format!("detaching audit partition {}", p.partition))?;
+        ledger::audit::drop_partition(&state.pool, &p).await?;
+        info!(
+            partition = p.partition,
+            rows = export.rows,
+            sha256 = export.sha256,
+            location = export.location,
+            "audit month exported, verified and dropped"
+        );
+        dropped += 1;
+    }
+    Ok(dropped)
+}
+
+/// Writes `p` to `dir` (through a `.partial` file renamed when complete), re-reads it to verify,
+/// and records it.
+async fn export_month(state: &AppState, p: &Partition, dir: &Path) -> anyhow::Result<Export> {
+    let path = dir.join(format!("sweeper-audit-{}.jsonl.gz", p.partition));
+    let partial = path.with_extension("gz.partial");
+    let expected = ledger::audit::partition_rows(&state.pool, p).await?;
+    let file = std::fs::File::create(&partial)
+        .with_context(|| format!("creating {}", partial.display()))?;
+    let mut out = Some(GzEncoder::new(
+        Hashing::new(std::io::BufWriter::new(file)),
+        Compression::default(),
+    ));
+    let (mut after, mut rows) = (0i64, 0i64);
+    loop {
+        let page = ledger::audit::partition_page(&state.pool, p, after, PAGE_ROWS).await?;
+        let Some(last) = page.last() else { break };
+        after = last.audit_id;
+        rows += page.len() as i64;
+        let mut lines = Vec::with_capacity(page.len() * 320);
+        for row in &page {
+            serde_json::to_writer(&mut lines, row)?;
+            lines.push(b'\n');
+        }
+        let mut w = out.take().expect("the encoder is put back after each page");
+        w = tokio::task::spawn_blocking(move || -> std::io::Result<_> {
+            w.write_all(&lines)?;
+            Ok(w)
+        })
+        .await??;
+        out = Some(w);
+    }
+    let w = out.take().expect("the encoder");
+    let sha256 = tokio::task::spawn_blocking(move || -> std::io::Result<String> {
+        let mut hashing = w.finish()?;
+        hashing.flush()?;
+        hashing.inner.get_ref().sync_all()?;
+        Ok(hex::encode(hashing.hasher.finalize()))
+    })
+    .await??;
+    if rows != expected {
+        bail!(
+            "audit partition {} changed while it was exported ({rows} rows read, {expected} counted)",
+            p.partition
+        );
+    }
+    std::fs::rename(&partial, &path)
+        .with_context(|| format!("renaming {} to {}", partial.display(), path.display()))?;
+    verify(&path, rows, &sha256).await?;
+    let location = path.display().to_string();
+    ledger::audit::record_export(&state.pool, p, rows, &sha256, &location).await?;
+    Ok(Export {
+        partition: p.partition.clone(),
+        state: "exported".into(),
+        rows,
+        sha256,
+        location,
+    })
+}
+
+/// Re-reads the export at `path`: its SHA-256 must be `sha256` and it must hold `rows` lines.
+async fn verify(path: &Path, rows: i64, sha256: &str) -> anyhow::Result<()> {
+    let path: PathBuf = path.to_path_buf();
+    let (found_sha, found_rows) =
+        tokio::task::spawn_blocking(move || -> anyhow::Result<(String, i64)> {
+            let mut hasher = Sha256::new();
+            let mut f = std::fs::File::open(&path)
+                .with_context(|| format!("re-reading the export {}", path.display()))?;
+            let mut buf = vec![0u8; 1 << 16];
+            loop {
+                let n = f.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                hasher.update(&buf[..n]);
+            }
+            let mut gz = GzDecoder::new(std::io::BufReader::new(std::fs::File::open(&path)?));
+            let mut lines = 0i64;
+            loop {
+                let n = gz.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                lines += buf[..n].iter().filter(|b| **b == b'\n').count() as i64;
+            }
+            Ok((hex::encode(hasher.finalize()), lines))
+        })
+        .await??;
+    if found_sha != sha256 || found_rows != rows {
+        warn!(
+            sha256,
+            found_sha, rows, found_rows, "an audit export does not verify"
+        );
+        bail!(
+            "the audit export does not match its record (SHA-256 {found_sha}, {found_rows} rows; \
+             recorded {sha256}, {rows} rows): its month is not dropped"
+        );
+    }
+    Ok(())
+}
+
+/// A writer that hashes what passes through it (the SHA-256 of the file as written).
+struct Hashing<W> {
+    inner: W,
+    hasher: Sha256,
+}
+
+impl<W> Hashing<W> {
+    fn new(inner: W) -> Self {
+        Self {
+            inner,
+            hasher: Sha256::new(),
+        }
+    }
+}
+
+impl<W: Write> Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
