@@ -52,6 +52,16 @@ pub async fn audit_retention_pass(state: &AppState) -> anyhow::Result<u64> {
             }
             None => export_month(state, &p, dir).await?,
         };
+        // Rows added to the month after its export (only a clock moved back could) are not in
+        // the file: such a month is never dropped.
+        let now_rows = ledger::audit::partition_rows(&state.pool, &p).await?;
+        if now_rows != export.rows {
+            bail!(
+                "audit partition {} holds {now_rows} rows, its export {}: not dropped",
+                p.partition,
+                export.rows
+            );
+        }
         crate::crash_point!("audit_after_export");
         ledger::audit::detach(&state.pool, &p)
             .await
@@ -116,6 +126,10 @@ async fn export_month(state: &AppState, p: &Partition, dir: &Path) -> anyhow::Re
     }
     std::fs::rename(&partial, &path)
         .with_context(|| format!("renaming {} to {}", partial.display(), path.display()))?;
+    // The rename itself must be durable before the month can be dropped.
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("syncing {}", dir.display()))?;
     verify(&path, rows, &sha256).await?;
     let location = path.display().to_string();
     ledger::audit::record_export(&state.pool, p, rows, &sha256, &location).await?;

@@ -120,11 +120,14 @@ pub async fn complete_done_runs(state: &AppState) -> sqlx::Result<u64> {
             }
         };
         drop(conn);
-        if crate::execute::complete_run(state, &run_id, rules.as_ref())
-            .await?
-            .is_some()
-        {
-            n += 1;
+        // One run that cannot complete now (its row locked) must not stop the others, nor the
+        // rest of housekeeping.
+        match crate::execute::complete_run(state, &run_id, rules.as_ref()).await {
+            Ok(Some(_)) => n += 1,
+            Ok(None) => {}
+            Err(e) => {
+                warn!(run_id, error = %e, "completing a done run failed; retrying next round")
+            }
         }
     }
     Ok(n)

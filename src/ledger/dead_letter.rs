@@ -228,7 +228,9 @@ pub async fn redrive(
             // number -id: planning numbers batches from 0 up, so the two never collide, and a
             // second redrive of the same dead letter re-queues the same command.
             let item_key: String = row.get("item_key");
-            let new_id: String = sqlx::query_scalar(
+            // `xmax = 0`: the row was inserted, not updated (a second redrive of the same
+            // dead letter re-queues its command: no new command for the run's total).
+            let (new_id, inserted): (String, bool) = sqlx::query_as(
                 "insert into sweeper.commands
                      (command_id, run_id, batch_no, item_keys, transport, next_attempt_at,
                       due_since, redrive_of, publish_due)
@@ -244,7 +246,7 @@ pub async fn redrive(
                         finished_at = null, lease_until = null, lease_owner = null,
                         last_error = null, last_error_class = null, held_kind = null,
                         held_reason = null, held_since = null, held_seen_at = null
-                 returning command_id",
+                 returning command_id, (xmax = 0) as inserted",
             )
             .bind(&run_id)
             .bind(&item_key)
@@ -252,7 +254,7 @@ pub async fn redrive(
             .bind(&command_id)
             .fetch_one(&mut *tx)
             .await?;
-            reopen_run(&mut tx, &run_id, true).await?;
+            reopen_run(&mut tx, &run_id, inserted).await?;
             new_id
         }
         other => {

@@ -459,3 +459,58 @@ async fn commands_execute_while_their_run_row_is_locked_and_the_last_completes_t
     assert_eq!(run["deleted"].as_i64().unwrap() as usize, eligible.len());
     assert_eq!(run["remaining_eligible"], 0, "the closure check ran: {run}");
 }
+
+/// A completion that cannot happen now never holds anything up: with the run row held longer
+/// than a second, the last command answers at once (`running`) and housekeeping completes the
+/// run; a closure check that cannot read the table (locked exclusively) is left out rather
+/// than keeping the run open, and housekeeping goes on.
+#[tokio::test]
+async fn a_run_completes_without_waiting_on_its_row_or_on_its_closure_check() {
+    use sqlx::Connection;
+    let app = planned_app(10, TICKETS).await;
+    let eligible = seed_mixed(&app.pool, 30, at(WINDOW)).await;
+    let run_id = trigger_and_plan(&app, "").await;
+    let commands = app.command_ids(&run_id).await;
+    let mut holder = sqlx::PgConnection::connect(&app.db.url).await.unwrap();
+    sqlx::query("begin").execute(&mut holder).await.unwrap();
+    sqlx::query("select 1 from sweeper.runs where run_id = $1 for update")
+        .bind(&run_id)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    for c in &commands {
+        let answer = app.consume(c).await;
+        assert_eq!(answer.body["result"], "executed", "{}", answer.body);
+        assert_eq!(answer.body["run_status"], "running", "{}", answer.body);
+    }
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
+    sqlx::query("rollback").execute(&mut holder).await.unwrap();
+    let run = app.get_json(&format!("/runs/{run_id}")).await;
+    assert_eq!(
+        (run["status"].as_str(), run["pending_commands"].as_i64()),
+        (Some("running"), Some(0))
+    );
+
+    // Done but open; the table is locked exclusively while housekeeping completes the run.
+    sqlx::query("begin").execute(&mut holder).await.unwrap();
+    sqlx::query("lock table demo.tickets in access exclusive mode")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    sweeper::app::housekeeping::housekeeping_once(&app.state)
+        .await
+        .unwrap();
+    sqlx::query("rollback").execute(&mut holder).await.unwrap();
+    let run = app.get_json(&format!("/runs/{run_id}")).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(run["deleted"].as_i64().unwrap() as usize, eligible.len());
+    assert!(
+        run["remaining_eligible"].is_null(),
+        "the check was left out: {run}"
+    );
+}

@@ -292,6 +292,14 @@ async fn a_failed_item_is_an_item_dead_letter_and_its_redrive_reexecutes_only_it
     assert_eq!(run["failed"], 0);
     assert_eq!(run["deleted"].as_i64().unwrap() as usize, eligible.len());
     assert_eq!(run["remaining_eligible"], 0);
+    // Two redrives of one dead letter re-queue one command: the run counts it once.
+    let commands: i64 =
+        sqlx::query_scalar("select count(*) from sweeper.commands where run_id = $1")
+            .bind(&run_id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(run["commands_total"], commands, "{run}");
     let trail: Vec<String> = app
         .audit(&run_id)
         .await
