@@ -27,7 +27,7 @@ async fn partitions_of_run(pool: &PgPool, run_id: &str) -> Vec<String> {
 }
 
 #[tokio::test]
-async fn every_audit_partition_refuses_updates_deletes_and_truncation() {
+async fn the_audit_and_every_partition_refuse_updates_deletes_and_truncation() {
     let app = TestApp::spawn(Spawn {
         now: Some(at("2026-09-01T02:01:00Z")),
         workers: 1,
@@ -48,7 +48,8 @@ async fn every_audit_partition_refuses_updates_deletes_and_truncation() {
         .await
         .unwrap();
     assert!(before > 0);
-    for (name, _) in &parts {
+    let names = std::iter::once("audit").chain(parts.iter().map(|(n, _)| n.as_str()));
+    for name in names {
         for stmt in [
             format!("update sweeper.{name} set outcome = 'excluded'"),
             format!("delete from sweeper.{name}"),
