@@ -62,15 +62,7 @@ pub(super) async fn close(
     }
     // The audit rows; when every item is done, in the same statement the command succeeds.
     let audited = crate::ledger::commands::Audited {
-        command_id,
-        attempts_inc: 0,
-        elapsed_seconds: started.elapsed().as_secs_f64(),
-        policy: &l.policy,
-        policy_version: &l.policy_version,
-        run_id: &l.run_id,
-        window: l.window,
-        cutoff: r.cutoff,
-        actor,
+        execution: l.execution(command_id, 0, actor, started),
         dry_run: false,
         keys: &columns.keys,
         outcomes: &columns.outcomes,

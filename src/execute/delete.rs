@@ -65,15 +65,12 @@ pub(super) async fn attempt(
     ledger::commands::succeed_with_audit(
         &mut tx,
         &ledger::commands::Audited {
-            command_id,
-            attempts_inc: matches!(executor, Executor::Delivery) as i32,
-            elapsed_seconds: started.elapsed().as_secs_f64(),
-            policy: &loaded.policy,
-            policy_version: &loaded.policy_version,
-            run_id: &loaded.run_id,
-            window: loaded.window,
-            cutoff: rules.cutoff,
-            actor,
+            execution: loaded.execution(
+                command_id,
+                matches!(executor, Executor::Delivery) as i32,
+                actor,
+                started,
+            ),
             dry_run: loaded.dry_run,
             keys: &a_keys,
             outcomes: &a_outcomes,
@@ -134,15 +131,12 @@ async fn delete_in_one_statement(
     ledger::commands::push_succeed_after_delete(
         &mut q,
         &ledger::commands::DeletedInOne {
-            command_id,
-            attempts_inc: matches!(executor, Executor::Delivery) as i32,
-            elapsed_seconds: started.elapsed().as_secs_f64(),
-            policy: &loaded.policy,
-            policy_version: &loaded.policy_version,
-            run_id: &loaded.run_id,
-            window: loaded.window,
-            cutoff: rules.cutoff,
-            actor,
+            execution: loaded.execution(
+                command_id,
+                matches!(executor, Executor::Delivery) as i32,
+                actor,
+                started,
+            ),
             item_redrive: loaded.redrive_of.is_some(),
             others_cap: super::finish::others_cap(state, &loaded.policy),
         },

@@ -109,6 +109,30 @@ pub(crate) struct Loaded {
     lease_left: f64,
 }
 
+impl Loaded {
+    /// What this command's audit rows say besides their items, for a try that began at
+    /// `started` (`attempts_inc`: 1 when the attempt was not counted at claim or lease time).
+    pub(crate) fn execution<'a>(
+        &'a self,
+        command_id: &'a str,
+        attempts_inc: i32,
+        actor: &'a str,
+        started: Instant,
+    ) -> ledger::commands::Execution<'a> {
+        ledger::commands::Execution {
+            command_id,
+            attempts_inc,
+            elapsed_seconds: started.elapsed().as_secs_f64(),
+            policy: &self.policy,
+            policy_version: &self.policy_version,
+            run_id: &self.run_id,
+            window: self.window,
+            cutoff: self.rules.cutoff,
+            actor,
+        }
+    }
+}
+
 /// What one try led to.
 pub(super) enum Attempted {
     /// A decision, committed.

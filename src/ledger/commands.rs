@@ -48,9 +48,10 @@ pub async fn mark_calling(conn: &mut PgConnection, command_id: &str) -> sqlx::Re
     Ok(())
 }
 
-/// A command that ran to its end, with one audit row per item.
-#[derive(Debug)]
-pub struct Audited<'a> {
+/// What every audit row of one execution of a command says besides its item: the command, its
+/// run and policy version, window, cutoff and actor, and the attempt it ran as.
+#[derive(Debug, Clone, Copy)]
+pub struct Execution<'a> {
     /// The command.
     pub command_id: &'a str,
     /// 1 when the attempt was not counted at claim time (a delivery), else 0.
@@ -69,6 +70,13 @@ pub struct Audited<'a> {
     pub cutoff: DateTime<Utc>,
     /// Who executed it (a token's `sub`, or the built-in queue).
     pub actor: &'a str,
+}
+
+/// A command that ran to its end, with one audit row per item.
+#[derive(Debug)]
+pub struct Audited<'a> {
+    /// The execution the rows record.
+    pub execution: Execution<'a>,
     /// Whether the run is a dry run.
     pub dry_run: bool,
     /// Item keys, in the command's order.
@@ -108,15 +116,15 @@ pub async fn succeed_with_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sql
             and ((d.kind = 'command' and d.command_id = $1)
                  or d.dead_letter_id = (select redrive_of from c))"
     ))
-    .bind(a.command_id)
-    .bind(a.attempts_inc)
-    .bind(a.elapsed_seconds)
-    .bind(a.policy)
-    .bind(a.policy_version)
-    .bind(a.run_id)
-    .bind(a.window)
-    .bind(a.cutoff)
-    .bind(a.actor)
+    .bind(a.execution.command_id)
+    .bind(a.execution.attempts_inc)
+    .bind(a.execution.elapsed_seconds)
+    .bind(a.execution.policy)
+    .bind(a.execution.policy_version)
+    .bind(a.execution.run_id)
+    .bind(a.execution.window)
+    .bind(a.execution.cutoff)
+    .bind(a.execution.actor)
     .bind(a.dry_run)
     .bind(a.keys)
     .bind(a.outcomes)
@@ -130,24 +138,8 @@ pub async fn succeed_with_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sql
 /// [`push_succeed_after_delete`]).
 #[derive(Debug)]
 pub struct DeletedInOne<'a> {
-    /// The command.
-    pub command_id: &'a str,
-    /// 1 when the attempt was not counted at claim time (a delivery), else 0.
-    pub attempts_inc: i32,
-    /// Seconds the try took until the statement was sent.
-    pub elapsed_seconds: f64,
-    /// The policy.
-    pub policy: &'a str,
-    /// The run's pinned version.
-    pub policy_version: &'a str,
-    /// The run.
-    pub run_id: &'a str,
-    /// The run's window.
-    pub window: DateTime<Utc>,
-    /// The cutoff the items were judged by.
-    pub cutoff: DateTime<Utc>,
-    /// Who executed it.
-    pub actor: &'a str,
+    /// The execution the rows record.
+    pub execution: Execution<'a>,
     /// It re-executes one item whose earlier outcome was `failed` (that outcome is superseded).
     pub item_redrive: bool,
     /// Count the run's other pending commands up to this many
@@ -170,19 +162,19 @@ pub fn push_succeed_after_delete(q: &mut QueryBuilder<'_, Postgres>, d: &Deleted
                   outcome, reason, actor, dry_run, recorded_at)
              select ",
     );
-    q.push_bind(d.policy.to_string());
+    q.push_bind(d.execution.policy.to_string());
     q.push(", ");
-    q.push_bind(d.policy_version.to_string());
+    q.push_bind(d.execution.policy_version.to_string());
     q.push(", ");
-    q.push_bind(d.run_id.to_string());
+    q.push_bind(d.execution.run_id.to_string());
     q.push(", ");
-    q.push_bind(d.window);
+    q.push_bind(d.execution.window);
     q.push(", ");
-    q.push_bind(d.cutoff);
+    q.push_bind(d.execution.cutoff);
     q.push(", ");
-    q.push_bind(d.command_id.to_string());
+    q.push_bind(d.execution.command_id.to_string());
     q.push(", i.item_key, i.outcome, i.reason, ");
-    q.push_bind(d.actor.to_string());
+    q.push_bind(d.execution.actor.to_string());
     q.push(format!(
         ", false, {RECORDED_AT} from items i order by i.ord),
          tally as (
@@ -202,20 +194,20 @@ pub fn push_succeed_after_delete(q: &mut QueryBuilder<'_, Postgres>, d: &Deleted
                     not_eligible = cm.not_eligible + t.not_eligible,
                     attempts = cm.attempts + "
     ));
-    q.push_bind(d.attempts_inc);
+    q.push_bind(d.execution.attempts_inc);
     q.push(", failed = cm.failed - ");
     q.push_bind(d.item_redrive as i64);
     q.push(" from tally t where cm.command_id = ");
-    q.push_bind(d.command_id.to_string());
+    q.push_bind(d.execution.command_id.to_string());
     q.push(
         " returning cm.attempts, cm.redrive_of),
          a as (
              insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
              select ",
     );
-    q.push_bind(d.command_id.to_string());
+    q.push_bind(d.execution.command_id.to_string());
     q.push(", c.attempts, sweeper.now() - make_interval(secs => ");
-    q.push_bind(d.elapsed_seconds);
+    q.push_bind(d.execution.elapsed_seconds);
     q.push(
         "), sweeper.now(), 'succeeded' from c),
          dl as (
@@ -224,18 +216,18 @@ pub fn push_succeed_after_delete(q: &mut QueryBuilder<'_, Postgres>, d: &Deleted
               where d.status = 'redriven'
                 and ((d.kind = 'command' and d.command_id = ",
     );
-    q.push_bind(d.command_id.to_string());
+    q.push_bind(d.execution.command_id.to_string());
     q.push(
         ") or d.dead_letter_id = (select redrive_of from c)))
          select t.deleted, t.already_absent, t.excluded, t.not_eligible, r.status,
                 (select count(*) from (select 1 from sweeper.commands o
                                         where o.run_id = r.run_id and o.command_id <> ",
     );
-    q.push_bind(d.command_id.to_string());
+    q.push_bind(d.execution.command_id.to_string());
     q.push(" and o.state in ('pending', 'leased') limit ");
     q.push_bind(d.others_cap);
     q.push(") x) as others_pending from tally t, sweeper.runs r where r.run_id = ");
-    q.push_bind(d.run_id.to_string());
+    q.push_bind(d.execution.run_id.to_string());
 }
 
 /// The audit rows of the items of a command that is not done yet (an external action's command
@@ -249,13 +241,13 @@ pub async fn append_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Res
                     {RECORDED_AT}
                from unnest($8::text[], $9::text[], $10::text[]) as u(item_key, outcome, reason)"
     ))
-    .bind(a.policy)
-    .bind(a.policy_version)
-    .bind(a.run_id)
-    .bind(a.window)
-    .bind(a.cutoff)
-    .bind(a.command_id)
-    .bind(a.actor)
+    .bind(a.execution.policy)
+    .bind(a.execution.policy_version)
+    .bind(a.execution.run_id)
+    .bind(a.execution.window)
+    .bind(a.execution.cutoff)
+    .bind(a.execution.command_id)
+    .bind(a.execution.actor)
     .bind(a.keys)
     .bind(a.outcomes)
     .bind(a.reasons)
