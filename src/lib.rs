@@ -10,6 +10,7 @@ pub mod config;
 pub mod dependency;
 pub mod execute;
 pub mod failpoints;
+pub mod governor;
 pub mod http;
 pub mod ledger;
 pub mod metrics;

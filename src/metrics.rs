@@ -35,6 +35,7 @@ pub const SERIES: &[&str] = &[
     "sweeper_held",
     "sweeper_held_overdue",
     "sweeper_held_oldest_age_seconds",
+    "sweeper_holds_total",
     "sweeper_consume_shed_total",
     "sweeper_consume_unknown_commands_total",
     "sweeper_dependency_calls_total",
@@ -51,6 +52,24 @@ const ATTEMPT_LABELS: &[(&str, &str)] = &[
     ("quarantined", "throttled"),
     ("quarantined", "permanent"),
 ];
+
+/// Kinds of `sweeper_holds_total`: every hold kind, `suspended` included.
+const HOLD_KINDS: &[&str] = &[
+    "identity",
+    "suspended",
+    "approval",
+    "schema",
+    "policy_changed",
+    "active_hours",
+    "governor",
+    "pace",
+];
+
+/// Counts a hold that began on this replica (`sweeper_holds_total{kind}`): a command held, or a
+/// policy's work held by the governor or its active hours.
+pub fn hold_started(kind: &str) {
+    counter!("sweeper_holds_total", "kind" => kind.to_string()).increment(1);
+}
 
 /// Results of `sweeper_dependency_calls_total`.
 const CALL_RESULTS: &[&str] = &[
@@ -70,6 +89,9 @@ pub fn register(dependencies: &[String]) {
         counter!("sweeper_attempts_total", "outcome" => *outcome, "class" => *class).increment(0);
     }
     counter!("sweeper_consume_shed_total").increment(0);
+    for kind in HOLD_KINDS {
+        counter!("sweeper_holds_total", "kind" => *kind).increment(0);
+    }
     counter!("sweeper_consume_unknown_commands_total").increment(0);
     for d in dependencies {
         counter!("sweeper_dependency_pauses_total", "dependency" => d.clone()).increment(0);
@@ -239,10 +261,7 @@ pub async fn render(
             gauge!("sweeper_runs", "status" => s).set(n as f64);
         }
         let mut oldest_held: f64 = 0.0;
-        for kind in [
-            crate::retry::HoldKind::Schema,
-            crate::retry::HoldKind::PolicyChanged,
-        ] {
+        for kind in crate::retry::HoldKind::ALL {
             let k = kind.as_str();
             let row = held_work.iter().find(|(hk, ..)| hk == k);
             gauge!("sweeper_held", "kind" => k).set(row.map_or(0, |r| r.1) as f64);

@@ -33,14 +33,44 @@ pub enum HoldKind {
     /// The policy's current version changes the target, timestamp or action of a run pinned
     /// to another version: an operator decides (cancel the run, or restore the policy).
     PolicyChanged,
+    /// The database is not the one sweeper served, or its timeline changed after a long silence
+    /// (the restore and clone guard): every policy waits for `POST /guard/accept`.
+    Identity,
+    /// The run's planned count crossed the blast-radius guard: it waits for
+    /// `POST /runs/{id}/approve` (or for planning to finish, before which it executes nothing).
+    Approval,
+    /// Outside the policy's active hours: due again when they open.
+    ActiveHours,
+    /// A database-health signal is above its high mark.
+    Governor,
+    /// The policy's pace reserved a later start.
+    Pace,
 }
 
 impl HoldKind {
-    /// `schema` or `policy_changed`.
+    /// Every kind, in the precedence order a run's `held` object follows when several apply
+    /// (DESIGN §14: identity, suspended, approval, after, active hours, governor, pace; the schema
+    /// holds sit after approval). `suspended` is a policy state, not a command hold.
+    pub const ALL: [HoldKind; 7] = [
+        HoldKind::Identity,
+        HoldKind::Approval,
+        HoldKind::Schema,
+        HoldKind::PolicyChanged,
+        HoldKind::ActiveHours,
+        HoldKind::Governor,
+        HoldKind::Pace,
+    ];
+
+    /// The kind's name in the ledger and JSON (`held.kind`).
     pub fn as_str(self) -> &'static str {
         match self {
             HoldKind::Schema => "schema",
             HoldKind::PolicyChanged => "policy_changed",
+            HoldKind::Identity => "identity",
+            HoldKind::Approval => "approval",
+            HoldKind::ActiveHours => "active_hours",
+            HoldKind::Governor => "governor",
+            HoldKind::Pace => "pace",
         }
     }
 }

@@ -66,6 +66,10 @@ struct RawConfig {
     dependency: Vec<crate::dependency::DependencyConfig>,
     #[serde(default)]
     policy: Vec<PolicyConfig>,
+    #[serde(default)]
+    governor: crate::governor::MarksConfig,
+    #[serde(default)]
+    guard: crate::ledger::identity::IdentityGuardConfig,
 }
 
 fn default_listen() -> String {
@@ -108,6 +112,11 @@ pub struct Config {
     pub dependencies: Vec<crate::dependency::Dependency>,
     /// The policies, validated.
     pub policies: Vec<Policy>,
+    /// The governor's marks (`[governor]`; each policy's own, with its overrides, are in
+    /// `policy.safety.governor`).
+    pub governor: crate::governor::Marks,
+    /// The restore and clone guard.
+    pub guard: crate::ledger::identity::IdentityGuardConfig,
 }
 
 /// Every problem found in a configuration, one line each with its path.
@@ -183,7 +192,29 @@ impl Config {
 
         let dependencies = dependencies_from(raw.dependency, &mut errors);
 
-        let policies = policies_from(raw.policy, &dependencies, &mut errors);
+        let mut policies = policies_from(raw.policy, &dependencies, &mut errors);
+        let governor = crate::governor::Marks::with(
+            crate::governor::Marks::default(),
+            &raw.governor,
+            "governor",
+            &mut errors,
+        );
+        for p in &mut policies {
+            let path = format!("policy[{}].governor", p.name);
+            p.safety.governor = crate::governor::Marks::with(
+                governor,
+                &p.safety.governor_overrides,
+                &path,
+                &mut errors,
+            );
+        }
+        if raw.guard.max_silence <= raw.ledger.housekeeping_interval {
+            errors.push(format!(
+                "guard.max_silence ({}) must be longer than ledger.housekeeping_interval ({}), \
+                 which writes the heartbeat",
+                raw.guard.max_silence, raw.ledger.housekeeping_interval
+            ));
+        }
 
         if raw.pubsub.is_none()
             && let Some(p) = policies
@@ -227,6 +258,8 @@ impl Config {
             credentials,
             dependencies,
             policies,
+            governor,
+            guard: raw.guard,
         })
     }
 

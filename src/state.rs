@@ -38,6 +38,8 @@ pub struct AppState {
     pub replica_id: uuid::Uuid,
     /// Downstream dependencies: clients, per-replica limits, the shared pause view.
     pub dependencies: Arc<crate::dependency::Dependencies>,
+    /// This replica's database-health governor (readings and each policy's verdict).
+    pub governor: crate::governor::Governor,
 }
 
 /// Opens a pool on `config.database_url` with the configured size and acquire timeout.

@@ -190,6 +190,7 @@ async fn create_run(
         window,
         cutoff,
         triggered_by: &principal.subject,
+        guarded: policy.safety.guard.is_some(),
     };
     Ok(match ledger::runs::create(&state.pool, &run).await? {
         ledger::runs::Created::New(run) => TriggerOutcome::Created(run),
@@ -211,6 +212,7 @@ async fn create_dry_run(
         window,
         cutoff,
         triggered_by: &principal.subject,
+        guarded: policy.safety.guard.is_some(),
     };
     match ledger::runs::create_dry(&state.pool, &run).await? {
         Some(run) => Ok(TriggerOutcome::Created(run)),

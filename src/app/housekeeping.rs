@@ -38,6 +38,11 @@ pub async fn housekeeping_loop(state: AppState, shutdown: CancellationToken) {
 
 /// One round of housekeeping: purges until a batch comes back short. Returns commands purged.
 pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
+    // The restore and clone guard's heartbeat and timeline check.
+    if let Err(e) = super::check_identity(&state.pool, &state.config).await {
+        warn!(error = %format!("{e:#}"), "the identity check failed; retrying next round");
+    }
+    ledger::purge_pace_slots(&state.pool).await?;
     let republish = mark_stale_for_republish(state).await?;
     if republish > 0 {
         info!(

@@ -50,6 +50,59 @@ async fn check_policies_at_start(pool: &sqlx::PgPool, config: &Config) -> anyhow
     Ok(())
 }
 
+/// The restore and clone guard at start and at every housekeeping round (see
+/// [`ledger::identity`]): records the identity at the first serve, logs a failover, and warns
+/// while every policy is held.
+pub async fn check_identity(pool: &sqlx::PgPool, config: &Config) -> anyhow::Result<()> {
+    use ledger::identity::Found;
+    let found = ledger::identity::check(pool, &config.guard.max_silence, "sweeper:serve")
+        .await
+        .context("checking the database's identity (the restore and clone guard)")?;
+    match found {
+        Found::Recorded => info!("recorded the database's identity (restore and clone guard)"),
+        Found::Same => {}
+        Found::Failover {
+            from,
+            to,
+            silence_seconds,
+        } => warn!(
+            from,
+            to, silence_seconds, "timeline changed within guard.max_silence (a failover); not held"
+        ),
+        Found::Held(why) => {
+            warn!(reason = %why, "every policy is held (kind identity) until POST /guard/accept");
+        }
+    }
+    Ok(())
+}
+
+/// Once a second: the governor's reading (one query) and each policy's verdict, then the log
+/// line and count of every policy-level hold that began or ended (governor, active hours).
+async fn safety_loop(state: AppState, shutdown: CancellationToken) {
+    let governed: Vec<crate::governor::Governed> = state
+        .config
+        .policies
+        .iter()
+        .map(|p| crate::governor::Governed {
+            policy: p.name.to_string(),
+            table: p.spec.target.table.to_string(),
+            marks: p.safety.governor,
+        })
+        .collect();
+    let any_governed = governed.iter().any(|g| g.marks.enabled);
+    let mut seen = std::collections::HashMap::new();
+    loop {
+        if any_governed {
+            state.governor.refresh(&state.pool, &governed).await;
+        }
+        crate::execute::holds::watch(&state, &mut seen);
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+        }
+    }
+}
+
 impl Application {
     /// Connects, migrates (when `migrate_on_start`), checks every policy against the database
     /// (an error in any policy fails the start, with the same messages as `check-config`),
@@ -80,6 +133,7 @@ impl Application {
                 .map(|p| (p.name.as_str(), p.version.as_str(), &p.spec)),
         )
         .await?;
+        check_identity(&pool, &config).await?;
         let mut checked_types = std::collections::HashMap::new();
         for p in &config.policies {
             if let Some(t) = crate::policy::TableInfo::load(&pool, &p.spec.target.table).await? {
@@ -120,6 +174,7 @@ impl Application {
                 wake_planner: Arc::new(Notify::new()),
                 replica_id: uuid::Uuid::new_v4(),
                 dependencies: Arc::new(dependencies),
+                governor: crate::governor::Governor::default(),
             },
         })
     }
@@ -231,6 +286,11 @@ impl Application {
         tasks.spawn(async move {
             housekeeping::housekeeping_loop(s, t).await;
             ("housekeeping", Ok(()))
+        });
+        let (s, t) = (state.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            safety_loop(s, t).await;
+            ("governor", Ok(()))
         });
         let mut first_error = None;
         let drain = state.config.queue.drain.std();

@@ -7,7 +7,8 @@
 use super::*;
 
 /// One attempt of a delete-rows command (or the lease of an external-effect one): `per_item`
-/// reruns it item by item with savepoints after a bulk failure; `seen` carries the attempt
+/// reruns it item by item with savepoints after a bulk failure; `pace_wait` is the seconds to
+/// the start its pace reserved (> 0: the gate holds it until then); `seen` carries the attempt
 /// count a delivery found, for the failure fences.
 // Over 80 lines: the steps of one transaction in order (load, classify, delete, audit, finish,
 // commit); splitting further would hand the transaction and its locals around.
@@ -16,15 +17,29 @@ pub(super) async fn attempt(
     command_id: &str,
     executor: Executor,
     actor: &str,
-    per_item: bool,
+    (per_item, pace_wait): (bool, f64),
     started: Instant,
     seen: &mut Option<i32>,
 ) -> Result<Attempted, AttemptError> {
     let mut tx = state.pool.begin().await?;
-    let loaded = match super::load::load(state, &mut tx, command_id, executor, seen).await? {
+    let loaded = match super::load::load(state, &mut tx, command_id, executor, seen, pace_wait)
+        .await?
+    {
         Step::Done(outcome) => {
             tx.rollback().await?;
             return Ok(Attempted::Done(outcome));
+        }
+        Step::Hold {
+            kind,
+            why,
+            attempts,
+            recheck,
+        } => {
+            let held =
+                super::finish::hold_command(state, tx, command_id, kind, attempts, &why, recheck)
+                    .await
+                    .map_err(AttemptError::Failed)?;
+            return Ok(Attempted::Done(held));
         }
         Step::Run(l) => l,
     };

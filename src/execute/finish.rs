@@ -248,7 +248,7 @@ pub(crate) async fn record_failure(
     };
     match decision {
         Decision::Hold { kind, attempts } => {
-            hold_command(state, tx, command_id, kind, attempts, &f.message).await
+            hold_command(state, tx, command_id, kind, attempts, &f.message, None).await
         }
         Decision::Quarantine { attempts, reason } => {
             quarantine_command(state, tx, failed(attempts), f.class, reason).await
@@ -301,6 +301,7 @@ async fn lock_failed(
     let row = sqlx::query(
         "select c.state, c.attempts, c.run_id, r.policy,
                 extract(epoch from sweeper.now() - c.due_since)::float8 - c.age_credit_seconds
+                    - coalesce(extract(epoch from sweeper.now() - c.held_seen_at)::float8, 0)
                     as age_seconds,
                 greatest(1, extract(epoch from c.next_attempt_at - sweeper.now()))::float8
                     as due_in_seconds
@@ -346,18 +347,22 @@ impl<'a> Failed<'a> {
 }
 
 /// Holds a command (DESIGN §14): pending again, its attempt given back, checked again after
-/// [`hold_recheck_seconds`]; the time since the last check is credited to its age budget.
-async fn hold_command(
+/// `recheck` seconds (default [`hold_recheck_seconds`]); the time since the last check is
+/// credited to its age budget. Commits `tx`.
+pub(super) async fn hold_command(
     state: &AppState,
     mut tx: Transaction<'_, Postgres>,
     command_id: &str,
     kind: HoldKind,
     attempts: i32,
     why: &str,
+    recheck: Option<u64>,
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
-    let recheck = hold_recheck_seconds(state);
-    ledger::commands::hold(
+    let recheck = recheck
+        .unwrap_or_else(|| hold_recheck_seconds(state))
+        .max(1);
+    let began = ledger::commands::hold(
         &mut tx,
         command_id,
         attempts,
@@ -368,7 +373,10 @@ async fn hold_command(
     .await
     .map_err(db)?;
     tx.commit().await.map_err(db)?;
-    info!(command_id, kind = kind.as_str(), reason = %why, "command held");
+    if began {
+        info!(command_id, kind = kind.as_str(), reason = %why, "command held");
+        crate::metrics::hold_started(kind.as_str());
+    }
     Ok(ConsumeOutcome::NotNow {
         reason: format!("held ({}): {why}", kind.as_str()),
         retry_after_seconds: recheck,

@@ -11,12 +11,16 @@ pub(super) async fn load(
     command_id: &str,
     executor: Executor,
     seen: &mut Option<i32>,
+    pace_wait: f64,
 ) -> Result<Step, AttemptError> {
     let Some(c) = lock_command(state, tx, command_id).await? else {
         return unknown_command(tx, command_id).await;
     };
     *seen = Some(c.attempts);
     if let Some(step) = gate(state, &c, command_id, executor)? {
+        return Ok(step);
+    }
+    if let Some(step) = held(state, &c, executor, pace_wait) {
         return Ok(step);
     }
     let rules = rules_for(state, tx, &c).await?;
@@ -52,6 +56,10 @@ struct LockedCommand {
     /// Seconds another execution's lease still runs (0: none).
     lease_left: f64,
     suspended: bool,
+    /// Why the identity guard holds every policy (NULL: it does not).
+    identity_held: Option<String>,
+    /// The blast-radius guard's decision on the run (NULL: not guarded).
+    approval: Option<String>,
     /// The newest version any replica registered.
     current_version: String,
     /// Whether this transaction took one of the policy's `max_concurrent_commands` slots.
@@ -78,7 +86,12 @@ async fn lock_command(
         .config
         .policies
         .iter()
-        .map(|p| (p.name.as_str(), p.max_concurrent_commands as i32))
+        .map(|p| {
+            let slots = state
+                .governor
+                .slots(p.name.as_str(), p.max_concurrent_commands);
+            (p.name.as_str(), slots as i32)
+        })
         .unzip();
     sqlx::query_as(
         "select c.state, c.item_keys, c.attempts, c.run_id, c.held_kind, c.held_reason,
@@ -89,6 +102,8 @@ async fn lock_command(
                      then extract(epoch from c.lease_until - sweeper.now())::float8
                      else 0 end as lease_left,
                 coalesce(ps.suspended, false) as suspended,
+                (select i.held_detail from sweeper.database_identity i) as identity_held,
+                r.approval,
                 (select v.version from sweeper.policy_versions v where v.policy = r.policy
                   order by v.seq desc limit 1) as current_version,
                 set_config('lock_timeout', $2, true) is not null as timeouts_set,
@@ -195,7 +210,9 @@ fn gate(
         ))));
     }
     let retry_after = state.config.consume.retry_after.seconds() as u64;
-    if c.suspended {
+    if c.identity_held.is_some() {
+        // Held below, before the suspension (the identity guard comes first).
+    } else if c.suspended {
         return not_now(format!("policy {policy} is suspended"), retry_after.max(60));
     }
     // A replica must not act under rules older than the newest any replica registered.
@@ -226,6 +243,64 @@ fn gate(
         )));
     }
     Ok(None)
+}
+
+/// The holds of DESIGN §14 on a command the gate let through, in precedence order: the identity
+/// guard, the blast-radius guard's approval, active hours, the governor, then the pace's later
+/// start (`pace_wait` seconds away). `None`: it runs now.
+fn held(state: &AppState, c: &LockedCommand, executor: Executor, pace_wait: f64) -> Option<Step> {
+    // The attempt this try was counted as is given back.
+    let attempts = match executor {
+        Executor::Delivery => c.attempts,
+        Executor::Claimed(n) => n - 1,
+    };
+    let hold = |kind, why: String, recheck: Option<u64>| {
+        Some(Step::Hold {
+            kind,
+            why,
+            attempts,
+            recheck,
+        })
+    };
+    if let Some(why) = &c.identity_held {
+        return hold(HoldKind::Identity, why.clone(), None);
+    }
+    match c.approval.as_deref() {
+        Some("awaiting_plan") if !c.dry_run => {
+            return hold(
+                HoldKind::Approval,
+                "the blast-radius guard decides when planning is done; nothing executes before"
+                    .into(),
+                None,
+            );
+        }
+        Some("required") if !c.dry_run => {
+            return hold(
+                HoldKind::Approval,
+                "the run's planned count crossed the blast-radius guard: approve it with \
+                 POST /runs/{id}/approve, or cancel it"
+                    .into(),
+                None,
+            );
+        }
+        _ => {}
+    }
+    if let Some(h) = holds::policy_hold(state, &c.policy) {
+        let recheck = h
+            .until
+            .map(|t| (t - Utc::now()).num_seconds().max(1) as u64);
+        return hold(h.kind, h.detail, recheck);
+    }
+    if pace_wait > 0.0 {
+        return hold(
+            HoldKind::Pace,
+            format!(
+                "the policy's pace (max_items_per_second) reserved a start in {pace_wait:.1} s"
+            ),
+            Some(pace_wait.ceil() as u64),
+        );
+    }
+    None
 }
 
 /// The rules the command runs under: the stricter of its run's pinned version and the current

@@ -13,6 +13,7 @@ mod delete;
 mod envelope;
 pub mod external;
 mod finish;
+pub mod holds;
 mod load;
 mod store;
 
@@ -145,6 +146,14 @@ pub(super) enum Attempted {
 pub(super) enum Step {
     Done(ConsumeOutcome),
     Run(Box<Loaded>),
+    /// Held (DESIGN §14): given back without spending its attempt, checked again after
+    /// `recheck` seconds (`None`: the usual hold recheck).
+    Hold {
+        kind: HoldKind,
+        why: String,
+        attempts: i32,
+        recheck: Option<u64>,
+    },
 }
 
 /// Executes `command_id` to a committed decision.
@@ -174,13 +183,20 @@ pub async fn execute(
             });
         }
     }
+    let pace_wait = pace(state, command_id).await?;
     let deadline = state.config.consume.command_deadline.std();
     let mut per_item = false;
     loop {
         let tried = tokio::time::timeout(
             deadline,
             delete::attempt(
-                state, command_id, executor, actor, per_item, started, &mut seen,
+                state,
+                command_id,
+                executor,
+                actor,
+                (per_item, pace_wait),
+                started,
+                &mut seen,
             ),
         )
         .await
@@ -206,6 +222,39 @@ pub async fn execute(
                 return record_failure(state, command_id, executor, f, started, seen).await;
             }
         }
+    }
+}
+
+/// Longest a command waits in-process for its pace's start; a later start holds it (kind
+/// `pace`) and gives it back until then.
+const PACE_WAIT_IN_PROCESS_SECONDS: f64 = 2.0;
+
+/// The pace (DESIGN §14): reserves the command's key count of its policy's
+/// `max_items_per_second` before the effect's transaction begins (a reservation kept from an
+/// earlier try is reused). Waits here for a start at most
+/// [`PACE_WAIT_IN_PROCESS_SECONDS`] away; returns the seconds to a later one (the gate then
+/// holds the command until it), else 0. Skipped while another hold applies to the policy, so a
+/// held policy does not spend its budget.
+async fn pace(state: &AppState, command_id: &str) -> Result<f64, Failure> {
+    let Some(policy) = state.config.policy_by_command(command_id) else {
+        return Ok(0.0);
+    };
+    let Some(rate) = policy.safety.max_items_per_second else {
+        return Ok(0.0);
+    };
+    if holds::policy_hold(state, policy.name.as_str()).is_some() {
+        return Ok(0.0);
+    }
+    let reserved = ledger::queue::reserve_pace(&state.pool, command_id, policy.name.as_str(), rate)
+        .await
+        .map_err(|e| Failure::from_db(&e))?;
+    match reserved {
+        Some((_, wait)) if wait > PACE_WAIT_IN_PROCESS_SECONDS => Ok(wait),
+        Some((_, wait)) if wait > 0.0 => {
+            tokio::time::sleep(std::time::Duration::from_secs_f64(wait)).await;
+            Ok(0.0)
+        }
+        _ => Ok(0.0),
     }
 }
 

@@ -13,8 +13,12 @@ use sqlx::{PgConnection, Postgres, QueryBuilder};
 const RECORDED_AT: &str = "(select sweeper.now())";
 
 /// The command row columns every state change that leaves `pending`/`leased` resets.
-const HOLD_CLEARED: &str =
-    "held_kind = null, held_reason = null, held_since = null, held_seen_at = null";
+/// The time since the hold was last checked is credited to the command's age budget (time held
+/// counts against no budget).
+const HOLD_CLEARED: &str = "held_kind = null, held_reason = null, held_since = null, \
+     age_credit_seconds = age_credit_seconds \
+         + coalesce(extract(epoch from sweeper.now() - held_seen_at), 0), \
+     held_seen_at = null";
 
 /// Leases the command to `owner` for `lease_seconds` as the delivery's attempt (counted before
 /// anything is called, so a delivery that kills the process every time still spends the
@@ -258,7 +262,9 @@ pub async fn append_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Res
 
 /// Holds a command (DESIGN §14): pending again with `attempts` (its try given back), checked
 /// again after `recheck_seconds`; the time since the last check is credited to its age budget.
-/// A push command is marked due for publishing: a queue must bring it back.
+/// A push command is marked due for publishing: a queue must bring it back (the relay skips it
+/// while its hold lasts, see [`super::released`]). Returns whether the hold began now (the
+/// command was not held before).
 pub async fn hold(
     conn: &mut PgConnection,
     command_id: &str,
@@ -266,8 +272,8 @@ pub async fn hold(
     recheck_seconds: f64,
     kind: &str,
     reason: &str,
-) -> sqlx::Result<()> {
-    sqlx::query(
+) -> sqlx::Result<bool> {
+    sqlx::query_scalar(
         "update sweeper.commands
             set state = 'pending', attempts = $2, lease_until = null, lease_owner = null,
                 calling_since = null,
@@ -279,16 +285,18 @@ pub async fn hold(
                     + coalesce(extract(epoch from sweeper.now() - held_seen_at), 0),
                 held_seen_at = sweeper.now(),
                 last_error = $5, last_error_class = null
-          where command_id = $1",
+          where command_id = $1
+          returning held_kind is distinct from (select o.held_kind from sweeper.commands o
+                                                where o.command_id = $1)",
     )
     .bind(command_id)
     .bind(attempts)
     .bind(recheck_seconds)
     .bind(kind)
     .bind(reason)
-    .execute(conn)
-    .await?;
-    Ok(())
+    .fetch_optional(conn)
+    .await
+    .map(|began| began.unwrap_or(false))
 }
 
 /// A try that failed, as the ledger records it.

@@ -227,3 +227,112 @@ pub async fn cancel(
         commands_cancelled: n,
     })
 }
+
+/// What approving a run did.
+#[derive(Debug, Clone, Serialize)]
+pub struct Approved {
+    /// The run.
+    pub run_id: String,
+    /// `approved`.
+    pub approval: String,
+    /// Who approved it.
+    pub approved_by: String,
+    /// The guard's verdict that held it.
+    pub guard_verdict: Option<serde_json::Value>,
+}
+
+/// Why an approval was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ApproveError {
+    /// No such run.
+    #[error("no run `{0}`")]
+    NotFound(String),
+    /// The run is not waiting for approval (with its approval state, or none).
+    #[error("run `{0}` is not waiting for approval ({1})")]
+    NotHeld(String, String),
+    /// The ledger failed.
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+/// Approves a run the blast-radius guard holds (`approval = 'required'`): it executes from now
+/// on, its held commands due at once. Attributed and logged. Approving an approved run changes
+/// nothing (still answered, not logged again).
+pub async fn approve(
+    pool: &PgPool,
+    run_id: &str,
+    subject: &str,
+    reason: &str,
+) -> Result<Approved, ApproveError> {
+    let mut tx = pool.begin().await?;
+    type Row = (
+        Option<String>,
+        String,
+        Option<serde_json::Value>,
+        Option<String>,
+    );
+    let row: Option<Row> = sqlx::query_as(
+        "select approval, status, guard_verdict, approved_by from sweeper.runs
+              where run_id = $1 for update",
+    )
+    .bind(run_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((approval, status, verdict, approved_by)) = row else {
+        return Err(ApproveError::NotFound(run_id.into()));
+    };
+    match approval.as_deref() {
+        Some("required") if !super::is_terminal_run_status(&status) => {}
+        Some("approved") => {
+            return Ok(Approved {
+                run_id: run_id.into(),
+                approval: "approved".into(),
+                approved_by: approved_by.unwrap_or_default(),
+                guard_verdict: verdict,
+            });
+        }
+        other => {
+            let why = match other {
+                None => "its policy has no blast-radius guard".to_string(),
+                Some("awaiting_plan") => "planning is not done; the guard decides then".into(),
+                Some(a) => format!("approval {a}, status {status}"),
+            };
+            return Err(ApproveError::NotHeld(run_id.into(), why));
+        }
+    }
+    sqlx::query(
+        "update sweeper.runs
+            set approval = 'approved', approved_by = $2, approval_reason = $3,
+                approval_changed_at = sweeper.now()
+          where run_id = $1",
+    )
+    .bind(run_id)
+    .bind(subject)
+    .bind(reason)
+    .execute(&mut *tx)
+    .await?;
+    let released = sqlx::query(
+        "update sweeper.commands set next_attempt_at = least(next_attempt_at, sweeper.now())
+          where run_id = $1 and state = 'pending' and held_kind = 'approval'",
+    )
+    .bind(run_id)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    log_operator_act(
+        &mut tx,
+        subject,
+        "approve",
+        &format!("run:{run_id}"),
+        reason,
+        serde_json::json!({ "guard_verdict": verdict, "held_commands_released": released }),
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(Approved {
+        run_id: run_id.into(),
+        approval: "approved".into(),
+        approved_by: subject.into(),
+        guard_verdict: verdict,
+    })
+}

@@ -12,6 +12,7 @@ pub mod commands;
 pub mod control;
 pub mod dead_letter;
 pub mod effects;
+pub mod identity;
 pub mod outbox;
 pub mod outcome;
 
@@ -206,6 +207,32 @@ pub async fn run_hold(
                            "overdue": overdue})
         }),
     )
+}
+
+/// An SQL condition over `sweeper.runs r`: the run's work is not held ledger-wide or run-wide —
+/// by the identity guard, its policy's suspension or the blast-radius guard's approval — nor is
+/// its policy among `held_param` (a `text[]` parameter: the policies this replica's governor or
+/// active hours hold). The built-in queue's claim and the push relay both use it, so held work
+/// is neither claimed nor published until its hold is released.
+pub(crate) fn released(held_param: &str) -> String {
+    format!(
+        "not exists (select 1 from sweeper.policy_state ps
+                      where ps.policy = r.policy and ps.suspended)
+         and not exists (select 1 from sweeper.database_identity i where i.held_since is not null)
+         and (r.approval is null or r.approval in ('approved', 'not_required'))
+         and r.policy <> all({held_param}::text[])"
+    )
+}
+
+/// Deletes the pace's reservations older than a minute (they only ever mattered for the second
+/// they were in). Returns how many.
+pub async fn purge_pace_slots(pool: &PgPool) -> sqlx::Result<u64> {
+    Ok(sqlx::query(
+        "delete from sweeper.pace_slots where slot < sweeper.now() - interval '1 minute'",
+    )
+    .execute(pool)
+    .await?
+    .rows_affected())
 }
 
 /// (command_id, state, attempts, last_error, last_error_class) of a stopped command.

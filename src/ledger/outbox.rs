@@ -22,14 +22,16 @@ pub struct Due {
 }
 
 /// At most `limit` commands of `transport` due for publishing within `horizon_seconds`,
-/// soonest first (pending, or leased with an expired lease; their policy not suspended).
+/// soonest first (pending, or leased with an expired lease; not held: see
+/// [`super::released`], with `held_policies` those this replica's governor or active hours hold).
 pub async fn due(
     pool: &PgPool,
     transport: &str,
     limit: i64,
     horizon_seconds: f64,
+    held_policies: &[String],
 ) -> sqlx::Result<Vec<Due>> {
-    sqlx::query_as(
+    sqlx::query_as(&format!(
         "select c.command_id, c.run_id,
                 case when c.published_generation is null then c.publish_generation
                      else greatest(c.publish_generation, c.published_generation + 1) end
@@ -41,14 +43,15 @@ pub async fn due(
           where c.transport = $2 and c.publish_due
             and c.next_attempt_at <= sweeper.now() + make_interval(secs => $3)
             and (c.state = 'pending' or (c.state = 'leased' and c.lease_until < sweeper.now()))
-            and not exists (select 1 from sweeper.policy_state ps
-                             where ps.policy = r.policy and ps.suspended)
+            and {released}
           order by c.next_attempt_at
           limit $1",
-    )
+        released = super::released("$4")
+    ))
     .bind(limit)
     .bind(transport)
     .bind(horizon_seconds)
+    .bind(held_policies)
     .fetch_all(pool)
     .await
 }

@@ -5,35 +5,38 @@
 use sqlx::PgPool;
 
 /// Claims up to `limit` due built-in commands (pending and due, or leased with an expired
-/// lease; their policy not suspended) in one statement, `FOR UPDATE SKIP LOCKED`: each gets a
-/// lease of `lease_seconds` owned by `owner` and its attempt number. Returns
-/// `(command_id, attempt)`.
+/// lease; their run not held by the identity guard, a suspension or an approval, their policy not
+/// in `held_policies`, which this replica's governor or active hours hold) in one statement,
+/// `FOR UPDATE SKIP LOCKED`: each gets a lease of `lease_seconds` owned by `owner` and its
+/// attempt number. Returns `(command_id, attempt)`.
 pub async fn claim(
     pool: &PgPool,
     owner: uuid::Uuid,
     lease_seconds: f64,
     limit: i64,
+    held_policies: &[String],
 ) -> sqlx::Result<Vec<(String, i32)>> {
-    sqlx::query_as(
+    sqlx::query_as(&format!(
         "update sweeper.commands c
             set state = 'leased', attempts = c.attempts + 1, lease_owner = $2, calling_since = null,
                 lease_until = (select sweeper.now()) + make_interval(secs => $1)
           where c.command_id in (
                 select q.command_id from sweeper.commands q
+                  join sweeper.runs r on r.run_id = q.run_id
                  where q.transport = 'builtin'
                    and ((q.state = 'pending' and q.next_attempt_at <= (select sweeper.now()))
                      or (q.state = 'leased' and q.lease_until < (select sweeper.now())))
-                   and not exists (
-                        select 1 from sweeper.runs r join sweeper.policy_state ps using (policy)
-                         where r.run_id = q.run_id and ps.suspended)
+                   and {released}
                  order by q.next_attempt_at
                  limit $3
                  for update of q skip locked)
           returning c.command_id, c.attempts",
-    )
+        released = super::released("$4")
+    ))
     .bind(lease_seconds)
     .bind(owner)
     .bind(limit)
+    .bind(held_policies)
     .fetch_all(pool)
     .await
 }
@@ -93,4 +96,26 @@ pub async fn release_all(pool: &PgPool, owner: uuid::Uuid) -> sqlx::Result<u64> 
     .execute(pool)
     .await?
     .rows_affected())
+}
+
+/// Reserves `command_id`'s key count of `policy`'s pace of `per_second` items a second (across
+/// replicas; see `sweeper.reserve_pace`) in its own statement, never in the effect's
+/// transaction. Returns the instant it may start (`None`: no such command) and the seconds until
+/// then (≤ 0: now).
+pub async fn reserve_pace(
+    pool: &PgPool,
+    command_id: &str,
+    policy: &str,
+    per_second: u32,
+) -> sqlx::Result<Option<(chrono::DateTime<chrono::Utc>, f64)>> {
+    let row: (Option<chrono::DateTime<chrono::Utc>>, Option<f64>) = sqlx::query_as(
+        "select s, extract(epoch from s - sweeper.now())::float8
+           from (select sweeper.reserve_pace($1, $2, $3) as s) r",
+    )
+    .bind(command_id)
+    .bind(policy)
+    .bind(per_second as i32)
+    .fetch_one(pool)
+    .await?;
+    Ok(row.0.zip(row.1))
 }

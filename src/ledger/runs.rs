@@ -20,6 +20,9 @@ pub struct NewRun<'a> {
     pub cutoff: DateTime<Utc>,
     /// Who triggered it.
     pub triggered_by: &'a str,
+    /// Whether its policy has a blast-radius guard: a live run then executes nothing before
+    /// planning is done and the guard has decided (`approval = 'awaiting_plan'`).
+    pub guarded: bool,
 }
 
 /// Whether [`create`] made the window's run or found it.
@@ -36,8 +39,9 @@ pub enum Created {
 pub async fn create(pool: &PgPool, new: &NewRun<'_>) -> sqlx::Result<Created> {
     let mut tx = pool.begin().await?;
     let inserted = sqlx::query_scalar::<_, String>(
-        "insert into sweeper.runs (run_id, policy, policy_version, window_at, cutoff, triggered_by)
-         values ($1, $2, $3, $4, $5, $6)
+        "insert into sweeper.runs
+             (run_id, policy, policy_version, window_at, cutoff, triggered_by, approval)
+         values ($1, $2, $3, $4, $5, $6, case when $7 then 'awaiting_plan' end)
          on conflict do nothing
          returning run_id",
     )
@@ -47,6 +51,7 @@ pub async fn create(pool: &PgPool, new: &NewRun<'_>) -> sqlx::Result<Created> {
     .bind(new.window)
     .bind(new.cutoff)
     .bind(new.triggered_by)
+    .bind(new.guarded)
     .fetch_optional(&mut *tx)
     .await?;
     if inserted.is_none() {
@@ -241,6 +246,58 @@ pub async fn set_remaining_eligible(
     .bind(run_id)
     .bind(remaining)
     .bind(cap)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// What the blast-radius guard compares a run's planned count with: `(planned, median of the
+/// policy's last [`crate::policy::safety::GUARD_HISTORY_RUNS`] completed live runs' planned
+/// counts (None: no such run), the target's estimated rows (`pg_class.reltuples`; None: unknown))`.
+pub async fn guard_inputs(
+    conn: &mut PgConnection,
+    run_id: &str,
+    table: &str,
+) -> sqlx::Result<(i64, Option<f64>, Option<f64>)> {
+    sqlx::query_as(
+        "select r.eligible_planned,
+                (select percentile_cont(0.5) within group (order by h.eligible_planned)
+                   from (select eligible_planned from sweeper.runs h
+                          where h.policy = r.policy and not h.dry_run and h.run_id <> r.run_id
+                            and h.status in ('completed', 'completed_with_dead_letters')
+                          order by h.window_at desc limit $3) h),
+                (select c.reltuples::float8 from pg_class c where c.oid = to_regclass($2))
+           from sweeper.runs r where r.run_id = $1",
+    )
+    .bind(run_id)
+    .bind(table)
+    .bind(crate::policy::safety::GUARD_HISTORY_RUNS)
+    .fetch_one(conn)
+    .await
+}
+
+/// Records the blast-radius guard's verdict on a run whose planning is done: a live run waiting
+/// on it becomes `required` (held until approved or cancelled) or `not_required`; a dry run only
+/// records what its live run would get (`verdict.would_be_held`).
+pub async fn record_guard_verdict(
+    conn: &mut PgConnection,
+    run_id: &str,
+    verdict: &serde_json::Value,
+    held: bool,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "update sweeper.runs
+            set guard_verdict = $2,
+                approval = case when approval = 'awaiting_plan'
+                                then case when $3 then 'required' else 'not_required' end
+                                else approval end,
+                approval_changed_at = case when approval = 'awaiting_plan' then sweeper.now()
+                                           else approval_changed_at end
+          where run_id = $1",
+    )
+    .bind(run_id)
+    .bind(verdict)
+    .bind(held)
     .execute(conn)
     .await?;
     Ok(())

@@ -64,6 +64,17 @@ pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
         return Ok(PlanStep::Idle);
     };
     loop {
+        // The governor holds planning pages too: they read the target table.
+        if let Some(p) = state.config.policy_by_command(&run_id)
+            && let Some((_, why)) = state.governor.held(p.name.as_str())
+        {
+            let f = Failure::held(
+                crate::retry::HoldKind::Governor,
+                format!("the database-health governor: {why}"),
+            );
+            hold_job(state, &run_id, token, &f).await;
+            return Err(f);
+        }
         match plan_page(state, &run_id, token).await {
             Ok(PlanStep::Page) => {
                 state.wake_workers.notify_waiters();
@@ -95,6 +106,36 @@ pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
             }
         }
     }
+}
+
+/// The blast-radius guard's verdict on `run_id`, planned in full, recorded in `tx` (see
+/// [`ledger::runs::record_guard_verdict`]); a run it holds is logged.
+async fn guard_verdict(
+    tx: &mut sqlx::PgConnection,
+    run_id: &str,
+    guard: &crate::policy::safety::BlastGuard,
+    table: &str,
+    dry_run: bool,
+) -> sqlx::Result<()> {
+    let (planned, median, rows) = ledger::runs::guard_inputs(tx, run_id, table).await?;
+    let why = guard.verdict(planned, median, rows);
+    let verdict = serde_json::json!({
+        "would_be_held": why.is_some(), "reason": why, "planned": planned,
+        "median_of_last_completed": median, "table_estimated_rows": rows,
+        "max_items": guard.max_items, "max_ratio": guard.max_ratio,
+        "ratio_floor": guard.ratio_floor, "max_fraction": guard.max_fraction,
+    });
+    match &why {
+        Some(why) if !dry_run => {
+            warn!(run_id, reason = %why, "the blast-radius guard holds the run for approval");
+            crate::metrics::hold_started("approval");
+        }
+        Some(why) => {
+            info!(run_id, reason = %why, "the blast-radius guard would hold this run's live run")
+        }
+        None => {}
+    }
+    ledger::runs::record_guard_verdict(tx, run_id, &verdict, why.is_some()).await
 }
 
 /// Records that planning `run_id` is held (its target's schema does not match, or the policy
@@ -310,6 +351,15 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     let status = ledger::planning::record_page(&mut tx, &page)
         .await
         .map_err(db)?;
+    if done
+        && let Some(p) = configured
+        && let Some(guard) = &p.safety.guard
+    {
+        let table = p.spec.target.table.to_string();
+        guard_verdict(&mut tx, run_id, guard, &table, job.dry_run)
+            .await
+            .map_err(db)?;
+    }
     tx.commit().await.map_err(db)?;
     if done {
         // Every command may already be terminal (or there are none): the run is complete if so,

@@ -19,6 +19,7 @@ pub mod check;
 mod name;
 pub mod path;
 mod rules;
+pub mod safety;
 mod spec;
 mod written;
 
@@ -57,6 +58,24 @@ pub struct Policy {
     /// type, and check-config refuses a boolean or number written for a text column, where the
     /// cast would silently change what matches).
     pub exclusion_literals: Vec<Vec<Literal>>,
+    /// When its work may run (not part of the version).
+    pub safety: Safety,
+}
+
+/// A policy's production-safety controls (DESIGN §14 "Holds"), validated.
+#[derive(Debug, Clone, Default)]
+pub struct Safety {
+    /// Active hours; `None`: any hour.
+    pub active: Option<safety::ActiveHours>,
+    /// Items per second across replicas; `None`: no pace.
+    pub max_items_per_second: Option<u32>,
+    /// The blast-radius guard; `None`: none.
+    pub guard: Option<safety::BlastGuard>,
+    /// Governor marks with `[governor]`'s and this policy's overrides applied (set when the
+    /// whole configuration is validated).
+    pub governor: crate::governor::Marks,
+    /// The overrides as written.
+    pub governor_overrides: crate::governor::MarksConfig,
 }
 
 /// How an exclusion value was written in TOML.
@@ -148,6 +167,42 @@ impl RetryPolicy {
 }
 
 pub use action::ActionConfig;
+
+/// `c`'s safety controls, each problem pushed onto `errors` with its field: a `batch_size` over
+/// the pace's burst is refused (a command could never fit in its budget).
+fn safety_from_config(c: &PolicyConfig, errors: &mut Vec<String>) -> Safety {
+    let active = c.active.as_ref().and_then(|a| {
+        safety::ActiveHours::from_config(a)
+            .map_err(|es| errors.extend(es))
+            .ok()
+    });
+    let guard = c.guard.as_ref().and_then(|g| {
+        safety::BlastGuard::from_config(g)
+            .map_err(|es| errors.extend(es))
+            .ok()
+    });
+    if let Some(rate) = c.max_items_per_second {
+        if !(1..=1_000_000).contains(&rate) {
+            errors.push(format!(
+                "max_items_per_second: {rate} is outside 1..=1000000"
+            ));
+        } else if c.batch_size as u64 > u64::from(safety::pace_burst(rate)) {
+            errors.push(format!(
+                "batch_size: {} is over the pace's burst of {} items (10 % of ten seconds' \
+                 budget at max_items_per_second {rate}); lower batch_size or raise the pace",
+                c.batch_size,
+                safety::pace_burst(rate)
+            ));
+        }
+    }
+    Safety {
+        active,
+        max_items_per_second: c.max_items_per_second,
+        guard,
+        governor: crate::governor::Marks::default(),
+        governor_overrides: c.governor.clone().unwrap_or_default(),
+    }
+}
 
 impl Policy {
     /// Validates a configured policy; errors are `field: message` without the policy prefix.
@@ -294,6 +349,7 @@ impl Policy {
                 exclude.push(stamped);
             }
         }
+        let safety = safety_from_config(&c, &mut errors);
         if !errors.is_empty() {
             return Err(errors);
         }
@@ -320,6 +376,7 @@ impl Policy {
             retry,
             max_concurrent_commands,
             exclusion_literals,
+            safety,
         })
     }
 

@@ -38,6 +38,20 @@ pub struct PolicyConfig {
     /// snoozed (class `throttled`), which protects the production database from a burst.
     #[serde(default)]
     pub max_concurrent_commands: Option<u32>,
+    /// `{ from = "01:00", to = "05:00", timezone = "Europe/Berlin" }`: commands are claimed only
+    /// inside these hours (default: any hour).
+    #[serde(default)]
+    pub active: Option<super::safety::ActiveHoursConfig>,
+    /// Most items a second this policy's commands start, across every replica (default: no
+    /// pace). `batch_size` may not exceed it (the burst is one second's budget).
+    #[serde(default)]
+    pub max_items_per_second: Option<u32>,
+    /// The blast-radius guard (default: none).
+    #[serde(default)]
+    pub guard: Option<super::safety::GuardConfig>,
+    /// Governor marks overriding `[governor]`'s for this policy.
+    #[serde(default)]
+    pub governor: Option<crate::governor::MarksConfig>,
 }
 
 /// `retry = { ... }`: how failed commands are retried (DESIGN §2.7).

@@ -1,4 +1,5 @@
-//! Operator acts on policies and runs: suspend, resume, cancel; and the reason every act takes.
+//! Operator acts on policies and runs: suspend, resume, cancel, approve; accepting the database's
+//! identity; and the reason every act takes.
 
 use super::*;
 
@@ -143,4 +144,43 @@ pub async fn cancel_run(
                 crate::ledger::control::CancelError::Db(e) => Problem::from(e),
             })?;
     Ok(Json(c).into_response())
+}
+
+/// `POST /runs/{run_id}/approve` `{"reason": ...}` (scope `ops:write`): releases a run the
+/// blast-radius guard holds. 409 when it is not waiting for approval.
+pub async fn approve_run(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(run_id): Path<String>,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("ops:write")?;
+    let b: ReasonBody = reason_of(&body)?;
+    let a =
+        crate::ledger::control::approve(&state.pool, &run_id, &caller.0.subject, b.reason.trim())
+            .await
+            .map_err(|e| match e {
+                crate::ledger::control::ApproveError::NotFound(_) => unknown_run(&run_id),
+                e @ crate::ledger::control::ApproveError::NotHeld(..) => {
+                    Problem::new(StatusCode::CONFLICT, "conflict", e.to_string())
+                }
+                crate::ledger::control::ApproveError::Db(e) => Problem::from(e),
+            })?;
+    state.wake_workers.notify_waiters();
+    Ok(Json(a).into_response())
+}
+
+/// `POST /guard/accept` `{"reason": ...}` (scope `ops:write`): records the database's identity as
+/// found now and releases the restore and clone guard's hold on every policy.
+pub async fn accept_identity(
+    State(state): State<AppState>,
+    caller: Caller,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    caller.require("ops:write")?;
+    let b: ReasonBody = reason_of(&body)?;
+    let g =
+        crate::ledger::identity::accept(&state.pool, &caller.0.subject, b.reason.trim()).await?;
+    state.wake_workers.notify_waiters();
+    Ok(Json(g).into_response())
 }

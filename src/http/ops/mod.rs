@@ -17,14 +17,16 @@ mod acts;
 mod dead_letters;
 mod probes;
 mod runs;
+mod safety;
 
-pub use acts::{cancel_run, resume_policy, suspend_policy};
+pub use acts::{accept_identity, approve_run, cancel_run, resume_policy, suspend_policy};
 pub use dead_letters::{
     abandon_dead_letter, get_dead_letter, list_dead_letters, redrive_dead_letter,
     redrive_dead_letters,
 };
 pub use probes::{healthz, metrics, policies, readyz};
 pub use runs::{get_run, list_runs, run_items};
+pub use safety::{governor, guard};
 
 // Helpers the endpoint groups share.
 #[allow(unused_imports)]

@@ -72,6 +72,87 @@ pub(super) struct PlanningState {
 
 pub(super) use ledger::StoppedCommand;
 
+/// The run's `held` object (DESIGN §14): the first hold that applies, in precedence order —
+/// the identity guard, the policy's suspension, the blast-radius guard's approval, then what its
+/// commands or planning job recorded (schema, policy change, active hours, governor, pace), then
+/// what this replica sees now (active hours, the governor) — or null; and its `approval` object
+/// (null when its policy has no guard).
+async fn run_held(
+    state: &AppState,
+    run_id: &str,
+    policy: &str,
+    status: &str,
+) -> Result<(Option<serde_json::Value>, serde_json::Value), Problem> {
+    type ApprovalRow = (
+        Option<String>,
+        Option<serde_json::Value>,
+        Option<chrono::DateTime<chrono::Utc>>,
+        Option<String>,
+        Option<String>,
+        chrono::DateTime<chrono::Utc>,
+    );
+    let (approval, verdict, changed_at, by, reason, created_at): ApprovalRow = sqlx::query_as(
+        "select approval, guard_verdict, approval_changed_at, approved_by, approval_reason,
+                created_at
+           from sweeper.runs where run_id = $1",
+    )
+    .bind(run_id)
+    .fetch_one(&state.pool)
+    .await?;
+    let approval_body = match (&approval, &verdict) {
+        (None, None) => serde_json::Value::Null,
+        _ => json!({"state": approval, "guard_verdict": verdict, "changed_at": changed_at,
+                    "approved_by": by, "reason": reason}),
+    };
+    if ledger::is_terminal_run_status(status) {
+        return Ok((None, approval_body));
+    }
+    let held = |kind: &str, detail: String, since: Option<chrono::DateTime<chrono::Utc>>| {
+        Some(json!({"kind": kind, "detail": detail, "since": since}))
+    };
+    if let Some((since, why)) = ledger::identity::held(&state.pool).await? {
+        return Ok((held("identity", why, Some(since)), approval_body));
+    }
+    if let Some(ps) = ledger::control::policy_state(&state.pool, policy).await?
+        && ps.suspended
+    {
+        let detail = format!(
+            "policy {policy} is suspended by {}: {}",
+            ps.changed_by, ps.reason
+        );
+        return Ok((held("suspended", detail, ps.suspended_at), approval_body));
+    }
+    match approval.as_deref() {
+        Some("awaiting_plan") => {
+            let detail = "the blast-radius guard decides when planning is done".to_string();
+            return Ok((held("approval", detail, Some(created_at)), approval_body));
+        }
+        Some("required") => {
+            let why = verdict
+                .as_ref()
+                .and_then(|v| v["reason"].as_str())
+                .unwrap_or("over the blast-radius guard");
+            let detail = format!("{why}; approve with POST /runs/{{id}}/approve, or cancel");
+            return Ok((held("approval", detail, changed_at), approval_body));
+        }
+        _ => {}
+    }
+    let recorded = ledger::run_hold(
+        &state.pool,
+        run_id,
+        state.config.ledger.hold_alert_after.seconds(),
+    )
+    .await?;
+    if recorded.is_some() {
+        return Ok((recorded, approval_body));
+    }
+    let now = crate::execute::holds::policy_hold(state, policy).map(|h| {
+        json!({"kind": h.kind.as_str(), "detail": h.detail, "since": h.since,
+                        "until": h.until})
+    });
+    Ok((now, approval_body))
+}
+
 /// `GET /runs/{run_id}` (scope `ops:read`): the run with its commands per state.
 pub async fn get_run(
     State(state): State<AppState>,
@@ -93,12 +174,7 @@ pub async fn get_run(
     .bind(&run_id)
     .fetch_optional(&state.pool)
     .await?;
-    let held = ledger::run_hold(
-        &state.pool,
-        &run_id,
-        state.config.ledger.hold_alert_after.seconds(),
-    )
-    .await?;
+    let (held, approval) = run_held(&state, &run_id, &run.policy, &run.status).await?;
     let verdict = replay_verdict(&state, &run_id).await?;
     let open = crate::ledger::dead_letter::list(
         &state.pool,
@@ -114,6 +190,7 @@ pub async fn get_run(
     let mut body = serde_json::to_value(&run).map_err(Problem::internal)?;
     body["commands"] = json!(commands);
     body["held"] = held.unwrap_or(serde_json::Value::Null);
+    body["approval"] = approval;
     body["planning"] = match planning {
         Some(p) => json!({
             "pages_done": p.pages_done, "done": p.done, "consecutive_failures": p.failures,
