@@ -1,6 +1,14 @@
 -- Production safety (DESIGN §14 "Holds"): the blast-radius guard's approval on a run, the pace's
 -- reservations, and the database identity the restore/clone guard compares with.
 
+-- The new kinds of hold a command or a planning job can record.
+alter table sweeper.commands drop constraint commands_held_kind_check,
+    add constraint commands_held_kind_check check (held_kind in
+        ('schema', 'policy_changed', 'identity', 'approval', 'active_hours', 'governor', 'pace'));
+alter table sweeper.planning_jobs drop constraint planning_jobs_held_kind_check,
+    add constraint planning_jobs_held_kind_check check (held_kind in
+        ('schema', 'policy_changed', 'identity', 'approval', 'active_hours', 'governor', 'pace'));
+
 -- The blast-radius guard's decision on a run of a guarded policy. NULL: the policy has no guard
 -- (or the run predates it). `awaiting_plan`: planning is not done, nothing executes yet.
 -- `required`: the planned count crossed a limit; held until approved or cancelled. `approved`:

@@ -251,6 +251,8 @@ pub struct Signal {
 }
 
 /// Each signal of `r` against `m`, for the policy whose target is `table`.
+// Over 80 lines: the four signals in `GET /governor`'s order, each with its unit and the reason
+// it may be unreadable.
 pub fn signals(r: &Reading, m: &Marks, table: &str) -> Vec<Signal> {
     let verdict = |v: f64, (high, low): (f64, f64)| {
         if v > high {

@@ -112,10 +112,9 @@ pub struct Config {
     pub dependencies: Vec<crate::dependency::Dependency>,
     /// The policies, validated.
     pub policies: Vec<Policy>,
-    /// The governor's marks (`[governor]`; each policy's own, with its overrides, are in
-    /// `policy.safety.governor`).
+    /// `[governor]`'s marks (a policy's, overrides applied, are `policy.safety.governor`).
     pub governor: crate::governor::Marks,
-    /// The restore and clone guard.
+    /// The restore and clone guard (`[guard]`).
     pub guard: crate::ledger::identity::IdentityGuardConfig,
 }
 
@@ -190,31 +189,13 @@ impl Config {
 
         let credentials = crate::auth::Credentials::from_config(&raw.auth, &mut errors);
 
-        let dependencies = dependencies_from(raw.dependency, &mut errors);
+        let dependencies = crate::dependency::all_from_config(raw.dependency, &mut errors);
 
         let mut policies = policies_from(raw.policy, &dependencies, &mut errors);
-        let governor = crate::governor::Marks::with(
-            crate::governor::Marks::default(),
-            &raw.governor,
-            "governor",
-            &mut errors,
-        );
-        for p in &mut policies {
-            let path = format!("policy[{}].governor", p.name);
-            p.safety.governor = crate::governor::Marks::with(
-                governor,
-                &p.safety.governor_overrides,
-                &path,
-                &mut errors,
-            );
-        }
-        if raw.guard.max_silence <= raw.ledger.housekeeping_interval {
-            errors.push(format!(
-                "guard.max_silence ({}) must be longer than ledger.housekeeping_interval ({}), \
-                 which writes the heartbeat",
-                raw.guard.max_silence, raw.ledger.housekeeping_interval
-            ));
-        }
+        let governor =
+            crate::policy::safety::resolve_marks(&raw.governor, &mut policies, &mut errors);
+        raw.guard
+            .validate(&raw.ledger.housekeeping_interval, &mut errors);
 
         if raw.pubsub.is_none()
             && let Some(p) = policies
@@ -374,32 +355,6 @@ fn check_limits(raw: &RawConfig, errors: &mut Vec<String>) {
             "pubsub: relay_interval must be at least 1s and republish_after at least 1m".into(),
         );
     }
-}
-
-/// The dependencies, validated; names must be unique.
-fn dependencies_from(
-    raw: Vec<crate::dependency::DependencyConfig>,
-    errors: &mut Vec<String>,
-) -> Vec<crate::dependency::Dependency> {
-    let mut dependencies: Vec<crate::dependency::Dependency> = Vec::new();
-    for (i, d) in raw.into_iter().enumerate() {
-        let label = if d.name.is_empty() {
-            format!("dependency[{i}]")
-        } else {
-            format!("dependency[{}]", d.name)
-        };
-        if dependencies.iter().any(|x| x.name == d.name) {
-            errors.push(format!(
-                "{label}: a dependency of this name is defined twice"
-            ));
-            continue;
-        }
-        match crate::dependency::Dependency::from_config(d) {
-            Ok(dep) => dependencies.push(dep),
-            Err(es) => errors.extend(es.into_iter().map(|e| format!("{label}.{e}"))),
-        }
-    }
-    dependencies
 }
 
 /// The policies, validated; names must be unique, a dependency's retry settings fill what the

@@ -341,6 +341,29 @@ impl Dependency {
     }
 }
 
+/// The dependencies, validated; names must be unique.
+pub fn all_from_config(raw: Vec<DependencyConfig>, errors: &mut Vec<String>) -> Vec<Dependency> {
+    let mut dependencies: Vec<Dependency> = Vec::new();
+    for (i, d) in raw.into_iter().enumerate() {
+        let label = if d.name.is_empty() {
+            format!("dependency[{i}]")
+        } else {
+            format!("dependency[{}]", d.name)
+        };
+        if dependencies.iter().any(|x| x.name == d.name) {
+            errors.push(format!(
+                "{label}: a dependency of this name is defined twice"
+            ));
+            continue;
+        }
+        match Dependency::from_config(d) {
+            Ok(dep) => dependencies.push(dep),
+            Err(es) => errors.extend(es.into_iter().map(|e| format!("{label}.{e}"))),
+        }
+    }
+    dependencies
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -22,27 +22,18 @@ pub(super) async fn attempt(
     seen: &mut Option<i32>,
 ) -> Result<Attempted, AttemptError> {
     let mut tx = state.pool.begin().await?;
-    let loaded = match super::load::load(state, &mut tx, command_id, executor, seen, pace_wait)
-        .await?
-    {
-        Step::Done(outcome) => {
-            tx.rollback().await?;
-            return Ok(Attempted::Done(outcome));
-        }
-        Step::Hold {
-            kind,
-            why,
-            attempts,
-            recheck,
-        } => {
-            let held =
-                super::finish::hold_command(state, tx, command_id, kind, attempts, &why, recheck)
-                    .await
-                    .map_err(AttemptError::Failed)?;
-            return Ok(Attempted::Done(held));
-        }
-        Step::Run(l) => l,
-    };
+    let loaded =
+        match super::load::load(state, &mut tx, command_id, executor, seen, pace_wait).await? {
+            Step::Done(outcome) => {
+                tx.rollback().await?;
+                return Ok(Attempted::Done(outcome));
+            }
+            Step::Hold(h) => {
+                let held = super::finish::hold_command(state, tx, command_id, h);
+                return Ok(Attempted::Done(held.await.map_err(AttemptError::Failed)?));
+            }
+            Step::Run(l) => l,
+        };
     if loaded.rules.action.dependency().is_some() && !loaded.dry_run {
         return lease_for_calls(state, tx, command_id, executor, loaded, seen).await;
     }

@@ -248,7 +248,14 @@ pub(crate) async fn record_failure(
     };
     match decision {
         Decision::Hold { kind, attempts } => {
-            hold_command(state, tx, command_id, kind, attempts, &f.message, None).await
+            let why = f.message.clone();
+            let hold = super::Hold {
+                kind,
+                why,
+                attempts,
+                recheck: None,
+            };
+            hold_command(state, tx, command_id, hold).await
         }
         Decision::Quarantine { attempts, reason } => {
             quarantine_command(state, tx, failed(attempts), f.class, reason).await
@@ -353,10 +360,12 @@ pub(super) async fn hold_command(
     state: &AppState,
     mut tx: Transaction<'_, Postgres>,
     command_id: &str,
-    kind: HoldKind,
-    attempts: i32,
-    why: &str,
-    recheck: Option<u64>,
+    super::Hold {
+        kind,
+        why,
+        attempts,
+        recheck,
+    }: super::Hold,
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
     let recheck = recheck
@@ -368,7 +377,7 @@ pub(super) async fn hold_command(
         attempts,
         recheck as f64,
         kind.as_str(),
-        why,
+        &why,
     )
     .await
     .map_err(db)?;

@@ -255,12 +255,12 @@ fn held(state: &AppState, c: &LockedCommand, executor: Executor, pace_wait: f64)
         Executor::Claimed(n) => n - 1,
     };
     let hold = |kind, why: String, recheck: Option<u64>| {
-        Some(Step::Hold {
+        Some(Step::Hold(Hold {
             kind,
             why,
             attempts,
             recheck,
-        })
+        }))
     };
     if let Some(why) = &c.identity_held {
         return hold(HoldKind::Identity, why.clone(), None);

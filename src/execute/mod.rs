@@ -146,14 +146,17 @@ pub(super) enum Attempted {
 pub(super) enum Step {
     Done(ConsumeOutcome),
     Run(Box<Loaded>),
-    /// Held (DESIGN §14): given back without spending its attempt, checked again after
-    /// `recheck` seconds (`None`: the usual hold recheck).
-    Hold {
-        kind: HoldKind,
-        why: String,
-        attempts: i32,
-        recheck: Option<u64>,
-    },
+    /// Held (DESIGN §14): given back without spending its attempt.
+    Hold(Hold),
+}
+
+/// A hold the gate decided: its kind and why, the attempt count to keep, and when to check again
+/// (`recheck` seconds; `None`: the usual hold recheck).
+pub(super) struct Hold {
+    pub(super) kind: HoldKind,
+    pub(super) why: String,
+    pub(super) attempts: i32,
+    pub(super) recheck: Option<u64>,
 }
 
 /// Executes `command_id` to a committed decision.

@@ -36,6 +36,20 @@ impl Default for IdentityGuardConfig {
     }
 }
 
+impl IdentityGuardConfig {
+    /// Pushes a problem onto `errors` unless `max_silence` is longer than the heartbeat's
+    /// interval (`ledger.housekeeping_interval`).
+    pub fn validate(&self, housekeeping_interval: &DurationSpec, errors: &mut Vec<String>) {
+        if self.max_silence <= *housekeeping_interval {
+            errors.push(format!(
+                "guard.max_silence ({}) must be longer than ledger.housekeeping_interval ({}), \
+                 which writes the heartbeat",
+                self.max_silence, housekeeping_interval
+            ));
+        }
+    }
+}
+
 fn default_max_silence() -> DurationSpec {
     DurationSpec::from_seconds(600)
 }
@@ -86,6 +100,7 @@ pub enum Found {
 
 /// Compares the database's identity with the recorded one (recording it on the first serve),
 /// holds every policy on a mismatch, and writes the heartbeat. `subject` records who recorded it.
+// Over 80 lines: one transaction under the identity row's lock, the three outcomes in order.
 pub async fn check(
     pool: &PgPool,
     max_silence: &DurationSpec,

@@ -252,12 +252,13 @@ pub async fn set_remaining_eligible(
 }
 
 /// What the blast-radius guard compares a run's planned count with: `(planned, median of the
-/// policy's last [`crate::policy::safety::GUARD_HISTORY_RUNS`] completed live runs' planned
-/// counts (None: no such run), the target's estimated rows (`pg_class.reltuples`; None: unknown))`.
+/// policy's last `history` completed live runs' planned counts (None: no such run), the
+/// target's estimated rows (`pg_class.reltuples`; None: unknown))`.
 pub async fn guard_inputs(
     conn: &mut PgConnection,
     run_id: &str,
     table: &str,
+    history: i64,
 ) -> sqlx::Result<(i64, Option<f64>, Option<f64>)> {
     sqlx::query_as(
         "select r.eligible_planned,
@@ -271,7 +272,7 @@ pub async fn guard_inputs(
     )
     .bind(run_id)
     .bind(table)
-    .bind(crate::policy::safety::GUARD_HISTORY_RUNS)
+    .bind(history)
     .fetch_one(conn)
     .await
 }
@@ -301,4 +302,33 @@ pub async fn record_guard_verdict(
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// A run's blast-radius guard state, as `GET /runs/{id}` shows it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Approval {
+    /// `awaiting_plan`, `required`, `approved`, `not_required`, or NULL (no guard, or a dry run).
+    pub approval: Option<String>,
+    /// The guard's verdict at the end of planning.
+    pub guard_verdict: Option<serde_json::Value>,
+    /// When `approval` last changed.
+    pub changed_at: Option<DateTime<Utc>>,
+    /// Who approved it.
+    pub approved_by: Option<String>,
+    /// Why.
+    pub reason: Option<String>,
+    /// When the run was created (a run awaiting its plan is held since then).
+    pub created_at: DateTime<Utc>,
+}
+
+/// The guard state of `run_id` (which must exist).
+pub async fn approval(pool: &sqlx::PgPool, run_id: &str) -> sqlx::Result<Approval> {
+    sqlx::query_as(
+        "select approval, guard_verdict, approval_changed_at as changed_at, approved_by,
+                approval_reason as reason, created_at
+           from sweeper.runs where run_id = $1",
+    )
+    .bind(run_id)
+    .fetch_one(pool)
+    .await
 }

@@ -16,6 +16,7 @@
 //! a row whose timestamp moves back behind the timestamp walk's cursor is left to the closure
 //! check and the next run (DESIGN §14).
 
+mod guard;
 mod rules;
 mod scan;
 
@@ -64,14 +65,7 @@ pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
         return Ok(PlanStep::Idle);
     };
     loop {
-        // The governor holds planning pages too: they read the target table.
-        if let Some(p) = state.config.policy_by_command(&run_id)
-            && let Some((_, why)) = state.governor.held(p.name.as_str())
-        {
-            let f = Failure::held(
-                crate::retry::HoldKind::Governor,
-                format!("the database-health governor: {why}"),
-            );
+        if let Some(f) = guard::governor_hold(state, &run_id) {
             hold_job(state, &run_id, token, &f).await;
             return Err(f);
         }
@@ -106,36 +100,6 @@ pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
             }
         }
     }
-}
-
-/// The blast-radius guard's verdict on `run_id`, planned in full, recorded in `tx` (see
-/// [`ledger::runs::record_guard_verdict`]); a run it holds is logged.
-async fn guard_verdict(
-    tx: &mut sqlx::PgConnection,
-    run_id: &str,
-    guard: &crate::policy::safety::BlastGuard,
-    table: &str,
-    dry_run: bool,
-) -> sqlx::Result<()> {
-    let (planned, median, rows) = ledger::runs::guard_inputs(tx, run_id, table).await?;
-    let why = guard.verdict(planned, median, rows);
-    let verdict = serde_json::json!({
-        "would_be_held": why.is_some(), "reason": why, "planned": planned,
-        "median_of_last_completed": median, "table_estimated_rows": rows,
-        "max_items": guard.max_items, "max_ratio": guard.max_ratio,
-        "ratio_floor": guard.ratio_floor, "max_fraction": guard.max_fraction,
-    });
-    match &why {
-        Some(why) if !dry_run => {
-            warn!(run_id, reason = %why, "the blast-radius guard holds the run for approval");
-            crate::metrics::hold_started("approval");
-        }
-        Some(why) => {
-            info!(run_id, reason = %why, "the blast-radius guard would hold this run's live run")
-        }
-        None => {}
-    }
-    ledger::runs::record_guard_verdict(tx, run_id, &verdict, why.is_some()).await
 }
 
 /// Records that planning `run_id` is held (its target's schema does not match, or the policy
@@ -356,7 +320,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         && let Some(guard) = &p.safety.guard
     {
         let table = p.spec.target.table.to_string();
-        guard_verdict(&mut tx, run_id, guard, &table, job.dry_run)
+        guard::guard_verdict(&mut tx, run_id, guard, &table, job.dry_run)
             .await
             .map_err(db)?;
     }

@@ -258,6 +258,22 @@ pub fn pace_burst(per_second: u32) -> u32 {
     per_second
 }
 
+/// The governor's marks: `[governor]` over the defaults, then each policy's overrides over those
+/// (stored in `policy.safety.governor`). Returns the global marks; problems go onto `errors`.
+pub fn resolve_marks(
+    global: &crate::governor::MarksConfig,
+    policies: &mut [super::Policy],
+    errors: &mut Vec<String>,
+) -> crate::governor::Marks {
+    use crate::governor::Marks;
+    let marks = Marks::with(Marks::default(), global, "governor", errors);
+    for p in policies {
+        let path = format!("policy[{}].governor", p.name);
+        p.safety.governor = Marks::with(marks, &p.safety.governor_overrides, &path, errors);
+    }
+    marks
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,6 +20,7 @@ mod planning_paths;
 mod pubsub;
 mod push_bodies;
 mod qstash;
+mod safety;
 mod scenarios;
 mod schema_blip;
 mod standin;

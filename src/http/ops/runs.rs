@@ -83,32 +83,25 @@ async fn run_held(
     policy: &str,
     status: &str,
 ) -> Result<(Option<serde_json::Value>, serde_json::Value), Problem> {
-    type ApprovalRow = (
-        Option<String>,
-        Option<serde_json::Value>,
-        Option<chrono::DateTime<chrono::Utc>>,
-        Option<String>,
-        Option<String>,
-        chrono::DateTime<chrono::Utc>,
-    );
-    let (approval, verdict, changed_at, by, reason, created_at): ApprovalRow = sqlx::query_as(
-        "select approval, guard_verdict, approval_changed_at, approved_by, approval_reason,
-                created_at
-           from sweeper.runs where run_id = $1",
-    )
-    .bind(run_id)
-    .fetch_one(&state.pool)
-    .await?;
+    let a = ledger::runs::approval(&state.pool, run_id).await?;
+    let (approval, verdict, changed_at) =
+        (a.approval.clone(), a.guard_verdict.clone(), a.changed_at);
     let approval_body = match (&approval, &verdict) {
         (None, None) => serde_json::Value::Null,
         _ => json!({"state": approval, "guard_verdict": verdict, "changed_at": changed_at,
-                    "approved_by": by, "reason": reason}),
+                    "approved_by": a.approved_by, "reason": a.reason}),
     };
     if ledger::is_terminal_run_status(status) {
         return Ok((None, approval_body));
     }
+    // The same shape as a recorded hold's: the whole run is held, so no command is counted apart.
+    let alert = chrono::TimeDelta::seconds(state.config.ledger.hold_alert_after.seconds());
     let held = |kind: &str, detail: String, since: Option<chrono::DateTime<chrono::Utc>>| {
-        Some(json!({"kind": kind, "detail": detail, "since": since}))
+        let overdue = since.is_some_and(|s| s < chrono::Utc::now() - alert);
+        Some(
+            json!({"kind": kind, "detail": detail, "since": since, "held_commands": 0,
+                    "planning_held": false, "overdue": overdue}),
+        )
     };
     if let Some((since, why)) = ledger::identity::held(&state.pool).await? {
         return Ok((held("identity", why, Some(since)), approval_body));
@@ -125,7 +118,7 @@ async fn run_held(
     match approval.as_deref() {
         Some("awaiting_plan") => {
             let detail = "the blast-radius guard decides when planning is done".to_string();
-            return Ok((held("approval", detail, Some(created_at)), approval_body));
+            return Ok((held("approval", detail, Some(a.created_at)), approval_body));
         }
         Some("required") => {
             let why = verdict
@@ -146,9 +139,10 @@ async fn run_held(
     if recorded.is_some() {
         return Ok((recorded, approval_body));
     }
-    let now = crate::execute::holds::policy_hold(state, policy).map(|h| {
-        json!({"kind": h.kind.as_str(), "detail": h.detail, "since": h.since,
-                        "until": h.until})
+    let now = crate::execute::holds::policy_hold(state, policy).and_then(|h| {
+        let mut v = held(h.kind.as_str(), h.detail, Some(h.since))?;
+        v["until"] = json!(h.until);
+        Some(v)
     });
     Ok((now, approval_body))
 }

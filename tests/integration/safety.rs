@@ -1,0 +1,476 @@
+//! Production safety (DESIGN §14 "Holds"): active hours, the blast-radius guard's approval, the
+//! restore and clone guard, the governor on a real open snapshot, and the pace across two
+//! replicas. Every test asserts the durable end state: what was deleted, what the run says.
+
+use std::time::Duration;
+
+use chrono::{Timelike, Utc};
+use serde_json::{Value, json};
+use sqlx::{Connection, PgPool};
+
+use crate::common::*;
+
+const NOW: &str = "2026-09-01T02:01:00Z";
+
+/// `n` tickets closed long before the cutoff (all eligible).
+async fn eligible_tickets(pool: &PgPool, n: i64) {
+    sqlx::query(
+        "insert into demo.tickets select g, 'closed', false, timestamptz '2026-01-01'
+           from generate_series(1, $1) g",
+    )
+    .bind(n)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+async fn remaining(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("select count(*) from demo.tickets")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+fn policy_with(batch: usize, extra: &str) -> String {
+    format!("{}{extra}\n", ticket_policy(batch))
+}
+
+async fn spawn(policies: String, extra_toml: &str) -> TestApp {
+    TestApp::spawn(Spawn {
+        now: Some(at(NOW)),
+        policies,
+        extra_toml: extra_toml.into(),
+        ..Default::default()
+    })
+    .await
+}
+
+async fn trigger_planned(app: &TestApp) -> String {
+    let (status, run) = app.trigger("ticket-retention", "").await;
+    assert!(status == 202 || status == 200, "{run}");
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    app.wait_planned(&run_id).await;
+    run_id
+}
+
+/// `HH:00` `h` hours from now (UTC, machine clock).
+fn hour_from_now(h: i64) -> String {
+    let hour = (Utc::now().hour() as i64 + h).rem_euclid(24);
+    format!("{hour:02}:00")
+}
+
+#[tokio::test]
+async fn outside_active_hours_nothing_is_claimed_and_inside_the_run_resumes() {
+    let closed = format!(
+        "active = {{ from = \"{}\", to = \"{}\", timezone = \"UTC\" }}",
+        hour_from_now(2),
+        hour_from_now(3)
+    );
+    let app = spawn(policy_with(10, &closed), "").await;
+    eligible_tickets(&app.pool, 25).await;
+    let run_id = trigger_planned(&app).await;
+    assert_eq!(app.drain().await, 0, "nothing is claimed outside the hours");
+    let run = app.api.run(&run_id).await;
+    assert_eq!(run["held"]["kind"], "active_hours", "{run}");
+    assert!(run["held"]["until"].is_string(), "{run}");
+    // A delivery that arrives anyway is held: its attempt given back, no item touched.
+    let commands = app.command_ids(&run_id).await;
+    let a = app.consume(&commands[0]).await;
+    assert_eq!(a.status, 503, "{:?}", a.body);
+    let (attempts, kind): (i32, Option<String>) =
+        sqlx::query_as("select attempts, held_kind from sweeper.commands where command_id = $1")
+            .bind(&commands[0])
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!((attempts, kind.as_deref()), (0, Some("active_hours")));
+    assert_eq!(remaining(&app.pool).await, 25);
+
+    // The same policy with hours that include now: the run resumes where it stopped.
+    let (db, pool) = app.stop().await;
+    let open = format!(
+        "active = {{ from = \"{}\", to = \"{}\", timezone = \"UTC\" }}",
+        hour_from_now(-1),
+        hour_from_now(2)
+    );
+    sqlx::query("update sweeper.commands set next_attempt_at = sweeper.now()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let app = TestApp::start(db, pool, 0, "", &policy_with(10, &open)).await;
+    assert_eq!(app.drain().await, 3);
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(run["deleted"], 25);
+    assert_eq!(remaining(&app.pool).await, 0);
+}
+
+#[tokio::test]
+async fn a_run_over_the_guard_waits_for_approval_and_approve_releases_it() {
+    let app = spawn(policy_with(10, "guard = { max_items = 20 }"), "").await;
+    eligible_tickets(&app.pool, 30).await;
+    // A dry run says its live run would be held, and is not held itself.
+    let (status, dry) = app.trigger("ticket-retention", "?dry_run=true").await;
+    assert_eq!(status, 202, "{dry}");
+    let dry_id = dry["run_id"].as_str().unwrap().to_string();
+    app.wait_planned(&dry_id).await;
+    app.drain().await;
+    let dry = app.wait_terminal(&dry_id).await;
+    assert_eq!(
+        dry["approval"]["guard_verdict"]["would_be_held"], true,
+        "{dry}"
+    );
+    assert_eq!(dry["would_delete"], 30);
+
+    let run_id = trigger_planned(&app).await;
+    assert_eq!(app.drain().await, 0, "a held run executes nothing");
+    let run = app.api.run(&run_id).await;
+    assert_eq!(run["held"]["kind"], "approval", "{run}");
+    assert_eq!(run["approval"]["state"], "required", "{run}");
+    assert!(
+        run["approval"]["guard_verdict"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("max_items 20"),
+        "{run}"
+    );
+    assert_eq!(remaining(&app.pool).await, 30);
+    // Approval needs ops:write and a reason.
+    let read_only = app.api.with_token(app.token(&["ops:read"]));
+    let path = format!("/runs/{run_id}/approve");
+    let a = read_only
+        .send(reqwest::Method::POST, &path, Some(json!({"reason": "x"})))
+        .await;
+    assert_eq!(a.status, 403);
+    let a = app
+        .api
+        .send(reqwest::Method::POST, &path, Some(json!({})))
+        .await;
+    assert_eq!(a.status, 400, "{:?}", a.body);
+    let a = app
+        .api
+        .expect(
+            200,
+            reqwest::Method::POST,
+            &path,
+            Some(json!({"reason": "the backlog after the outage is expected"})),
+        )
+        .await;
+    assert_eq!(a["approval"], "approved", "{a}");
+    app.drain().await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(run["deleted"], 30);
+    assert_eq!(run["approval"]["approved_by"], "test-operator", "{run}");
+    let logged: i64 = sqlx::query_scalar(
+        "select count(*) from sweeper.operator_log where action = 'approve' and target = $1
+            and reason = 'the backlog after the outage is expected'",
+    )
+    .bind(format!("run:{run_id}"))
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(logged, 1);
+    // Approving again is answered, a run that is not held is refused.
+    app.api
+        .expect(
+            200,
+            reqwest::Method::POST,
+            &path,
+            Some(json!({"reason": "again"})),
+        )
+        .await;
+}
+
+#[tokio::test]
+async fn a_run_twenty_times_the_median_waits_and_cancel_ends_it() {
+    let app = spawn(
+        policy_with(10, "guard = { max_ratio = 10.0, ratio_floor = 0 }"),
+        "",
+    )
+    .await;
+    // Three completed runs of 5 items (median 5), then a window with 100.
+    for day in 0..3 {
+        sqlx::query(
+            "insert into demo.tickets select g, 'closed', false, timestamptz '2026-01-01'
+               from generate_series($1, $1 + 4) g",
+        )
+        .bind(day * 10 + 1)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+        let window = format!("2026-08-{:02}T02:00:00Z", 28 + day);
+        let (_, run) = app
+            .trigger("ticket-retention", &format!("?window={window}"))
+            .await;
+        let id = run["run_id"].as_str().unwrap().to_string();
+        app.wait_planned(&id).await;
+        app.drain().await;
+        assert_eq!(app.wait_terminal(&id).await["status"], "completed");
+    }
+    sqlx::query(
+        "insert into demo.tickets select g, 'closed', false, timestamptz '2026-01-01'
+           from generate_series(1000, 1099) g",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let run_id = trigger_planned(&app).await;
+    assert_eq!(app.drain().await, 0);
+    let run = app.api.run(&run_id).await;
+    assert_eq!(run["held"]["kind"], "approval", "{run}");
+    assert_eq!(
+        run["approval"]["guard_verdict"]["median_of_last_completed"], 5.0,
+        "{run}"
+    );
+    app.api
+        .cancel_run(&run_id, "twenty times the usual: investigate")
+        .await;
+    let run = app.api.run(&run_id).await;
+    assert_eq!(run["status"], "cancelled", "{run}");
+    assert_eq!(remaining(&app.pool).await, 100);
+    let path = format!("/runs/{run_id}/approve");
+    let a = app
+        .api
+        .send(
+            reqwest::Method::POST,
+            &path,
+            Some(json!({"reason": "late"})),
+        )
+        .await;
+    assert_eq!(a.status, 409, "{:?}", a.body);
+}
+
+#[tokio::test]
+async fn a_template_clone_of_a_served_database_holds_every_policy_until_accepted() {
+    let app = spawn(ticket_policy(10), "").await;
+    let recorded = app.get_json("/guard").await;
+    assert_eq!(
+        recorded["recorded"]["recorded_by"], "sweeper:serve",
+        "{recorded}"
+    );
+    let (db, pool) = app.stop().await;
+    pool.close().await;
+    // The clone: same rows, same ledger, another database oid.
+    let clone = format!("{}_clone", db.name);
+    let mut admin = crate::kit::db::admin().await;
+    sqlx::query(&format!("drop database if exists {clone}"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::query(&format!("create database {clone} template {}", db.name))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let clone_url = crate::kit::db::database_url(&clone);
+    let clone_pool = PgPool::connect(&clone_url).await.unwrap();
+    eligible_tickets(&clone_pool, 15).await;
+    let config =
+        sweeper::settings::Config::from_toml(&config_toml(&clone_url, 0, "", &ticket_policy(10)))
+            .unwrap();
+    let issuer = config.credentials.issuers[0].clone();
+    let served = sweeper::app::Application::build(config).await.unwrap();
+    let base = format!("http://127.0.0.1:{}", served.port());
+    let state = served.state();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(served.run_until(shutdown.clone()));
+    let api = Client::new(
+        &base,
+        sweeper::auth::mint(
+            &issuer,
+            "test-operator",
+            &crate::kit::client::ALL_SCOPES.map(String::from),
+            600,
+        )
+        .unwrap(),
+    );
+    let answer = api.trigger("ticket-retention", "").await;
+    let (status, run) = (answer.status, answer.body);
+    assert_eq!(status, 202, "{run}");
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    api.wait_run(&run_id, "planned", |r| r["planning_done"] == true)
+        .await;
+    let step = sweeper::app::worker::run_one_command(&state).await.unwrap();
+    assert!(
+        matches!(step, sweeper::app::worker::WorkerStep::Idle),
+        "{step:?}"
+    );
+    let run = api.run(&run_id).await;
+    assert_eq!(run["held"]["kind"], "identity", "{run}");
+    assert!(
+        run["held"]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("database oid"),
+        "{run}"
+    );
+    assert_eq!(
+        remaining(&clone_pool).await,
+        15,
+        "nothing deleted on the clone"
+    );
+    let accepted = api
+        .expect(
+            200,
+            reqwest::Method::POST,
+            "/guard/accept",
+            Some(json!({"reason": "staging copy, cleaning it is intended"})),
+        )
+        .await;
+    assert!(accepted["held_since"].is_null(), "{accepted}");
+    while let sweeper::app::worker::WorkerStep::Ran(_) =
+        sweeper::app::worker::run_one_command(&state).await.unwrap()
+    {}
+    let run = api.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(remaining(&clone_pool).await, 0);
+    shutdown.cancel();
+    server.await.unwrap().unwrap();
+    clone_pool.close().await;
+    sqlx::query(&format!("drop database if exists {clone} with (force)"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn an_open_snapshot_past_the_xmin_mark_holds_work_and_its_commit_resumes_it() {
+    let app = spawn(
+        policy_with(10, "governor = { xmin_age_high = 200, xmin_age_low = 100 }"),
+        "",
+    )
+    .await;
+    eligible_tickets(&app.pool, 30).await;
+    let run_id = trigger_planned(&app).await;
+    // Another session opens a snapshot and keeps it; 300 transactions later its xmin is 300 old.
+    let mut holder = sqlx::PgConnection::connect(&app.db.url).await.unwrap();
+    sqlx::query("begin isolation level repeatable read")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    sqlx::query("select count(*) from demo.tickets")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    for _ in 0..300 {
+        sqlx::query("select txid_current()")
+            .execute(&app.pool)
+            .await
+            .unwrap();
+    }
+    let governor = wait_json(&app, "/governor", "held", |g| {
+        !g["policies"][0]["held"].is_null()
+    })
+    .await;
+    let xmin = governor["policies"][0]["signals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["signal"] == "xmin_age")
+        .unwrap()
+        .clone();
+    assert_eq!(xmin["verdict"], "above_high", "{governor}");
+    assert!(xmin["reading"].as_f64().unwrap() >= 300.0, "{xmin}");
+    eprintln!("governor held at xmin age {}", xmin["reading"]);
+    // No standby here: the lag signals say so, never a silent 0.
+    let lag = governor["policies"][0]["signals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["signal"] == "replay_lag_bytes")
+        .unwrap()
+        .clone();
+    assert_eq!(lag["verdict"], "no_standby", "{lag}");
+    assert_eq!(app.drain().await, 0, "nothing is claimed while held");
+    let run = app.api.run(&run_id).await;
+    assert_eq!(run["held"]["kind"], "governor", "{run}");
+    assert_eq!(remaining(&app.pool).await, 30);
+
+    sqlx::query("commit").execute(&mut holder).await.unwrap();
+    wait_json(&app, "/governor", "resumed", |g| {
+        g["policies"][0]["held"].is_null()
+    })
+    .await;
+    app.drain().await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(run["deleted"], 30);
+    let attempts: i64 =
+        sqlx::query_scalar("select coalesce(sum(attempts), 0) from sweeper.commands")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(attempts, 3, "holding spent no attempt");
+}
+
+async fn wait_json(app: &TestApp, path: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let v = app.get_json(path).await;
+        if done(&v) {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{path} never {what}: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test]
+async fn two_replicas_keep_the_pace_in_every_ten_second_interval() {
+    const RATE: i64 = 2_000;
+    const ROWS: i64 = 30_000;
+    let policies = policy_with(200, &format!("max_items_per_second = {RATE}"));
+    let extra = "[database]\nmax_connections = 12";
+    let app = spawn(policies.clone(), extra).await;
+    eligible_tickets(&app.pool, ROWS).await;
+    let run_id = trigger_planned(&app).await;
+    // Two replicas, four workers each, on the same ledger.
+    let (db, pool) = app.stop().await;
+    let a = TestApp::start(db, pool, 4, extra, &policies).await;
+    let b_config =
+        sweeper::settings::Config::from_toml(&config_toml(&a.db.url, 4, extra, &policies)).unwrap();
+    let b = sweeper::app::Application::build(b_config).await.unwrap();
+    let b_shutdown = tokio_util::sync::CancellationToken::new();
+    let b_server = tokio::spawn(b.run_until(b_shutdown.clone()));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let run = loop {
+        let run = a.api.run(&run_id).await;
+        if run["status"] == "completed" {
+            break run;
+        }
+        assert!(std::time::Instant::now() < deadline, "{run}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    b_shutdown.cancel();
+    b_server.await.unwrap().unwrap();
+    assert_eq!(run["deleted"], ROWS);
+    // Deletions per commit instant (audit rows share their transaction's recorded_at).
+    let commits: Vec<(f64, i64)> = sqlx::query_as(
+        "select extract(epoch from recorded_at)::float8, count(*) from sweeper.audit
+          where run_id = $1 and outcome = 'deleted' group by recorded_at order by recorded_at",
+    )
+    .bind(&run_id)
+    .fetch_all(&a.pool)
+    .await
+    .unwrap();
+    let (mut worst, mut j, mut sum) = (0i64, 0usize, 0i64);
+    for i in 0..commits.len() {
+        sum += commits[i].1;
+        while commits[i].0 - commits[j].0 >= 10.0 {
+            sum -= commits[j].1;
+            j += 1;
+        }
+        worst = worst.max(sum);
+    }
+    let span = commits.last().unwrap().0 - commits[0].0;
+    eprintln!(
+        "pace {RATE}/s: {ROWS} items in {span:.1} s ({:.0}/s); worst 10 s interval {worst} items ({:.0}/s)",
+        ROWS as f64 / span,
+        worst as f64 / 10.0
+    );
+    assert!(worst <= RATE * 10 * 11 / 10, "worst 10 s interval {worst}");
+    a.stop().await;
+}
