@@ -7,6 +7,7 @@
 //! of it, hence the `dead_code` allowance at each include.
 
 pub mod client;
+pub mod cluster;
 pub mod db;
 pub mod ledger;
 pub mod process;
