@@ -180,10 +180,11 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     config.planning.path,
                 )
                 .await;
+                let readable = crate::governor::readability(&pool).await;
                 pool.close().await;
-                anyhow::Ok(findings?)
+                anyhow::Ok((findings?, readable?))
             };
-            let findings = match checked.await {
+            let (findings, readable) = match checked.await {
                 Ok(f) => f,
                 Err(e) => {
                     println!("error: {e:#}");
@@ -197,9 +198,13 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             };
             let count = |level| findings.iter().filter(|f| f.level == level).count();
             let errors = count(crate::policy::check::Level::Error);
-            let warnings = count(crate::policy::check::Level::Warning);
+            let warnings = count(crate::policy::check::Level::Warning)
+                + readable.iter().filter(|(w, _)| *w).count();
             for f in &findings {
                 println!("{f}");
+            }
+            for (warning, line) in &readable {
+                println!("{}: {line}", if *warning { "warning" } else { "info" });
             }
             if errors > 0 {
                 println!(

@@ -475,3 +475,50 @@ impl Governor {
         inner.reading = Some(reading);
     }
 }
+
+/// What `check-config` says about the signals the configured role can read: `(warning, line)`
+/// pairs. Replay lag needs `pg_monitor` (or `pg_read_all_stats`, or a superuser); the xid age and
+/// lock waits are readable by any role; the restore and clone guard needs `pg_control_system()`.
+pub async fn readability(pool: &PgPool) -> sqlx::Result<Vec<(bool, String)>> {
+    let (role, stats, control, standbys): (String, bool, bool, i64) = sqlx::query_as(
+        "select current_user::text,
+                pg_has_role(current_user, 'pg_read_all_stats', 'member')
+                    or (select rolsuper from pg_roles where rolname = current_user),
+                has_function_privilege('pg_control_system()', 'execute'),
+                (select count(*) from pg_stat_replication)",
+    )
+    .fetch_one(pool)
+    .await?;
+    let mut lines = vec![(
+        false,
+        format!(
+            "governor: role {role} reads the oldest snapshot's xid age and lock waits (any role can)"
+        ),
+    )];
+    lines.push(if stats {
+        (
+            false,
+            format!(
+                "governor: role {role} reads standby replay lag ({standbys} standbys connected now)"
+            ),
+        )
+    } else {
+        (
+            true,
+            format!(
+                "governor: role {role} is not a member of pg_monitor or pg_read_all_stats: standby \
+                 replay lag will read `unreadable` (it holds nothing); grant pg_monitor to {role}"
+            ),
+        )
+    });
+    if !control {
+        lines.push((
+            true,
+            format!(
+                "guard: role {role} cannot execute pg_control_system(): the restore and clone \
+                 guard cannot read the system identifier, and serve will fail at start"
+            ),
+        ));
+    }
+    Ok(lines)
+}

@@ -465,6 +465,29 @@ async fn check_config_names_the_table_privileges_the_database_role_lacks() {
         .unwrap();
     let (ok, stdout) = check();
     assert!(ok, "{stdout}");
+    // The governor's signals: this role cannot read standby replay lag, and is told how to fix it.
+    assert!(
+        stdout.contains(&format!(
+            "warning: governor: role {role} is not a member of pg_monitor or pg_read_all_stats"
+        )),
+        "{stdout}"
+    );
+    sqlx::query(&format!("grant pg_monitor to {role}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (ok, stdout) = check();
+    assert!(ok, "{stdout}");
+    assert!(
+        stdout.contains(&format!(
+            "info: governor: role {role} reads standby replay lag"
+        )),
+        "{stdout}"
+    );
+    sqlx::query(&format!("revoke pg_monitor from {role}"))
+        .execute(&pool)
+        .await
+        .unwrap();
     sqlx::raw_sql(&format!("drop owned by {role}; drop role {role}"))
         .execute(&pool)
         .await

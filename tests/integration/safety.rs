@@ -309,6 +309,22 @@ async fn a_template_clone_of_a_served_database_holds_every_policy_until_accepted
         15,
         "nothing deleted on the clone"
     );
+    // A push transport's relay would not publish them either: as if the run's commands were
+    // Pub/Sub's and due for publishing, none is due while the guard holds.
+    sqlx::query(
+        "update sweeper.commands set transport = 'pubsub', publish_due = true where run_id = $1",
+    )
+    .bind(&run_id)
+    .execute(&clone_pool)
+    .await
+    .unwrap();
+    let due = |pool: PgPool| async move {
+        sweeper::ledger::outbox::due(&pool, "pubsub", 100, 0.0, &[])
+            .await
+            .unwrap()
+            .len()
+    };
+    assert_eq!(due(clone_pool.clone()).await, 0, "held: not published");
     let accepted = api
         .expect(
             200,
@@ -318,6 +334,15 @@ async fn a_template_clone_of_a_served_database_holds_every_policy_until_accepted
         )
         .await;
     assert!(accepted["held_since"].is_null(), "{accepted}");
+    assert_eq!(
+        due(clone_pool.clone()).await,
+        2,
+        "released: due for publishing"
+    );
+    sqlx::query("update sweeper.commands set transport = 'builtin', publish_due = false")
+        .execute(&clone_pool)
+        .await
+        .unwrap();
     while let sweeper::app::worker::WorkerStep::Ran(_) =
         sweeper::app::worker::run_one_command(&state).await.unwrap()
     {}
