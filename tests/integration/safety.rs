@@ -103,6 +103,14 @@ async fn outside_active_hours_nothing_is_claimed_and_inside_the_run_resumes() {
     assert_eq!(run["status"], "completed", "{run}");
     assert_eq!(run["deleted"], 25);
     assert_eq!(remaining(&app.pool).await, 0);
+    // The time it was held counts against no budget: credited to its age.
+    let credit: f64 =
+        sqlx::query_scalar("select age_credit_seconds from sweeper.commands where command_id = $1")
+            .bind(&commands[0])
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert!(credit > 0.0, "held time credited: {credit}");
 }
 
 #[tokio::test]
@@ -409,6 +417,17 @@ async fn an_open_snapshot_past_the_xmin_mark_holds_work_and_its_commit_resumes_i
     assert_eq!(app.drain().await, 0, "nothing is claimed while held");
     let run = app.api.run(&run_id).await;
     assert_eq!(run["held"]["kind"], "governor", "{run}");
+    // Planning pages are held too (they read the target table).
+    let (status, dry) = app.trigger("ticket-retention", "?dry_run=true").await;
+    assert_eq!(status, 202, "{dry}");
+    let dry_id = dry["run_id"].as_str().unwrap().to_string();
+    let dry = app
+        .wait_until(&dry_id, "planning held", |r| {
+            r["held"]["planning_held"] == true
+        })
+        .await;
+    assert_eq!(dry["held"]["kind"], "governor", "{dry}");
+    assert_eq!(dry["planning_done"], false, "{dry}");
     assert_eq!(remaining(&app.pool).await, 30);
 
     sqlx::query("commit").execute(&mut holder).await.unwrap();
@@ -420,11 +439,17 @@ async fn an_open_snapshot_past_the_xmin_mark_holds_work_and_its_commit_resumes_i
     let run = app.wait_terminal(&run_id).await;
     assert_eq!(run["status"], "completed", "{run}");
     assert_eq!(run["deleted"], 30);
-    let attempts: i64 =
-        sqlx::query_scalar("select coalesce(sum(attempts), 0) from sweeper.commands")
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
+    // The held dry run plans once released (after the hold's recheck) and runs.
+    app.wait_planned(&dry_id).await;
+    app.drain().await;
+    assert_eq!(app.wait_terminal(&dry_id).await["status"], "completed");
+    let attempts: i64 = sqlx::query_scalar(
+        "select coalesce(sum(attempts), 0) from sweeper.commands where run_id = $1",
+    )
+    .bind(&run_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
     assert_eq!(attempts, 3, "holding spent no attempt");
 }
 
