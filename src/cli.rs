@@ -37,7 +37,8 @@ pub enum Command {
         #[arg(long, env = "SWEEPER_CONFIG", default_value = "sweeper.toml")]
         config: PathBuf,
     },
-    /// Validate the configuration, then the policies against the database; exit 1 on errors.
+    /// Validate the configuration, then the policies against the database; exit 2 on an invalid
+    /// configuration, 1 when the database checks fail.
     CheckConfig {
         /// Configuration file (TOML).
         #[arg(long, env = "SWEEPER_CONFIG", default_value = "sweeper.toml")]
@@ -205,6 +206,9 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             }
             for (warning, line) in &readable {
                 println!("{}: {line}", if *warning { "warning" } else { "info" });
+            }
+            for p in &config.policies {
+                println!("info: {}", crate::policy::safety::summary(p));
             }
             if errors > 0 {
                 println!(

@@ -169,12 +169,16 @@ pub fn consume_unknown_command() {
 /// `policies` are the configured policies: each has a
 /// `sweeper_last_successful_run_timestamp_seconds`, 0 until its first successful run.
 ///
-/// `hold_alert_after` (seconds) makes held work overdue (`sweeper_held_overdue`).
+/// `hold_alert_after` (seconds) makes held work overdue (`sweeper_held_overdue`; never an
+/// expected wait: active hours, pace). `held_policies` are the policies this replica holds now,
+/// `(active_hours, governor)`: their pending commands count as held of that kind even when no
+/// claim reached them to record it.
 // Over 80 lines: one block per metric family, in the order of the exposition.
 pub async fn render(
     pool: &PgPool,
     policies: &[&str],
     hold_alert_after: i64,
+    held_policies: (&[String], &[String]),
 ) -> sqlx::Result<String> {
     let (open, oldest_open, quarantined_total): (i64, Option<f64>, i64) = sqlx::query_as(
         "select count(*) filter (where status = 'open'),
@@ -214,19 +218,38 @@ pub async fn render(
     )
     .fetch_all(pool)
     .await?;
-    // Held work: non-terminal commands and planning jobs waiting for the schema or an operator.
+    // Held work: non-terminal commands and planning jobs, by the kind their run shows (the
+    // identity guard and the approval hold every command of their runs; active hours and the
+    // governor every command of their policies, recorded or not).
     let held_work: Vec<(String, i64, i64, Option<f64>)> = sqlx::query_as(
-        "select held_kind, count(*),
-                count(*) filter (where held_since < sweeper.now() - make_interval(secs => $1)),
+        "with i as (select held_since from sweeper.database_identity where held_since is not null),
+              h as (
+             select case when exists (select 1 from i) then 'identity'
+                         when r.approval in ('awaiting_plan', 'required') then 'approval'
+                         when c.held_kind is not null then c.held_kind
+                         when r.policy = any($2) then 'active_hours'
+                         else 'governor' end as held_kind,
+                    case when exists (select 1 from i) then (select held_since from i)
+                         when r.approval in ('awaiting_plan', 'required')
+                              then coalesce(r.approval_changed_at, r.created_at)
+                         else c.held_since end as held_since
+               from sweeper.commands c join sweeper.runs r using (run_id)
+              where c.state in ('pending', 'leased')
+                and (c.held_since is not null or exists (select 1 from i)
+                     or r.approval in ('awaiting_plan', 'required')
+                     or r.policy = any($2) or r.policy = any($3))
+             union all
+             select held_kind, held_since from sweeper.planning_jobs
+              where held_since is not null and not done)
+         select held_kind, count(*),
+                count(*) filter (where held_since < sweeper.now() - make_interval(secs => $1)
+                                   and held_kind not in ('active_hours', 'pace')),
                 extract(epoch from sweeper.now() - min(held_since))::float8
-           from (select held_kind, held_since from sweeper.commands
-                  where held_since is not null and state in ('pending', 'leased')
-                 union all
-                 select held_kind, held_since from sweeper.planning_jobs
-                  where held_since is not null and not done) h
-          group by held_kind",
+           from h group by held_kind",
     )
     .bind(hold_alert_after as f64)
+    .bind(held_policies.0)
+    .bind(held_policies.1)
     .fetch_all(pool)
     .await?;
     let last: Vec<(String, f64)> = sqlx::query_as(

@@ -261,3 +261,46 @@ impl Governor {
         inner.reading = Some(reading);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn concurrency_ramps_up_after_a_resume() {
+        let g = Governor::default();
+        assert_eq!(g.slots("p", 8), 8, "never held: every slot");
+        let resumed = |ago: u64| {
+            let mut inner = g.inner.write().unwrap();
+            inner.policies.insert(
+                "p".into(),
+                PolicyState {
+                    held: None,
+                    resumed: Instant::now().checked_sub(std::time::Duration::from_secs(ago)),
+                },
+            );
+        };
+        resumed(0);
+        assert_eq!(g.slots("p", 8), 1, "one slot at the resume");
+        resumed(2);
+        assert_eq!(g.slots("p", 8), 4);
+        resumed(10);
+        assert_eq!(g.slots("p", 8), 8, "capped at max_concurrent_commands");
+    }
+
+    #[test]
+    fn a_low_mark_above_its_high_mark_is_refused_by_name() {
+        let mut errors = Vec::new();
+        let c = MarksConfig {
+            xmin_age_high: Some(10),
+            xmin_age_low: Some(20),
+            ..Default::default()
+        };
+        Marks::with(Marks::default(), &c, "governor", &mut errors);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].starts_with("governor.xmin_age_low (20)"),
+            "{errors:?}"
+        );
+    }
+}

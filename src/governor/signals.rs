@@ -135,7 +135,7 @@ pub fn signals(r: &Reading, m: &Marks, table: &str) -> Vec<Signal> {
     let mut out = Vec::new();
     let lag = |f: &dyn Fn(&Standby) -> Option<f64>| -> (Option<f64>, String) {
         if r.standbys.is_empty() {
-            return (Some(0.0), "no standby connected".into());
+            return (None, "no standby connected".into());
         }
         let hidden: Vec<&str> = r
             .standbys
@@ -182,8 +182,8 @@ pub fn signals(r: &Reading, m: &Marks, table: &str) -> Vec<Signal> {
             high: marks.0,
             low: marks.1,
             verdict: match reading {
+                _ if r.standbys.is_empty() => "no_standby",
                 None => "unreadable",
-                Some(_) if r.standbys.is_empty() => "no_standby",
                 Some(v) => verdict(v, marks),
             },
             detail,

@@ -94,8 +94,10 @@ pub enum Found {
         /// Seconds since the last heartbeat.
         silence_seconds: f64,
     },
-    /// Held (now or already): why.
+    /// Held now, by this check: why.
     Held(String),
+    /// Held already (an earlier check found it): why.
+    StillHeld(String),
 }
 
 /// Compares the database's identity with the recorded one (recording it on the first serve),
@@ -131,14 +133,24 @@ pub async fn check(
             .await?;
             Found::Recorded
         }
-        Some((_, _, _, _, Some(detail))) => Found::Held(detail),
+        Some((_, _, _, _, Some(detail))) => Found::StillHeld(detail),
         Some((sysid, oid, timeline, silence, None)) => {
             let why = if sysid != now.system_identifier || oid != now.database_oid {
+                let mut changed = Vec::new();
+                if sysid != now.system_identifier {
+                    changed.push(format!(
+                        "system identifier {sysid} → {}",
+                        now.system_identifier
+                    ));
+                }
+                if oid != now.database_oid {
+                    changed.push(format!("database oid {oid} → {}", now.database_oid));
+                }
                 Some(format!(
-                    "the database is not the one sweeper served: system identifier {sysid} → {}, \
-                     database oid {oid} → {} (a restore into another cluster, a CREATE DATABASE \
-                     … TEMPLATE clone or pg_upgrade); accept it with POST /guard/accept",
-                    now.system_identifier, now.database_oid
+                    "the database is not the one sweeper served: {} (a restore into another \
+                     cluster, a CREATE DATABASE … TEMPLATE clone or pg_upgrade); accept it with \
+                     POST /guard/accept",
+                    changed.join(", ")
                 ))
             } else if timeline != now.timeline && silence > max_silence.seconds() as f64 {
                 Some(format!(

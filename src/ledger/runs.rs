@@ -332,3 +332,14 @@ pub async fn approval(pool: &sqlx::PgPool, run_id: &str) -> sqlx::Result<Approva
     .fetch_one(pool)
     .await
 }
+
+/// How many of `run_id`'s commands are not terminal (pending or leased).
+pub async fn unfinished_commands(pool: &sqlx::PgPool, run_id: &str) -> sqlx::Result<i64> {
+    sqlx::query_scalar(
+        "select count(*) from sweeper.commands
+          where run_id = $1 and state in ('pending', 'leased')",
+    )
+    .bind(run_id)
+    .fetch_one(pool)
+    .await
+}

@@ -258,6 +258,54 @@ pub fn pace_burst(per_second: u32) -> u32 {
     per_second
 }
 
+/// One line saying when `p`'s work may run, for `check-config`: its pace, active hours,
+/// blast-radius guard and governor marks (with units), or that each is off.
+pub fn summary(p: &super::Policy) -> String {
+    let s = &p.safety;
+    let pace = match s.max_items_per_second {
+        Some(n) => format!("pace {n} items/s across replicas (burst {})", pace_burst(n)),
+        None => "no pace".into(),
+    };
+    let active = match &s.active {
+        Some(a) => format!("active {}", a.describe()),
+        None => "any hour".into(),
+    };
+    let guard = match &s.guard {
+        Some(g) => {
+            let mut limits = Vec::new();
+            if let Some(n) = g.max_items {
+                limits.push(format!("max_items {n}"));
+            }
+            if let Some(r) = g.max_ratio {
+                limits.push(format!("max_ratio {r} (floor {} items)", g.ratio_floor));
+            }
+            if let Some(f) = g.max_fraction {
+                limits.push(format!("max_fraction {f}"));
+            }
+            format!("guard {}", limits.join(", "))
+        }
+        None => "no blast-radius guard".into(),
+    };
+    let m = &s.governor;
+    let governor = if m.enabled {
+        format!(
+            "governor holds above / resumes at: replay lag {} / {} s and {} / {} bytes, xmin age \
+             {} / {} transactions, lock waiters {} / {} sessions",
+            m.replay_lag_seconds.0,
+            m.replay_lag_seconds.1,
+            m.replay_lag_bytes.0,
+            m.replay_lag_bytes.1,
+            m.xmin_age.0,
+            m.xmin_age.1,
+            m.lock_waiters.0,
+            m.lock_waiters.1
+        )
+    } else {
+        "governor off".into()
+    };
+    format!("policy[{}]: {pace}; {active}; {guard}; {governor}", p.name)
+}
+
 /// The governor's marks: `[governor]` over the defaults, then each policy's overrides over those
 /// (stored in `policy.safety.governor`). Returns the global marks; problems go onto `errors`.
 pub fn resolve_marks(
@@ -266,10 +314,19 @@ pub fn resolve_marks(
     errors: &mut Vec<String>,
 ) -> crate::governor::Marks {
     use crate::governor::Marks;
+    let before = errors.len();
     let marks = Marks::with(Marks::default(), global, "governor", errors);
+    // A policy inherits a bad global mark: report it once, under `governor`.
+    let global_ok = errors.len() == before;
+    let mut scratch = Vec::new();
     for p in policies {
         let path = format!("policy[{}].governor", p.name);
-        p.safety.governor = Marks::with(marks, &p.safety.governor_overrides, &path, errors);
+        let sink = if global_ok {
+            &mut *errors
+        } else {
+            &mut scratch
+        };
+        p.safety.governor = Marks::with(marks, &p.safety.governor_overrides, &path, sink);
     }
     marks
 }

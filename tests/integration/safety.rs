@@ -84,6 +84,16 @@ async fn outside_active_hours_nothing_is_claimed_and_inside_the_run_resumes() {
             .await
             .unwrap();
     assert_eq!((attempts, kind.as_deref()), (0, Some("active_hours")));
+    let metrics = app.api.metrics().await;
+    assert!(
+        metrics.contains("sweeper_held{kind=\"active_hours\"} 3"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("sweeper_held_overdue{kind=\"active_hours\"} 0"),
+        "{metrics}"
+    );
+    assert_eq!(app.api.run(&run_id).await["held"]["overdue"], false);
     assert_eq!(remaining(&app.pool).await, 25);
 
     // The same policy with hours that include now: the run resumes where it stopped.
@@ -333,6 +343,16 @@ async fn a_template_clone_of_a_served_database_holds_every_policy_until_accepted
             .len()
     };
     assert_eq!(due(clone_pool.clone()).await, 0, "held: not published");
+    let metrics = api.metrics().await;
+    assert!(
+        metrics.contains("sweeper_held{kind=\"identity\"} 2"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("sweeper_holds_total{kind=\"identity\"}"),
+        "{metrics}"
+    );
+    assert_eq!(api.run(&run_id).await["held"]["held_commands"], 2);
     let accepted = api
         .expect(
             200,
@@ -414,6 +434,7 @@ async fn an_open_snapshot_past_the_xmin_mark_holds_work_and_its_commit_resumes_i
         .unwrap()
         .clone();
     assert_eq!(lag["verdict"], "no_standby", "{lag}");
+    assert!(lag["reading"].is_null(), "no reading, not a 0: {lag}");
     assert_eq!(app.drain().await, 0, "nothing is claimed while held");
     let run = app.api.run(&run_id).await;
     assert_eq!(run["held"]["kind"], "governor", "{run}");

@@ -122,10 +122,19 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         .iter()
         .map(|p| p.name.as_str())
         .collect();
+    let (mut hours, mut governor) = (Vec::new(), Vec::new());
+    for p in &policies {
+        match crate::execute::holds::policy_hold(&state, p).map(|h| h.kind) {
+            Some(crate::retry::HoldKind::ActiveHours) => hours.push(p.to_string()),
+            Some(_) => governor.push(p.to_string()),
+            None => {}
+        }
+    }
     match crate::metrics::render(
         &state.pool,
         &policies,
         state.config.ledger.hold_alert_after.seconds(),
+        (&hours, &governor),
     )
     .await
     {

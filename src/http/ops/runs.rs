@@ -94,14 +94,15 @@ async fn run_held(
     if ledger::is_terminal_run_status(status) {
         return Ok((None, approval_body));
     }
-    // The same shape as a recorded hold's: the whole run is held, so no command is counted apart.
+    // The same shape as a recorded hold's; a run-wide hold holds every unfinished command. An
+    // expected wait (active hours) is never overdue.
     let alert = chrono::TimeDelta::seconds(state.config.ledger.hold_alert_after.seconds());
+    let unfinished = ledger::runs::unfinished_commands(&state.pool, run_id).await?;
     let held = |kind: &str, detail: String, since: Option<chrono::DateTime<chrono::Utc>>| {
-        let overdue = since.is_some_and(|s| s < chrono::Utc::now() - alert);
-        Some(
-            json!({"kind": kind, "detail": detail, "since": since, "held_commands": 0,
-                    "planning_held": false, "overdue": overdue}),
-        )
+        let overdue =
+            kind != "active_hours" && since.is_some_and(|s| s < chrono::Utc::now() - alert);
+        Some(json!({"kind": kind, "detail": detail, "since": since,
+                    "held_commands": unfinished, "planning_held": false, "overdue": overdue}))
     };
     if let Some((since, why)) = ledger::identity::held(&state.pool).await? {
         return Ok((held("identity", why, Some(since)), approval_body));
@@ -140,7 +141,7 @@ async fn run_held(
         return Ok((recorded, approval_body));
     }
     let now = crate::execute::holds::policy_hold(state, policy).and_then(|h| {
-        let mut v = held(h.kind.as_str(), h.detail, Some(h.since))?;
+        let mut v = held(h.kind.as_str(), h.detail, Some(h.since.max(a.created_at)))?;
         v["until"] = json!(h.until);
         Some(v)
     });
