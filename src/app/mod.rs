@@ -89,7 +89,7 @@ async fn safety_loop(state: AppState, shutdown: CancellationToken) {
         .iter()
         .map(|p| crate::governor::Governed {
             policy: p.name.to_string(),
-            table: p.spec.target.table.to_string(),
+            table: p.spec.target.table.quoted(),
             marks: p.safety.governor,
         })
         .collect();

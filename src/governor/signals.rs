@@ -31,11 +31,14 @@ pub struct Reading {
     pub xmin_age: i64,
     /// The session holding it, if any.
     pub xmin_pid: Option<i32>,
-    /// Other sessions waiting on a lock, per target table.
+    /// Other sessions waiting on a lock, per target table (quoted, as configured): a lock of the
+    /// table itself, or any lock (a row's, a transaction's) held up by a session that holds a
+    /// lock on the table — sweeper's own deletes included. -1: the table does not exist.
     pub lock_waiters: HashMap<String, i64>,
 }
 
-/// Reads every signal in one query; `tables` are the governed targets as configured.
+/// Reads every signal in one query; `tables` are the governed targets, quoted
+/// ([`crate::policy::TableName::quoted`]).
 pub async fn read(pool: &PgPool, tables: &[String]) -> sqlx::Result<Reading> {
     type Row = (
         DateTime<Utc>,
@@ -55,12 +58,18 @@ pub async fn read(pool: &PgPool, tables: &[String]) -> sqlx::Result<Reading> {
                 x.age, x.pid,
                 coalesce((select array_agg(t.name order by t.name) from unnest($1::text[]) t(name)),
                          '{}'),
-                coalesce((select array_agg((select count(distinct l.pid)
-                                              from pg_locks l join pg_stat_activity a using (pid)
-                                             where not l.granted
-                                               and l.relation = to_regclass(t.name)
-                                               and coalesce(a.application_name, '') <> 'sweeper')
-                                           order by t.name)
+                coalesce((select array_agg(
+                                     case when to_regclass(t.name) is null then -1 else
+                                     (select count(distinct w.pid)
+                                        from pg_locks w join pg_stat_activity a on a.pid = w.pid
+                                       where not w.granted and w.pid <> pg_backend_pid()
+                                         and coalesce(a.application_name, '') <> 'sweeper'
+                                         and (w.relation = to_regclass(t.name)
+                                              or exists (select 1 from pg_locks h
+                                                          where h.pid = any(pg_blocking_pids(w.pid))
+                                                            and h.granted
+                                                            and h.relation = to_regclass(t.name))))
+                                     end order by t.name)
                             from unnest($1::text[]) t(name)), '{}')
            from (select null) one
            left join lateral (
@@ -203,7 +212,7 @@ pub fn signals(r: &Reading, m: &Marks, table: &str) -> Vec<Signal> {
         },
     });
     let waits = (m.lock_waiters.0 as f64, m.lock_waiters.1 as f64);
-    match r.lock_waiters.get(table) {
+    match r.lock_waiters.get(table).filter(|n| **n >= 0) {
         Some(n) => out.push(Signal {
             signal: "lock_waiters",
             reading: Some(*n as f64),
@@ -220,7 +229,7 @@ pub fn signals(r: &Reading, m: &Marks, table: &str) -> Vec<Signal> {
             high: waits.0,
             low: waits.1,
             verdict: "unreadable",
-            detail: format!("{table} was not read"),
+            detail: format!("{table} was not found (dropped or renamed?)"),
         }),
     }
     out

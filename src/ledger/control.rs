@@ -228,6 +228,20 @@ pub async fn cancel(
     })
 }
 
+/// Why a run is not waiting for approval, for the 409.
+fn not_held_reason(approval: Option<&str>, status: &str, dry_run: bool) -> String {
+    match approval {
+        _ if super::is_terminal_run_status(status) => format!("the run is {status}"),
+        None if dry_run => {
+            "a dry run is never held (its live run's verdict is in approval.guard_verdict)".into()
+        }
+        None => "its policy has no blast-radius guard".into(),
+        Some("awaiting_plan") => "planning is not done; the guard decides then".into(),
+        Some("not_required") => "the run is under every limit of the guard".into(),
+        Some(a) => format!("approval {a}, status {status}"),
+    }
+}
+
 /// What approving a run did.
 #[derive(Debug, Clone, Serialize)]
 pub struct Approved {
@@ -256,8 +270,9 @@ pub enum ApproveError {
 }
 
 /// Approves a run the blast-radius guard holds (`approval = 'required'`): it executes from now
-/// on, its held commands due at once. Attributed and logged. Approving an approved run changes
-/// nothing (still answered, not logged again).
+/// on, its held commands due at once. Attributed and logged. Approving an approved run that is
+/// not terminal changes nothing (answered with its approver, the act logged); a terminal run is
+/// refused.
 pub async fn approve(
     pool: &PgPool,
     run_id: &str,
@@ -268,22 +283,34 @@ pub async fn approve(
     type Row = (
         Option<String>,
         String,
+        bool,
         Option<serde_json::Value>,
         Option<String>,
     );
     let row: Option<Row> = sqlx::query_as(
-        "select approval, status, guard_verdict, approved_by from sweeper.runs
-              where run_id = $1 for update",
+        "select approval, status, dry_run, guard_verdict, approved_by from sweeper.runs
+          where run_id = $1 for update",
     )
     .bind(run_id)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((approval, status, verdict, approved_by)) = row else {
+    let Some((approval, status, dry_run, verdict, approved_by)) = row else {
         return Err(ApproveError::NotFound(run_id.into()));
     };
-    match approval.as_deref() {
-        Some("required") if !super::is_terminal_run_status(&status) => {}
-        Some("approved") => {
+    if super::is_terminal_run_status(&status) || approval.as_deref() != Some("required") {
+        if approval.as_deref() == Some("approved") && !super::is_terminal_run_status(&status) {
+            // Nothing changes, but the operator's reason is kept like every act's.
+            let detail = serde_json::json!({ "already_approved_by": approved_by });
+            log_operator_act(
+                &mut tx,
+                subject,
+                "approve",
+                &format!("run:{run_id}"),
+                reason,
+                detail,
+            )
+            .await?;
+            tx.commit().await?;
             return Ok(Approved {
                 run_id: run_id.into(),
                 approval: "approved".into(),
@@ -291,14 +318,8 @@ pub async fn approve(
                 guard_verdict: verdict,
             });
         }
-        other => {
-            let why = match other {
-                None => "its policy has no blast-radius guard".to_string(),
-                Some("awaiting_plan") => "planning is not done; the guard decides then".into(),
-                Some(a) => format!("approval {a}, status {status}"),
-            };
-            return Err(ApproveError::NotHeld(run_id.into(), why));
-        }
+        let why = not_held_reason(approval.as_deref(), &status, dry_run);
+        return Err(ApproveError::NotHeld(run_id.into(), why));
     }
     sqlx::query(
         "update sweeper.runs

@@ -333,10 +333,13 @@ pub async fn approval(pool: &sqlx::PgPool, run_id: &str) -> sqlx::Result<Approva
     .await
 }
 
-/// How many of `run_id`'s commands are not terminal (pending or leased).
-pub async fn unfinished_commands(pool: &sqlx::PgPool, run_id: &str) -> sqlx::Result<i64> {
-    sqlx::query_scalar(
-        "select count(*) from sweeper.commands
+/// How many of `run_id`'s commands are not terminal (pending or leased), and the ledger's clock.
+pub async fn unfinished_commands(
+    pool: &sqlx::PgPool,
+    run_id: &str,
+) -> sqlx::Result<(i64, DateTime<Utc>)> {
+    sqlx::query_as(
+        "select count(*), sweeper.now() from sweeper.commands
           where run_id = $1 and state in ('pending', 'leased')",
     )
     .bind(run_id)

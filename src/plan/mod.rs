@@ -319,7 +319,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         && let Some(p) = configured
         && let Some(guard) = &p.safety.guard
     {
-        let table = p.spec.target.table.to_string();
+        let table = p.spec.target.table.quoted();
         guard::guard_verdict(&mut tx, run_id, guard, &table, job.dry_run)
             .await
             .map_err(db)?;

@@ -238,16 +238,19 @@ impl BlastGuard {
                 ));
             }
         }
-        if let (Some(fraction), Some(rows)) =
-            (self.max_fraction, estimated_rows.filter(|r| *r > 0.0))
-            && planned as f64 > fraction * rows
-        {
-            return Some(format!(
+        match (self.max_fraction, estimated_rows.filter(|r| *r >= 0.0)) {
+            (Some(fraction), Some(rows)) if planned as f64 > fraction * rows => Some(format!(
                 "planned {planned} items, over guard.max_fraction {fraction} of the table's \
                  estimated {rows:.0} rows"
-            ));
+            )),
+            // A table never analyzed (a fresh restore, before autovacuum's ANALYZE) has no
+            // estimate: the fraction cannot be checked, so the run waits rather than passes.
+            (Some(fraction), None) if planned > 0 => Some(format!(
+                "planned {planned} items; guard.max_fraction {fraction} cannot be checked: the \
+                 table has no row estimate (never analyzed; run ANALYZE on it)"
+            )),
+            _ => None,
         }
-        None
     }
 }
 
@@ -430,6 +433,12 @@ mod tests {
                 .unwrap()
                 .contains("max_fraction")
         );
-        assert_eq!(g.verdict(600, None, Some(-1.0)), None, "never analyzed");
+        assert!(
+            g.verdict(600, None, Some(-1.0))
+                .unwrap()
+                .contains("never analyzed"),
+            "no estimate: held"
+        );
+        assert_eq!(g.verdict(0, None, None), None, "nothing planned");
     }
 }

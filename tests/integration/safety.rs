@@ -175,6 +175,17 @@ async fn a_run_over_the_guard_waits_for_approval_and_approve_releases_it() {
         )
         .await;
     assert_eq!(a["approval"], "approved", "{a}");
+    // Approving again changes nothing; its reason is logged like every act's.
+    let again = app
+        .api
+        .expect(
+            200,
+            reqwest::Method::POST,
+            &path,
+            Some(json!({"reason": "again"})),
+        )
+        .await;
+    assert_eq!(again["approved_by"], "test-operator", "{again}");
     app.drain().await;
     let run = app.wait_terminal(&run_id).await;
     assert_eq!(run["status"], "completed", "{run}");
@@ -189,15 +200,37 @@ async fn a_run_over_the_guard_waits_for_approval_and_approve_releases_it() {
     .await
     .unwrap();
     assert_eq!(logged, 1);
-    // Approving again is answered, a run that is not held is refused.
-    app.api
-        .expect(
-            200,
+    let acts: i64 = sqlx::query_scalar(
+        "select count(*) from sweeper.operator_log where action = 'approve' and target = $1",
+    )
+    .bind(format!("run:{run_id}"))
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(acts, 2);
+    // A completed run is not waiting for approval.
+    let a = app
+        .api
+        .send(
             reqwest::Method::POST,
             &path,
-            Some(json!({"reason": "again"})),
+            Some(json!({"reason": "late"})),
         )
         .await;
+    assert_eq!(a.status, 409, "{:?}", a.body);
+    assert!(
+        a.body["detail"].as_str().unwrap().contains("completed"),
+        "{:?}",
+        a.body
+    );
+    // A body that is not JSON is refused in our words, not the parser's.
+    let a = app.api.send(reqwest::Method::POST, &path, None).await;
+    assert_eq!(a.status, 400, "{:?}", a.body);
+    assert!(
+        !a.body["detail"].as_str().unwrap().contains("EOF"),
+        "{:?}",
+        a.body
+    );
 }
 
 #[tokio::test]
@@ -544,4 +577,97 @@ async fn two_replicas_keep_the_pace_in_every_ten_second_interval() {
     );
     assert!(worst <= RATE * 10 * 11 / 10, "worst 10 s interval {worst}");
     a.stop().await;
+}
+
+#[tokio::test]
+async fn a_table_never_analyzed_holds_a_run_whose_fraction_cannot_be_checked() {
+    let app = spawn(policy_with(10, "guard = { max_fraction = 0.5 }"), "").await;
+    sqlx::query("alter table demo.tickets set (autovacuum_enabled = false)")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    eligible_tickets(&app.pool, 20).await;
+    let run_id = trigger_planned(&app).await;
+    assert_eq!(app.drain().await, 0);
+    let run = app.api.run(&run_id).await;
+    assert_eq!(run["held"]["kind"], "approval", "{run}");
+    assert!(
+        run["approval"]["guard_verdict"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("never analyzed"),
+        "{run}"
+    );
+    assert_eq!(remaining(&app.pool).await, 20);
+}
+
+#[tokio::test]
+async fn a_session_waiting_on_a_row_lock_of_a_mixed_case_table_holds_the_work() {
+    let setup = r#"
+create schema demo;
+create table demo."Tix" (id bigint primary key, closed_at timestamptz not null);
+create table demo.tix (id bigint primary key, closed_at timestamptz not null);
+insert into demo."Tix" select g, timestamptz '2026-01-01' from generate_series(1, 20) g
+"#;
+    let policy = r#"
+[[policy]]
+name = "tix"
+schedule = { cron = "0 2 * * *", timezone = "UTC" }
+target = { table = "demo.Tix", key = "id", timestamp = "closed_at" }
+retain_for = "90d"
+batch_size = 10
+"#;
+    let app = TestApp::spawn(Spawn {
+        now: Some(at(NOW)),
+        policies: policy.into(),
+        setup_sql: Box::leak(setup.to_string().into_boxed_str()),
+        ..Default::default()
+    })
+    .await;
+    let (status, run) = app.trigger("tix", "").await;
+    assert_eq!(status, 202, "{run}");
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    app.wait_planned(&run_id).await;
+    // One session holds a row; another waits for it (a transaction-id lock, no relation named).
+    let mut holder = sqlx::PgConnection::connect(&app.db.url).await.unwrap();
+    sqlx::query("begin").execute(&mut holder).await.unwrap();
+    sqlx::query(r#"select id from demo."Tix" where id = 1 for update"#)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let url = app.db.url.clone();
+    let waiter = tokio::spawn(async move {
+        let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query(r#"update demo."Tix" set closed_at = closed_at where id = 1"#)
+            .execute(&mut c)
+            .await
+            .unwrap();
+    });
+    let g = wait_json(&app, "/governor", "held", |g| {
+        !g["policies"][0]["held"].is_null()
+    })
+    .await;
+    let waits = g["policies"][0]["signals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["signal"] == "lock_waiters")
+        .unwrap()
+        .clone();
+    assert_eq!(waits["reading"], 1.0, "{g}");
+    assert!(waits["detail"].as_str().unwrap().contains("\"Tix\""), "{g}");
+    assert_eq!(
+        app.drain().await,
+        0,
+        "nothing is claimed while a session waits"
+    );
+    sqlx::query("rollback").execute(&mut holder).await.unwrap();
+    waiter.await.unwrap();
+    wait_json(&app, "/governor", "resumed", |g| {
+        g["policies"][0]["held"].is_null()
+    })
+    .await;
+    app.drain().await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["deleted"], 20, "{run}");
 }

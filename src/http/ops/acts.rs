@@ -61,10 +61,26 @@ pub(super) fn reason_of<B: serde::de::DeserializeOwned + HasReason>(
     body: &[u8],
 ) -> Result<B, Problem> {
     let b: B = serde_json::from_slice(body).map_err(|e| {
+        // Our words, not serde's: where the body went wrong, never its text.
+        use serde_json::error::Category;
+        let what = match e.classify() {
+            Category::Eof if body.is_empty() => "the body is empty".to_string(),
+            Category::Eof => "the body ends before its JSON does".to_string(),
+            Category::Syntax | Category::Io => format!(
+                "the body is not valid JSON (line {}, column {})",
+                e.line(),
+                e.column()
+            ),
+            // Our own messages (a field's checks, like `limit`'s) start with the field's name.
+            Category::Data => match e.to_string().split(" at line ").next() {
+                Some(ours) if ours.starts_with('`') => ours.to_string(),
+                _ => "a field is unknown, missing or of the wrong type".to_string(),
+            },
+        };
         Problem::new(
             StatusCode::BAD_REQUEST,
             "bad-body",
-            format!("send a JSON body {{\"reason\": \"why you do this\"}}: {e}"),
+            format!("send a JSON body {{\"reason\": \"why you do this\"}}: {what}"),
         )
     })?;
     let len = b.reason().trim().chars().count();

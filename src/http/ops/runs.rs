@@ -97,12 +97,13 @@ async fn run_held(
     // The same shape as a recorded hold's; a run-wide hold holds every unfinished command. An
     // expected wait (active hours) is never overdue.
     let alert = chrono::TimeDelta::seconds(state.config.ledger.hold_alert_after.seconds());
-    let unfinished = ledger::runs::unfinished_commands(&state.pool, run_id).await?;
+    let (unfinished, now) = ledger::runs::unfinished_commands(&state.pool, run_id).await?;
     let held = |kind: &str, detail: String, since: Option<chrono::DateTime<chrono::Utc>>| {
-        let overdue =
-            kind != "active_hours" && since.is_some_and(|s| s < chrono::Utc::now() - alert);
+        let overdue = kind != "active_hours" && since.is_some_and(|s| s < now - alert);
+        // The governor holds planning pages too.
+        let planning = kind == "governor" && status == "planning";
         Some(json!({"kind": kind, "detail": detail, "since": since,
-                    "held_commands": unfinished, "planning_held": false, "overdue": overdue}))
+                    "held_commands": unfinished, "planning_held": planning, "overdue": overdue}))
     };
     if let Some((since, why)) = ledger::identity::held(&state.pool).await? {
         return Ok((held("identity", why, Some(since)), approval_body));
@@ -137,15 +138,19 @@ async fn run_held(
         state.config.ledger.hold_alert_after.seconds(),
     )
     .await?;
-    if recorded.is_some() {
-        return Ok((recorded, approval_body));
+    // A schema or policy-change hold comes before this replica's view; a recorded hours,
+    // governor or pace hold after it (so the object keeps its shape and `until`).
+    let configuration =
+        |r: &serde_json::Value| matches!(r["kind"].as_str(), Some("schema" | "policy_changed"));
+    if let Some(r) = recorded.as_ref().filter(|r| configuration(r)) {
+        return Ok((Some(r.clone()), approval_body));
     }
     let now = crate::execute::holds::policy_hold(state, policy).and_then(|h| {
         let mut v = held(h.kind.as_str(), h.detail, Some(h.since.max(a.created_at)))?;
         v["until"] = json!(h.until);
         Some(v)
     });
-    Ok((now, approval_body))
+    Ok((now.or(recorded), approval_body))
 }
 
 /// `GET /runs/{run_id}` (scope `ops:read`): the run with its commands per state.

@@ -14,7 +14,7 @@ pub async fn governor(State(state): State<AppState>, caller: Caller) -> Result<R
         .policies
         .iter()
         .map(|p| {
-            let table = p.spec.target.table.to_string();
+            let table = p.spec.target.table.quoted();
             let signals = match &reading {
                 Some(Ok(r)) => json!(crate::governor::signals(r, &p.safety.governor, &table)),
                 _ => serde_json::Value::Null,
