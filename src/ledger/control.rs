@@ -273,6 +273,7 @@ pub enum ApproveError {
 /// on, its held commands due at once. Attributed and logged. Approving an approved run that is
 /// not terminal changes nothing (answered with its approver, the act logged); a terminal run is
 /// refused.
+// Over 80 lines: one transaction under the run row's lock — the refusals, the repeat, the act.
 pub async fn approve(
     pool: &PgPool,
     run_id: &str,
