@@ -347,3 +347,78 @@ pub async fn lock_ticket(db_url: &str, id: i64) -> PgConnection {
 pub async fn release_ticket(mut c: PgConnection) {
     sqlx::query("commit").execute(&mut c).await.unwrap();
 }
+
+/// A served sweeper on any database URL (another cluster's, a clone's), driven like [`TestApp`].
+pub struct Served {
+    pub state: sweeper::app::AppState,
+    pub api: Client,
+    shutdown: tokio_util::sync::CancellationToken,
+    server: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Served {
+    pub async fn start(url: &str, policies: &str) -> Served {
+        let config =
+            sweeper::settings::Config::from_toml(&config_toml(url, 0, "", policies)).unwrap();
+        let issuer = config.credentials.issuers[0].clone();
+        let app = sweeper::app::Application::build(config).await.unwrap();
+        let base = format!("http://127.0.0.1:{}", app.port());
+        let state = app.state();
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let server = tokio::spawn(app.run_until(shutdown.clone()));
+        let scopes = crate::kit::client::ALL_SCOPES.map(String::from);
+        let token = sweeper::auth::mint(&issuer, "test-operator", &scopes, 600).unwrap();
+        Served {
+            state,
+            api: Client::new(&base, token),
+            shutdown,
+            server,
+        }
+    }
+
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        self.server.await.unwrap().unwrap();
+        self.state.pool.close().await;
+    }
+
+    pub async fn drain(&self) -> usize {
+        let mut n = 0;
+        while let sweeper::app::worker::WorkerStep::Ran(_) =
+            sweeper::app::worker::run_one_command(&self.state)
+                .await
+                .unwrap()
+        {
+            n += 1;
+        }
+        n
+    }
+
+    pub async fn governor_until(&self, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let g = self
+                .api
+                .expect(200, reqwest::Method::GET, "/governor", None)
+                .await;
+            if done(&g) {
+                return g;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "governor never {what}: {g}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        }
+    }
+}
+
+/// The signal `name` of the first policy in a `GET /governor` answer.
+pub fn signal<'a>(g: &'a Value, name: &str) -> &'a Value {
+    g["policies"][0]["signals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["signal"] == name)
+        .unwrap()
+}

@@ -316,25 +316,8 @@ async fn a_template_clone_of_a_served_database_holds_every_policy_until_accepted
     let clone_url = crate::kit::db::database_url(&clone);
     let clone_pool = PgPool::connect(&clone_url).await.unwrap();
     eligible_tickets(&clone_pool, 15).await;
-    let config =
-        sweeper::settings::Config::from_toml(&config_toml(&clone_url, 0, "", &ticket_policy(10)))
-            .unwrap();
-    let issuer = config.credentials.issuers[0].clone();
-    let served = sweeper::app::Application::build(config).await.unwrap();
-    let base = format!("http://127.0.0.1:{}", served.port());
-    let state = served.state();
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let server = tokio::spawn(served.run_until(shutdown.clone()));
-    let api = Client::new(
-        &base,
-        sweeper::auth::mint(
-            &issuer,
-            "test-operator",
-            &crate::kit::client::ALL_SCOPES.map(String::from),
-            600,
-        )
-        .unwrap(),
-    );
+    let served = Served::start(&clone_url, &ticket_policy(10)).await;
+    let (api, state) = (served.api.clone(), served.state.clone());
     let answer = api.trigger("ticket-retention", "").await;
     let (status, run) = (answer.status, answer.body);
     assert_eq!(status, 202, "{run}");
@@ -404,14 +387,11 @@ async fn a_template_clone_of_a_served_database_holds_every_policy_until_accepted
         .execute(&clone_pool)
         .await
         .unwrap();
-    while let sweeper::app::worker::WorkerStep::Ran(_) =
-        sweeper::app::worker::run_one_command(&state).await.unwrap()
-    {}
+    served.drain().await;
     let run = api.wait_terminal(&run_id).await;
     assert_eq!(run["status"], "completed", "{run}");
     assert_eq!(remaining(&clone_pool).await, 0);
-    shutdown.cancel();
-    server.await.unwrap().unwrap();
+    served.stop().await;
     clone_pool.close().await;
     sqlx::query(&format!("drop database if exists {clone} with (force)"))
         .execute(&mut admin)
@@ -448,24 +428,12 @@ async fn an_open_snapshot_past_the_xmin_mark_holds_work_and_its_commit_resumes_i
         !g["policies"][0]["held"].is_null()
     })
     .await;
-    let xmin = governor["policies"][0]["signals"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["signal"] == "xmin_age")
-        .unwrap()
-        .clone();
+    let xmin = signal(&governor, "xmin_age").clone();
     assert_eq!(xmin["verdict"], "above_high", "{governor}");
     assert!(xmin["reading"].as_f64().unwrap() >= 300.0, "{xmin}");
     eprintln!("governor held at xmin age {}", xmin["reading"]);
     // No standby here: the lag signals say so, never a silent 0.
-    let lag = governor["policies"][0]["signals"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["signal"] == "replay_lag_bytes")
-        .unwrap()
-        .clone();
+    let lag = signal(&governor, "replay_lag_bytes").clone();
     assert_eq!(lag["verdict"], "no_standby", "{lag}");
     assert!(lag["reading"].is_null(), "no reading, not a 0: {lag}");
     assert_eq!(app.drain().await, 0, "nothing is claimed while held");
@@ -647,13 +615,7 @@ batch_size = 10
         !g["policies"][0]["held"].is_null()
     })
     .await;
-    let waits = g["policies"][0]["signals"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["signal"] == "lock_waiters")
-        .unwrap()
-        .clone();
+    let waits = signal(&g, "lock_waiters").clone();
     assert_eq!(waits["reading"], 1.0, "{g}");
     assert!(waits["detail"].as_str().unwrap().contains("\"Tix\""), "{g}");
     assert_eq!(

@@ -5,84 +5,13 @@
 
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::json;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::common::*;
 use crate::kit::cluster::Cluster;
 
 const NOW: &str = "2026-09-01T02:01:00Z";
-
-/// A served sweeper on `url`.
-struct Served {
-    state: sweeper::app::AppState,
-    api: Client,
-    shutdown: tokio_util::sync::CancellationToken,
-    server: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
-impl Served {
-    async fn start(url: &str, policies: &str) -> Served {
-        let config =
-            sweeper::settings::Config::from_toml(&config_toml(url, 0, "", policies)).unwrap();
-        let issuer = config.credentials.issuers[0].clone();
-        let app = sweeper::app::Application::build(config).await.unwrap();
-        let base = format!("http://127.0.0.1:{}", app.port());
-        let state = app.state();
-        let shutdown = tokio_util::sync::CancellationToken::new();
-        let server = tokio::spawn(app.run_until(shutdown.clone()));
-        let scopes = crate::kit::client::ALL_SCOPES.map(String::from);
-        let token = sweeper::auth::mint(&issuer, "test-operator", &scopes, 600).unwrap();
-        Served {
-            state,
-            api: Client::new(&base, token),
-            shutdown,
-            server,
-        }
-    }
-
-    async fn stop(self) {
-        self.shutdown.cancel();
-        self.server.await.unwrap().unwrap();
-        self.state.pool.close().await;
-    }
-
-    async fn drain(&self) -> usize {
-        let mut n = 0;
-        while let sweeper::app::worker::WorkerStep::Ran(_) =
-            sweeper::app::worker::run_one_command(&self.state)
-                .await
-                .unwrap()
-        {
-            n += 1;
-        }
-        n
-    }
-
-    async fn governor_until(&self, what: &str, done: impl Fn(&Value) -> bool) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let g = self
-                .api
-                .expect(200, reqwest::Method::GET, "/governor", None)
-                .await;
-            if done(&g) {
-                return g;
-            }
-            assert!(Instant::now() < deadline, "governor never {what}: {g}");
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-    }
-}
-
-fn signal<'a>(g: &'a Value, name: &str) -> &'a Value {
-    g["policies"][0]["signals"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["signal"] == name)
-        .unwrap()
-}
 
 async fn exec(url: &str, sql: &str) {
     let mut c = PgConnection::connect(url).await.unwrap();
