@@ -26,6 +26,20 @@ pub async fn claim(pool: &PgPool, token: Uuid, lease_seconds: f64) -> sqlx::Resu
     .await
 }
 
+/// Gives back the lease `token` holds on a planning job not done (a replica stopping mid-job),
+/// so any replica may claim it at once. Returns whether one was held.
+pub async fn release(pool: &PgPool, token: Uuid) -> sqlx::Result<bool> {
+    Ok(sqlx::query(
+        "update sweeper.planning_jobs set lease_until = null
+          where lease_token = $1 and not done and held_kind is null",
+    )
+    .bind(token)
+    .execute(pool)
+    .await?
+    .rows_affected()
+        > 0)
+}
+
 /// Records a failed page on the job (shown on the run and in /metrics); a `transient` one also
 /// gives the lease back so the next round retries soon. Fenced by the lease `token`.
 pub async fn record_failure(

@@ -16,10 +16,12 @@
 //! a row whose timestamp moves back behind the timestamp walk's cursor is left to the closure
 //! check and the next run (DESIGN §14).
 
+mod batches;
 mod guard;
 mod rules;
 mod scan;
 
+pub use batches::{cut_batches, fill_commands};
 pub use rules::{RunRef, run_rules};
 
 use std::collections::BTreeMap;
@@ -56,6 +58,16 @@ pub enum PlanStep {
 /// Claims a due planning job (unleased, or with an expired lease) and plans it to the end,
 /// renewing the lease with each page. Returns how the last step ended.
 pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
+    plan_next_job_until(state, &tokio_util::sync::CancellationToken::new()).await
+}
+
+/// [`plan_next_job`], stopping between pages once `shutdown` is cancelled: the page in flight
+/// commits, then the lease is given back so another replica plans on at once rather than when
+/// the lease expires (a page dropped mid-statement could not be fenced against its own commit).
+async fn plan_next_job_until(
+    state: &AppState,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> Result<PlanStep, Failure> {
     let lease = state.config.planning.lease.seconds();
     let token = Uuid::new_v4();
     let claimed = ledger::planning::claim(&state.pool, token, lease as f64)
@@ -65,6 +77,12 @@ pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
         return Ok(PlanStep::Idle);
     };
     loop {
+        if shutdown.is_cancelled() {
+            if let Err(e) = ledger::planning::release(&state.pool, token).await {
+                warn!(run_id, error = %e, "giving back the planning lease failed; it expires");
+            }
+            return Ok(PlanStep::Idle);
+        }
         if let Some(f) = guard::governor_hold(state, &run_id) {
             hold_job(state, &run_id, token, &f).await;
             return Err(f);
@@ -376,45 +394,6 @@ async fn held_at_end(
     Ok(())
 }
 
-/// Fills commands from `keys` (the keys carried from earlier pages, then this page's):
-/// `(commands, carry)`. Commands are cut by [`cut_batches`]; unless `last` (the job's last
-/// page), a final command short of `batch_size` keys is not written but carried to the next
-/// page, so commands are full-sized across pages however sparse the table (at most one
-/// command's worth of keys is ever carried).
-pub fn fill_commands(
-    keys: Vec<String>,
-    batch_size: usize,
-    max_bytes: usize,
-    last: bool,
-) -> (Vec<Vec<String>>, Vec<String>) {
-    let mut batches = cut_batches(keys, batch_size, max_bytes);
-    let short = batches.last().is_some_and(|b| b.len() < batch_size);
-    let carry = if short && !last {
-        batches.pop().unwrap_or_default()
-    } else {
-        Vec::new()
-    };
-    (batches, carry)
-}
-
-/// Cuts `keys` into commands of at most `batch_size` keys and `max_bytes` bytes of keys, in
-/// order; a key longer than `max_bytes` gets a command of its own.
-pub fn cut_batches(keys: Vec<String>, batch_size: usize, max_bytes: usize) -> Vec<Vec<String>> {
-    let mut batches: Vec<Vec<String>> = Vec::new();
-    let mut bytes = 0;
-    for key in keys {
-        let full_count = batches.last().is_none_or(|b| b.len() >= batch_size);
-        let full_bytes = bytes + key.len() > max_bytes;
-        if full_count || (full_bytes && !batches.last().is_none_or(|b| b.is_empty())) {
-            batches.push(Vec::new());
-            bytes = 0;
-        }
-        bytes += key.len();
-        batches.last_mut().expect("pushed above").push(key);
-    }
-    batches
-}
-
 /// The held reason of rows whose timestamp is NULL: never eligible (DESIGN §2.3), kept.
 pub const NULL_TIMESTAMP: &str = "null_timestamp";
 /// The held reason of rows whose key is NULL (a nullable key column): no command can name them.
@@ -439,12 +418,10 @@ async fn count_null_keys(
 
 /// Runs planning jobs until `shutdown`; nudged by triggers, and polling as a fallback.
 pub async fn planner_loop(state: AppState, shutdown: tokio_util::sync::CancellationToken) {
-    loop {
+    while !shutdown.is_cancelled() {
         let notified = state.wake_planner.notified();
-        let step = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            step = plan_next_job(&state) => step,
-        };
+        // Not raced against `shutdown`: the job stops between pages and gives its lease back.
+        let step = plan_next_job_until(&state, &shutdown).await;
         if matches!(step, Ok(PlanStep::Done) | Ok(PlanStep::LostLease)) {
             continue;
         }
@@ -453,47 +430,5 @@ pub async fn planner_loop(state: AppState, shutdown: tokio_util::sync::Cancellat
             _ = notified => {}
             _ = tokio::time::sleep(state.config.queue.poll_interval.std()) => {}
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn commands_are_full_across_pages_and_the_last_page_writes_the_rest() {
-        let keys = |r: std::ops::Range<usize>| r.map(|i| i.to_string()).collect::<Vec<_>>();
-        // 7 keys, batches of 3: two commands, one key carried.
-        let (b, carry) = fill_commands(keys(0..7), 3, 1024, false);
-        assert_eq!(b, vec![keys(0..3), keys(3..6)]);
-        assert_eq!(carry, keys(6..7));
-        // A sparse page: fewer than a command's worth, all carried; nothing written.
-        let (b, carry) = fill_commands(keys(0..2), 3, 1024, false);
-        assert!(b.is_empty());
-        assert_eq!(carry, keys(0..2));
-        // The last page writes the short command too.
-        let (b, carry) = fill_commands(keys(0..7), 3, 1024, true);
-        assert_eq!(b.last().unwrap(), &keys(6..7));
-        assert!(carry.is_empty());
-        assert_eq!(fill_commands(Vec::new(), 3, 1024, false), (vec![], vec![]));
-        // Exactly full: nothing carried.
-        assert_eq!(
-            fill_commands(keys(0..6), 3, 1024, false).1,
-            Vec::<String>::new()
-        );
-    }
-
-    #[test]
-    fn batches_are_bounded_by_count_and_by_bytes() {
-        let keys = |n: usize, len: usize| (0..n).map(|i| format!("{i:0len$}")).collect::<Vec<_>>();
-        let b = cut_batches(keys(7, 1), 3, 1024);
-        assert_eq!(b.iter().map(Vec::len).collect::<Vec<_>>(), vec![3, 3, 1]);
-        // 4-byte keys, 10 bytes a command: two keys each.
-        let b = cut_batches(keys(5, 4), 100, 10);
-        assert_eq!(b.iter().map(Vec::len).collect::<Vec<_>>(), vec![2, 2, 1]);
-        // A key over the byte budget still gets a command.
-        let b = cut_batches(vec!["x".repeat(20), "y".into()], 100, 10);
-        assert_eq!(b.iter().map(Vec::len).collect::<Vec<_>>(), vec![1, 1]);
-        assert!(cut_batches(Vec::new(), 3, 10).is_empty());
     }
 }
