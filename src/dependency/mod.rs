@@ -1,6 +1,6 @@
 //! Downstream dependencies (DESIGN §9): the services an action calls, each with allowed hosts, a
-//! timeout, a concurrency cap and a rate limit (both per replica), and a pause shared by all
-//! replicas through the ledger.
+//! timeout, a concurrency cap (per replica), a rate limit (per replica, or across every replica
+//! with `scope = "global"`), and a pause shared by all replicas through the ledger.
 //!
 //! Every call is admitted in this order: a concurrency permit, a rate-limit slot, then the pause
 //! check against a view of `sweeper.dependency_pauses` at most one second old. A paused dependency
@@ -14,7 +14,6 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,10 +28,12 @@ use crate::policy::RetryConfig;
 use crate::retry::Failure;
 
 mod guard;
+mod limit;
 mod runtime;
 mod written;
 
 pub use guard::*;
+pub use limit::{RateLimit, RateScope};
 pub use runtime::*;
 pub use written::*;
 
@@ -92,8 +93,8 @@ pub struct Dependency {
     pub timeout: Duration,
     /// Calls in flight per replica.
     pub max_concurrent_calls: u32,
-    /// Calls per second per replica, and burst.
-    pub rate_limit: Option<(NonZeroU32, NonZeroU32)>,
+    /// Calls per second and burst, per replica or across every replica.
+    pub rate_limit: Option<RateLimit>,
     /// `(header, value)` sent on every HTTP call.
     pub credential: Option<(reqwest::header::HeaderName, SecretString)>,
     /// S3 `(access key id, secret access key)`.
@@ -223,19 +224,10 @@ impl Dependency {
         if !(1..=1_000).contains(&max_concurrent_calls) {
             errors.push("max_concurrent_calls: must be between 1 and 1000".into());
         }
-        let rate_limit = match c.rate_limit {
-            None => None,
-            Some(r) => match (
-                NonZeroU32::new(r.per_second),
-                NonZeroU32::new(r.burst.unwrap_or(1)),
-            ) {
-                (Some(p), Some(b)) => Some((p, b)),
-                _ => {
-                    errors.push("rate_limit: per_second and burst must be at least 1".into());
-                    None
-                }
-            },
-        };
+        let rate_limit = c
+            .rate_limit
+            .as_ref()
+            .and_then(|r| RateLimit::from_config(r).map_err(|e| errors.push(e)).ok());
         let mut credential = None;
         let mut s3_keys = None;
         if let Some(cr) = &c.credentials {
@@ -365,7 +357,7 @@ pub fn all_from_config(raw: Vec<DependencyConfig>, errors: &mut Vec<String>) -> 
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     #[test]
@@ -399,7 +391,7 @@ mod tests {
         }
     }
 
-    fn dep(extra: &str) -> Result<Dependency, Vec<String>> {
+    pub(super) fn dep(extra: &str) -> Result<Dependency, Vec<String>> {
         let text = format!("name = 'api'\n{extra}");
         let c: DependencyConfig = config::Config::builder()
             .add_source(config::File::from_str(&text, config::FileFormat::Toml))

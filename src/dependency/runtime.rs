@@ -1,5 +1,6 @@
 //! The dependencies at run time: each one's client, concurrency cap and rate limit (per
-//! replica), and the view of the shared pauses every call is admitted against.
+//! replica in memory, or global through the ledger), and the view of the shared pauses every
+//! call is admitted against.
 
 use super::*;
 
@@ -59,7 +60,8 @@ impl Dependencies {
             };
             let limiter = d
                 .rate_limit
-                .map(|(p, b)| RateLimiter::direct(Quota::per_second(p).allow_burst(b)));
+                .filter(|r| r.scope == RateScope::Replica)
+                .map(|r| RateLimiter::direct(Quota::per_second(r.per_second).allow_burst(r.burst)));
             by_name.insert(
                 d.name.clone(),
                 Arc::new(Runtime {
@@ -133,7 +135,8 @@ impl Dependencies {
         Ok(())
     }
 
-    /// Admits one call to `rt`: a concurrency permit, a rate-limit slot, then the pause check,
+    /// Admits one call to `rt`: a concurrency permit, a rate-limit slot (this replica's, or a
+    /// reservation shared by every replica), then the pause check,
     /// in that order, so the pause is checked last before the call starts. A pause shorter than
     /// `pause_wait` is waited out (outside any transaction); a longer one is a throttled failure
     /// (the command snoozes until it ends).
@@ -146,6 +149,21 @@ impl Dependencies {
             .map_err(|_| Failure::transient("the dependency's call slots are closed"))?;
         if let Some(l) = &rt.limiter {
             l.until_ready().await;
+        }
+        if let Some(r) = rt.spec.rate_limit.filter(|r| r.scope == RateScope::Global) {
+            // The instant every replica together left for this call; waited for here, outside
+            // any transaction (the command's deadline bounds the wait).
+            let wait = crate::ledger::pauses::reserve_call(
+                pool,
+                &rt.spec.name,
+                r.per_second.get(),
+                r.burst.get(),
+            )
+            .await
+            .map_err(|e| Failure::from_db(&e))?;
+            if wait > 0.0 {
+                tokio::time::sleep(Duration::from_secs_f64(wait)).await;
+            }
         }
         let mut waited = false;
         loop {

@@ -14,7 +14,7 @@ use crate::policy::RetryConfig;
 /// base_url = "https://api.payments.example"
 /// timeout = "10s"
 /// max_concurrent_calls = 8          # per replica
-/// rate_limit = { per_second = 20, burst = 5 }   # per replica
+/// rate_limit = { per_second = 20, burst = 5 }   # per replica; scope = "global": all replicas
 /// credentials = { env = "PAYMENTS_TOKEN", header = "Authorization", prefix = "Bearer " }
 /// ```
 #[derive(Debug, Clone, Deserialize)]
@@ -74,15 +74,21 @@ pub struct DependencyConfig {
     pub retry: Option<RetryConfig>,
 }
 
-/// `rate_limit = { per_second = 20, burst = 5 }` (per replica).
-#[derive(Debug, Clone, Copy, Deserialize)]
+/// `rate_limit = { per_second = 20, burst = 5 }` (per replica), or with `scope = "global"`
+/// shared by every replica through the ledger.
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RateLimitConfig {
     /// Sustained calls per second.
     pub per_second: u32,
-    /// Calls allowed at once after a quiet spell (default 1).
+    /// Calls allowed at once after a quiet spell (default 1); with `scope = "global"`, calls
+    /// allowed at the start of each second.
     #[serde(default)]
     pub burst: Option<u32>,
+    /// `replica` (default: each replica keeps `per_second` on its own) or `global` (every
+    /// replica together keeps it).
+    #[serde(default)]
+    pub scope: Option<String>,
 }
 
 /// `credentials = { ... }`: names of environment variables, read at start-up.

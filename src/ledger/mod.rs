@@ -224,15 +224,18 @@ pub(crate) fn released(held_param: &str) -> String {
     )
 }
 
-/// Deletes the pace's reservations older than a minute (they only ever mattered for the second
-/// they were in). Returns how many.
+/// Deletes the reservations of paces and global dependency rate limits older than a minute
+/// (they only ever mattered for the second they were in). Returns how many.
 pub async fn purge_pace_slots(pool: &PgPool) -> sqlx::Result<u64> {
-    Ok(sqlx::query(
-        "delete from sweeper.pace_slots where slot < sweeper.now() - interval '1 minute'",
+    Ok(sqlx::query_scalar::<_, i64>(
+        "with p as (delete from sweeper.pace_slots
+                     where slot < sweeper.now() - interval '1 minute' returning 1),
+              d as (delete from sweeper.dependency_call_slots
+                     where slot < sweeper.now() - interval '1 minute' returning 1)
+         select (select count(*) from p) + (select count(*) from d)",
     )
-    .execute(pool)
-    .await?
-    .rows_affected())
+    .fetch_one(pool)
+    .await? as u64)
 }
 
 /// (command_id, state, attempts, last_error, last_error_class) of a stopped command.

@@ -21,3 +21,21 @@ pub async fn pause(pool: &PgPool, name: &str, seconds: f64, reason: &str) -> sql
     .await?;
     Ok(())
 }
+
+/// Reserves one call of dependency `name` at `per_second` calls a second across every replica,
+/// `burst` of them allowed at a second's start (`sweeper.reserve_dependency_call`, a
+/// `rate_limit` with `scope = "global"`). One statement of its own, never inside an effect's
+/// transaction. Returns the seconds until the call may start (≤ 0: now).
+pub async fn reserve_call(
+    pool: &PgPool,
+    name: &str,
+    per_second: u32,
+    burst: u32,
+) -> sqlx::Result<f64> {
+    sqlx::query_scalar("select sweeper.reserve_dependency_call($1, $2, $3)")
+        .bind(name)
+        .bind(per_second as i32)
+        .bind(burst as i32)
+        .fetch_one(pool)
+        .await
+}

@@ -441,6 +441,69 @@ async fn the_concurrency_cap_and_the_rate_limit_hold_at_the_stand_in() {
 }
 
 #[tokio::test]
+async fn a_global_rate_limit_holds_across_two_replicas() {
+    let limited = StandIn::start(Duration::ZERO, |_, _| ok()).await;
+    let config = dependency(
+        "limited",
+        &limited.url(),
+        "rate_limit = { per_second = 10, burst = 2, scope = \"global\" }",
+    ) + &payments_policy("reconcile", "limited", 5, "", "");
+    let app = spawn(0, config.clone()).await;
+    sqlx::query(
+        "insert into ext.payments (id, closed_at)
+         select g, timestamptz '2026-08-01' from generate_series(1, 40) g",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let r = run(&app, "reconcile", "2026-09-01").await;
+    // Two replicas of four workers each on the same ledger: per replica, 10/s each would let
+    // 20 calls through a second.
+    let (db, pool) = app.stop().await;
+    // A replica stopped mid-planning gives its planning lease back: the next one plans at once.
+    let leased: i64 = sqlx::query_scalar(
+        "select count(*) from sweeper.planning_jobs where not done and lease_until > sweeper.now()",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(leased, 0, "a stopped replica kept its planning lease");
+    let a = TestApp::start(db, pool, 4, "", &config).await;
+    let b_config =
+        sweeper::settings::Config::from_toml(&config_toml(&a.db.url, 4, "", &config)).unwrap();
+    let b = sweeper::app::Application::build(b_config).await.unwrap();
+    let b_shutdown = tokio_util::sync::CancellationToken::new();
+    let b_server = tokio::spawn(b.run_until(b_shutdown.clone()));
+    let started = Instant::now();
+    let done = a.wait_terminal(&r).await;
+    b_shutdown.cancel();
+    b_server.await.unwrap().unwrap();
+    assert_eq!(done["reconciled"], 40, "{done}");
+    let calls = limited.calls();
+    assert_eq!(calls.len(), 40);
+    // 10/s, 2 at once: any one-second span holds at most 10 + 2 calls (one more for the jitter
+    // between a call's reserved start and its arrival here), and 40 calls take at least 3 s.
+    // Kept per replica, the two replicas would let about 20 through a second.
+    let mut worst = 0;
+    for (i, c) in calls.iter().enumerate() {
+        let within = calls[i..]
+            .iter()
+            .filter(|d| d.at - c.at < Duration::from_secs(1))
+            .count();
+        worst = worst.max(within);
+    }
+    let span = calls.last().unwrap().at - calls[0].at;
+    eprintln!("global 10/s over two replicas: 40 calls in {span:?}, worst second {worst}");
+    assert!(worst <= 13, "{worst} calls within one second");
+    assert!(
+        span >= Duration::from_millis(2_800),
+        "40 calls took {span:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
+    a.stop().await;
+}
+
+#[tokio::test]
 async fn redirects_elsewhere_and_private_addresses_are_refused_before_any_byte_is_sent() {
     let target = StandIn::start(Duration::ZERO, |_, _| ok()).await;
     let port = target.addr.port();
