@@ -192,7 +192,8 @@ async fn delete_in_one_statement(
 /// `with cand as (...), del as (...), items as (...)`: the candidates locked in key order and
 /// classified, the eligible ones deleted with every predicate repeated (a row the delete did not
 /// remove is reported as it is, never as deleted), and one row per key of the command in its
-/// order (`ord, item_key, outcome, reason`; a key with no row is `already_absent`).
+/// order (`ord, item_key, outcome, reason`; a key with no row is `already_absent`; a selection's
+/// row that no longer matches is `not_eligible` with the predicate it fails).
 fn push_items(rules: &RuleSet, keys: &[String]) -> QueryBuilder<'static, Postgres> {
     let mut q = QueryBuilder::new("with cand as (select ");
     q.push(rules.key_sql());
@@ -200,7 +201,9 @@ fn push_items(rules: &RuleSet, keys: &[String]) -> QueryBuilder<'static, Postgre
     rules.push_old_enough(&mut q);
     q.push(" as old_enough, ");
     rules.push_excluded_reason(&mut q);
-    q.push(" as reason from ");
+    q.push(" as reason, ");
+    rules.push_unselected_reason(&mut q);
+    q.push(" as unselected from ");
     q.push(rules.table_sql());
     q.push(" where ");
     rules.push_key_in(&mut q, keys.to_vec());
@@ -222,7 +225,8 @@ fn push_items(rules: &RuleSet, keys: &[String]) -> QueryBuilder<'static, Postgre
                          when c.item_key is null then 'already_absent'
                          when c.reason is not null then 'excluded'
                          else 'not_eligible' end as outcome,
-                    c.reason
+                    case when d.item_key is null then coalesce(c.reason, c.unselected) end
+                        as reason
                from unnest(",
         rules.key_sql()
     ));
@@ -326,7 +330,7 @@ async fn classify(
         let reason: Option<String> = r.get("reason");
         let o = match (reason, old_enough) {
             (Some(reason), _) => (Outcome::Excluded, Some(reason)),
-            (None, false) => (Outcome::NotEligible, None),
+            (None, false) => (Outcome::NotEligible, r.get("unselected")),
             (None, true) => {
                 eligible.push(key.clone());
                 let o = if loaded.dry_run {

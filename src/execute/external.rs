@@ -107,7 +107,7 @@ async fn begin(
         }
         return Ok(match reason {
             Some(r) => Decision::Final(Outcome::Excluded, Some(r)),
-            None => Decision::Final(Outcome::NotEligible, None),
+            None => Decision::Final(Outcome::NotEligible, row.get("unselected")),
         });
     }
     match row.get::<Option<i32>, _>("opened_n") {

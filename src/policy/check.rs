@@ -63,7 +63,8 @@ pub async fn check_policies(
 pub fn check_schedule(p: &Policy) -> Option<Finding> {
     let period = p.schedule.longest_period_seconds();
     let retain = p.spec.retain_for_seconds;
-    (retain < period).then(|| Finding {
+    // A selection policy has no retention: its cutoff is the window.
+    (p.spec.select.is_empty() && retain < period).then(|| Finding {
         level: Level::Warning,
         policy: p.name.to_string(),
         message: {
@@ -110,6 +111,9 @@ async fn check_policy(
     c.action_columns().await?;
     c.timestamp().await?;
     c.exclusions().await?;
+    for m in crate::policy::select::check_columns(&p.spec.select, |n| c.col(n)) {
+        c.say(Level::Error, m);
+    }
     c.foreign_keys().await
 }
 

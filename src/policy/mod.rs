@@ -20,6 +20,7 @@ mod name;
 pub mod path;
 mod rules;
 pub mod safety;
+pub mod select;
 mod spec;
 mod written;
 
@@ -225,9 +226,6 @@ impl Policy {
                 ));
             }
         }
-        if c.retain_for.seconds() < 1 {
-            errors.push("retain_for: must be at least 1s".into());
-        }
         if !(1..=10_000).contains(&c.batch_size) {
             errors.push(format!("batch_size: {} is outside 1..=10000", c.batch_size));
         }
@@ -349,6 +347,11 @@ impl Policy {
                 exclude.push(stamped);
             }
         }
+        let (select, retain_for_seconds) = select::selection_from_config(
+            &c,
+            matches!(action, Some(ActionSpec::DeleteRows)),
+            &mut errors,
+        );
         let safety = safety_from_config(&c, &mut errors);
         if !errors.is_empty() {
             return Err(errors);
@@ -360,7 +363,8 @@ impl Policy {
                 timestamp: timestamp.unwrap(),
                 timestamp_zone: c.target.timestamp_zone,
             },
-            retain_for_seconds: c.retain_for.seconds(),
+            retain_for_seconds,
+            select,
             exclude,
             action: action.unwrap(),
         };
@@ -380,7 +384,8 @@ impl Policy {
         })
     }
 
-    /// The run's cutoff for `window`: `window − retain_for` (DESIGN §2.2).
+    /// The run's cutoff for `window`: `window − retain_for` (DESIGN §2.2); the window itself for a
+    /// selection policy.
     pub fn cutoff(&self, window: chrono::DateTime<chrono::Utc>) -> chrono::DateTime<chrono::Utc> {
         window - chrono::TimeDelta::seconds(self.spec.retain_for_seconds)
     }

@@ -13,6 +13,10 @@ pub struct RuleSet {
     pub cutoff: chrono::DateTime<chrono::Utc>,
     /// All exclusions that apply.
     pub exclude: Vec<Exclusion>,
+    /// A selection policy's predicates, of both versions (all must hold).
+    pub select: Vec<crate::policy::select::Selection>,
+    /// The run's window (what `older_than` / `newer_than` count back from).
+    pub window: chrono::DateTime<chrono::Utc>,
     /// The pinned action.
     pub action: ActionSpec,
     /// `(policy, run_id)`: hold items whose effect is open in another run of the policy.
@@ -50,7 +54,9 @@ impl Held {
 
 impl RuleSet {
     /// The stricter of the pinned and the current version (DESIGN §2.10): exclusions are the
-    /// union, the cutoff is the earlier of the run's and `window − current retain_for`. A current
+    /// union, a selection policy's predicates are the union too (a row must satisfy both
+    /// versions' `select`), the cutoff is the earlier of the run's and `window − current
+    /// retain_for`. A current
     /// version that changes the target, timestamp or action holds the command.
     pub fn effective(
         pinned: &PolicySpec,
@@ -61,6 +67,7 @@ impl RuleSet {
         checked: Option<&CheckedTypes>,
     ) -> Result<RuleSet, Held> {
         let mut exclude = pinned.exclude.clone();
+        let mut select = pinned.select.clone();
         let mut cutoff = run_cutoff;
         if let Some(cur) = current {
             if cur.target != pinned.target || cur.action != pinned.action {
@@ -71,11 +78,8 @@ impl RuleSet {
                         .into(),
                 });
             }
-            for e in &cur.exclude {
-                if !exclude.contains(e) {
-                    exclude.push(e.clone());
-                }
-            }
+            union(&mut exclude, &cur.exclude);
+            union(&mut select, &cur.select);
             let current_cutoff = window - chrono::TimeDelta::seconds(cur.retain_for_seconds);
             cutoff = cutoff.min(current_cutoff);
         }
@@ -101,6 +105,17 @@ impl RuleSet {
             let t = type_of(&e.column)?;
             column_types.insert(e.column.as_str().to_string(), t.to_string());
         }
+        for s in &select {
+            let t = type_of(&s.column)?;
+            if s.test.is_temporal() && t != "timestamp with time zone" {
+                return Err(Held::schema(format!(
+                    "select: column `{}` is {t}; older_than / newer_than compare a timestamptz \
+                     with the window",
+                    s.column.as_str()
+                )));
+            }
+            column_types.insert(s.column.as_str().to_string(), t.to_string());
+        }
         for c in pinned.action.columns() {
             type_of(c)?;
         }
@@ -108,6 +123,8 @@ impl RuleSet {
             target: pinned.target.clone(),
             cutoff,
             exclude,
+            select,
+            window,
             action: pinned.action.clone(),
             effects: None,
             key_type,
@@ -156,13 +173,37 @@ impl RuleSet {
         }
     }
 
-    /// Pushes `(ts < $cutoff)`: strict, and false for a NULL timestamp.
+    /// Pushes `(ts < $cutoff)`: strict, and false for a NULL timestamp; for a selection policy
+    /// (cutoff: the window) also every `select` predicate, so "old enough" reads "before the
+    /// window and selected".
     pub fn push_old_enough(&self, q: &mut QueryBuilder<'_, Postgres>) {
-        q.push("coalesce(");
+        q.push("(coalesce(");
         self.push_timestamp(q);
         q.push(" < ");
         q.push_bind(self.cutoff);
         q.push(", false)");
+        for s in &self.select {
+            q.push(" and ");
+            s.push(q, &self.column_types[s.column.as_str()], self.window);
+        }
+        q.push(")");
+    }
+
+    /// Pushes the reason a row is not selected — the first `select` predicate it fails,
+    /// `not_selected:{column}` — or NULL (selected, or a retention policy).
+    pub fn push_unselected_reason(&self, q: &mut QueryBuilder<'_, Postgres>) {
+        if self.select.is_empty() {
+            q.push("null::text");
+            return;
+        }
+        q.push("(case");
+        for s in &self.select {
+            q.push(" when not ");
+            s.push(q, &self.column_types[s.column.as_str()], self.window);
+            q.push(" then ");
+            q.push_bind(s.unselected_reason());
+        }
+        q.push(" end)");
     }
 
     /// Pushes a `CASE` giving the first matching exclusion's reason, or NULL when none holds the
@@ -248,7 +289,9 @@ impl RuleSet {
         self.push_timestamp(q);
         q.push(" is null as null_timestamp, ");
         self.push_excluded_reason(q);
-        q.push(" as reason");
+        q.push(" as reason, ");
+        self.push_unselected_reason(q);
+        q.push(" as unselected");
     }
 
     /// Pushes the full eligibility predicate: old enough and held by no exclusion.
@@ -292,6 +335,15 @@ impl RuleSet {
     }
 }
 
+/// Appends to `into` each of `more` it does not hold yet (both versions' rules apply).
+fn union<T: PartialEq + Clone>(into: &mut Vec<T>, more: &[T]) {
+    for m in more {
+        if !into.contains(m) {
+            into.push(m.clone());
+        }
+    }
+}
+
 impl crate::ledger::effects::ItemQuery for RuleSet {
     /// The item's row judged by these rules, for opening its effect: old enough, the first
     /// exclusion that holds it, its columns as JSON and a digest of the row.
@@ -301,8 +353,10 @@ impl crate::ledger::effects::ItemQuery for RuleSet {
         self.push_old_enough(q);
         q.push(" as old_enough, ");
         self.push_excluded_reason(q);
+        q.push(" as reason, ");
+        self.push_unselected_reason(q);
         q.push(format!(
-            " as reason, to_jsonb({table}.*) as fields, md5({table}.*::text) as row_digest \
+            " as unselected, to_jsonb({table}.*) as fields, md5({table}.*::text) as row_digest \
              from {table} where {} = cast(",
             self.key_sql()
         ));

@@ -87,8 +87,13 @@ impl ActionSpec {
 pub struct PolicySpec {
     /// What is cleaned.
     pub target: Target,
-    /// `retain_for` in seconds.
+    /// `retain_for` in seconds (0 for a selection policy: its cutoff is the window).
     pub retain_for_seconds: i64,
+    /// A selection policy's predicates (every one must hold); empty for a retention policy, and
+    /// then left out of the version's JSON so versions written before selections existed keep
+    /// their hash.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub select: Vec<super::select::Selection>,
     /// Exclusions, in configuration order (the first that matches names the reason).
     pub exclude: Vec<Exclusion>,
     /// The action.

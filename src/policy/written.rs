@@ -17,8 +17,17 @@ pub struct PolicyConfig {
     pub early_tolerance: Option<DurationSpec>,
     /// `{ table = "support.tickets", key = "id", timestamp = "closed_at" }`.
     pub target: TargetConfig,
-    /// How long a row is kept after its timestamp.
-    pub retain_for: DurationSpec,
+    /// How long a row is kept after its timestamp (a retention policy; a selection policy has
+    /// none).
+    #[serde(default)]
+    pub retain_for: Option<DurationSpec>,
+    /// Predicates that select rows instead of a retention cutoff (a selection policy, see
+    /// [`super::select`]).
+    #[serde(default)]
+    pub select: Vec<super::select::SelectionConfig>,
+    /// A selection policy may use `delete_rows` only with `allow_delete = true`.
+    #[serde(default)]
+    pub allow_delete: bool,
     /// Exclusions.
     #[serde(default)]
     pub exclude: Vec<ExclusionConfig>,

@@ -23,6 +23,7 @@ mod qstash;
 mod safety;
 mod scenarios;
 mod schema_blip;
+mod selection;
 mod standby;
 mod standin;
 mod tokens;

@@ -27,7 +27,9 @@ pub async fn policies(State(state): State<AppState>, caller: Caller) -> Result<R
                 "current_version": current.get(p.name.as_str()),
                 "schedule": { "cron": p.schedule.expr(), "timezone": p.schedule.zone_name() },
                 "early_tolerance": p.early_tolerance,
-                "retain_for": crate::config::DurationSpec::from_seconds(p.spec.retain_for_seconds),
+                "retain_for": p.spec.select.is_empty()
+                    .then(|| crate::config::DurationSpec::from_seconds(p.spec.retain_for_seconds)),
+                "select": p.spec.select,
                 "target": p.spec.target,
                 "exclude": p.spec.exclude,
                 "action": p.spec.action,
