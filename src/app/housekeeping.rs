@@ -74,6 +74,16 @@ pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
             "completed runs whose last command ended without completing them"
         );
     }
+    // A closed effect once per window outlives every command that could deliver it again (a
+    // day past the command retention).
+    let horizon = state.config.ledger.command_retention.seconds() as f64 + 86_400.0;
+    let effects = ledger::effects::purge_closed_window_effects(&state.pool, horizon).await?;
+    if effects > 0 {
+        info!(
+            effects,
+            "purged closed effects once per window past their horizon"
+        );
+    }
     let mut total = 0;
     loop {
         let n = ledger::purge_terminal_commands(

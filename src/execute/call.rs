@@ -9,7 +9,7 @@ use secrecy::ExposeSecret;
 
 use super::Outcome;
 use crate::dependency::{DependencyKind, Refused, Runtime};
-use crate::policy::action::{HttpAction, Then, pieces, placeholders};
+use crate::policy::action::{HttpAction, OncePer, Then, pieces, placeholders};
 use crate::retry::{Failure, parse_retry_after};
 
 /// How one call ended.
@@ -32,10 +32,13 @@ pub enum CallResult {
     Failed(Failure),
 }
 
-/// The item's outcome after a successful call of `action`.
-fn done_outcome(method: &str, then: &Then) -> Outcome {
-    if method == "DELETE" || *then == Then::DeleteRow {
+/// The item's outcome after a successful call of `action`: `called` for a call once per window
+/// that keeps its row as it is (`then = "nothing"` on a POST/PUT/PATCH).
+fn done_outcome(action: &HttpAction) -> Outcome {
+    if action.method == "DELETE" || action.then == Then::DeleteRow {
         Outcome::Deleted
+    } else if action.then == Then::Nothing && action.once_per == OncePer::Window {
+        Outcome::Called
     } else {
         Outcome::Reconciled
     }
@@ -245,7 +248,7 @@ async fn classify_answer(rt: &Runtime, action: &HttpAction, resp: reqwest::Respo
     let headers = resp.headers().clone();
     let name = &rt.spec.name;
     if action.done.contains(&status) {
-        return CallResult::Done(done_outcome(&action.method, &action.then));
+        return CallResult::Done(done_outcome(action));
     }
     if status == 429 || (status == 503 && headers.contains_key(reqwest::header::RETRY_AFTER)) {
         return CallResult::Throttled {

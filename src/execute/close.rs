@@ -146,9 +146,9 @@ async fn apply_called(
     let r = &l.rules;
     let keys: Vec<String> = called.iter().map(|(k, _)| k.clone()).collect();
     let mut q: QueryBuilder<Postgres> = QueryBuilder::new(format!(
-        "select {}::text as item_key, md5({}.*::text) as row_digest from {} where ",
+        "select {}::text as item_key, {} as row_digest from {} where ",
         r.key_sql(),
-        r.table_sql(),
+        r.row_digest_sql(),
         r.table_sql()
     ));
     r.push_key_in(&mut q, keys.clone());
@@ -163,11 +163,13 @@ async fn apply_called(
         .collect();
     let before: HashMap<String, Option<String>> = sqlx::query_as(
         "select item_key, row_digest from sweeper.effects
-          where policy = $1 and item_key = any($2) and run_id = $3 and state <> 'closed'",
+          where policy = $1 and scope = $4 and item_key = any($2) and run_id = $3
+            and state <> 'closed'",
     )
     .bind(&l.policy)
     .bind(&keys)
     .bind(&l.run_id)
+    .bind(l.effect_scope())
     .fetch_all(&mut **tx)
     .await
     .map_err(db)?
@@ -193,9 +195,16 @@ async fn apply_called(
         q.build().execute(&mut **tx).await.map_err(db)?;
     }
     let outcome_names: Vec<&str> = called.iter().map(|(_, o)| o.as_str()).collect();
-    crate::ledger::effects::close(tx, &l.policy, &l.run_id, &keys, &outcome_names)
-        .await
-        .map_err(db)?;
+    crate::ledger::effects::close(
+        tx,
+        &l.policy,
+        &l.effect_scope(),
+        &l.run_id,
+        &keys,
+        &outcome_names,
+    )
+    .await
+    .map_err(db)?;
     Ok(outcomes)
 }
 

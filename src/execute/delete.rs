@@ -333,7 +333,9 @@ async fn classify(
             (None, false) => (Outcome::NotEligible, r.get("unselected")),
             (None, true) => {
                 eligible.push(key.clone());
-                let o = if loaded.dry_run {
+                let o = if loaded.dry_run && rules.action.once_per_window() {
+                    Outcome::WouldCall // it would call, not delete
+                } else if loaded.dry_run {
                     Outcome::WouldDelete
                 } else {
                     Outcome::Deleted

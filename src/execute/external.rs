@@ -49,6 +49,7 @@ fn parse_outcome(s: Option<&str>) -> Outcome {
     match s {
         Some("deleted") => Outcome::Deleted,
         Some("reconciled") => Outcome::Reconciled,
+        Some("called") => Outcome::Called,
         _ => Outcome::AlreadyAbsent,
     }
 }
@@ -68,6 +69,7 @@ async fn begin(
             item_key: key,
             run_id: &l.run_id,
             command_id,
+            scope: &l.effect_scope(),
         },
     )
     .await
@@ -274,7 +276,7 @@ impl Call<'_> {
     // classification, effect marked called).
     async fn item(&self, key: &str, effect_n: i32, fields: &serde_json::Value) -> ItemStep {
         let (state, l, dep) = (self.state, self.l, self.dep);
-        let idempotency_key = format!("{}:{}:{}", l.policy, key, effect_n);
+        let idempotency_key = l.idempotency_key(key, effect_n);
         let mut waited = false;
         let result = loop {
             let admitted = match state.dependencies.admit(&state.pool, self.rt).await {
@@ -325,6 +327,7 @@ impl Call<'_> {
                 let marked = crate::ledger::effects::mark_called(
                     &state.pool,
                     &l.policy,
+                    &l.effect_scope(),
                     key,
                     &l.run_id,
                     outcome.as_str(),

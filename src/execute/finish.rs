@@ -127,6 +127,7 @@ pub async fn record_closure_check(
             q.push_bind(rules.cutoff);
             q.push(" and ");
             rules.push_eligible(q);
+            rules.push_not_done_in_window(q);
         })
         .build_query_scalar()
         .fetch_one(&mut *conn)

@@ -111,6 +111,27 @@ pub(crate) struct Loaded {
 }
 
 impl Loaded {
+    /// The scope of this command's effects (`sweeper.effects.scope`): the window for an action
+    /// once per window, `''` for one once per item.
+    pub(crate) fn effect_scope(&self) -> String {
+        self.rules.action.effect_scope(self.window)
+    }
+
+    /// The idempotency key of `item`'s effect `n`: `{policy}:{window}:{item}` once per window,
+    /// `{policy}:{item}:{n}` once per item (DESIGN §2.4).
+    pub(crate) fn idempotency_key(&self, item: &str, n: i32) -> String {
+        if self.rules.action.once_per_window() {
+            format!(
+                "{}:{}:{}",
+                self.policy,
+                crate::window::format(self.window),
+                item
+            )
+        } else {
+            format!("{}:{}:{}", self.policy, item, n)
+        }
+    }
+
     /// What this command's audit rows say besides their items, for a try that began at
     /// `started` (`attempts_inc`: 1 when the attempt was not counted at claim or lease time).
     pub(crate) fn execution<'a>(

@@ -1,7 +1,8 @@
-//! Effect rows (DESIGN §2.4): one per (policy, item), opened `calling` before an external call,
-//! `called` when it returned, and closed in the transaction that changes the row and writes the
-//! audit; `n` grows only when an effect closes, so the idempotency key `{policy}:{item}:{n}` is
-//! the same for every retry of one effect.
+//! Effect rows (DESIGN §2.4): one per (policy, scope, item), opened `calling` before an external
+//! call, `called` when it returned, and closed in the transaction that changes the row and writes
+//! the audit. `scope` is `''` for an effect once per item — `n` grows only when an effect closes,
+//! so the idempotency key `{policy}:{item}:{n}` is the same for every retry of one effect — and
+//! the window for one once per window (key `{policy}:{window}:{item}`, one effect per window).
 
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, PgPool, Postgres, QueryBuilder};
@@ -26,6 +27,8 @@ pub struct Opening<'a> {
     pub run_id: &'a str,
     /// The command executing it.
     pub command_id: &'a str,
+    /// The effect's scope: `''` (once per item) or the window (once per window).
+    pub scope: &'a str,
 }
 
 /// Re-checks one item and opens its effect, in one statement (autocommit): the item's row as
@@ -40,12 +43,17 @@ pub async fn open(pool: &PgPool, item: &impl ItemQuery, o: &Opening<'_>) -> sqlx
     q.push_bind(o.policy.to_string());
     q.push(" and item_key = ");
     q.push_bind(o.item_key.to_string());
+    q.push(" and scope = ");
+    q.push_bind(o.scope.to_string());
     q.push(
         "), opened as (
-            insert into sweeper.effects (policy, item_key, n, state, run_id, command_id, row_digest)
+            insert into sweeper.effects
+                (policy, scope, item_key, n, state, run_id, command_id, row_digest)
             select ",
     );
     q.push_bind(o.policy.to_string());
+    q.push(", ");
+    q.push_bind(o.scope.to_string());
     q.push(", ");
     q.push_bind(o.item_key.to_string());
     q.push(", 1, 'calling', ");
@@ -60,7 +68,7 @@ pub async fn open(pool: &PgPool, item: &impl ItemQuery, o: &Opening<'_>) -> sqlx
     q.push_bind(o.run_id.to_string());
     q.push(
         ")
-            on conflict (policy, item_key) do update
+            on conflict (policy, scope, item_key) do update
                set n = case when sweeper.effects.state = 'closed' then sweeper.effects.n + 1
                             else sweeper.effects.n end,
                    state = 'calling', run_id = excluded.run_id, command_id = excluded.command_id,
@@ -82,6 +90,7 @@ pub async fn open(pool: &PgPool, item: &impl ItemQuery, o: &Opening<'_>) -> sqlx
 pub async fn mark_called(
     pool: &PgPool,
     policy: &str,
+    scope: &str,
     item_key: &str,
     run_id: &str,
     outcome: &str,
@@ -89,12 +98,14 @@ pub async fn mark_called(
     sqlx::query(
         "update sweeper.effects
             set state = 'called', called_at = sweeper.now(), outcome = $4
-          where policy = $1 and item_key = $2 and run_id = $3 and state = 'calling'",
+          where policy = $1 and scope = $5 and item_key = $2 and run_id = $3
+            and state = 'calling'",
     )
     .bind(policy)
     .bind(item_key)
     .bind(run_id)
     .bind(outcome)
+    .bind(scope)
     .execute(pool)
     .await?;
     Ok(())
@@ -105,6 +116,7 @@ pub async fn mark_called(
 pub async fn close(
     conn: &mut PgConnection,
     policy: &str,
+    scope: &str,
     run_id: &str,
     keys: &[String],
     outcomes: &[&str],
@@ -113,13 +125,30 @@ pub async fn close(
         "update sweeper.effects e
             set state = 'closed', closed_at = sweeper.now(), outcome = coalesce(e.outcome, u.outcome)
            from unnest($2::text[], $3::text[]) as u(item_key, outcome)
-          where e.policy = $1 and e.item_key = u.item_key and e.run_id = $4",
+          where e.policy = $1 and e.scope = $5 and e.item_key = u.item_key and e.run_id = $4",
     )
     .bind(policy)
     .bind(keys)
     .bind(outcomes)
     .bind(run_id)
+    .bind(scope)
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// Deletes closed effects once per window older than `horizon_seconds` (longer than every
+/// redelivery horizon: the commands that could deliver them again are purged by then, and a
+/// window's run id is never reused). Effects once per item are kept: their `n` is the item's
+/// history of keys. Returns how many.
+pub async fn purge_closed_window_effects(pool: &PgPool, horizon_seconds: f64) -> sqlx::Result<u64> {
+    Ok(sqlx::query(
+        "delete from sweeper.effects
+          where scope <> '' and state = 'closed'
+            and closed_at < sweeper.now() - make_interval(secs => $1)",
+    )
+    .bind(horizon_seconds)
+    .execute(pool)
+    .await?
+    .rows_affected())
 }

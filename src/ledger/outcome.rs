@@ -20,6 +20,11 @@ pub enum Outcome {
     WouldDelete,
     /// An external call succeeded and the row was stamped or left (not deleted).
     Reconciled,
+    /// An external call once per window succeeded and the row was kept as it is (`then =
+    /// "nothing"` on a POST/PUT/PATCH: the effect is the call).
+    Called,
+    /// A dry run would have made that call.
+    WouldCall,
 }
 
 impl Outcome {
@@ -33,6 +38,8 @@ impl Outcome {
             Outcome::Failed => "failed",
             Outcome::WouldDelete => "would_delete",
             Outcome::Reconciled => "reconciled",
+            Outcome::Called => "called",
+            Outcome::WouldCall => "would_call",
         }
     }
 }
@@ -54,6 +61,10 @@ pub struct Counts {
     pub would_delete: i64,
     /// Items reconciled by an external call.
     pub reconciled: i64,
+    /// Items called once per window, rows kept.
+    pub called: i64,
+    /// Items a dry run would call.
+    pub would_call: i64,
 }
 
 impl Counts {
@@ -67,6 +78,8 @@ impl Counts {
             Outcome::Failed => self.failed += 1,
             Outcome::WouldDelete => self.would_delete += 1,
             Outcome::Reconciled => self.reconciled += 1,
+            Outcome::Called => self.called += 1,
+            Outcome::WouldCall => self.would_call += 1,
         }
     }
 }

@@ -162,7 +162,8 @@ pub async fn record_command(
                     deleted = deleted + $3, already_absent = already_absent + $4,
                     excluded = excluded + $5, not_eligible = not_eligible + $6,
                     failed = failed + $7 - $9, would_delete = would_delete + $8,
-                    reconciled = reconciled + $10
+                    reconciled = reconciled + $10, called = called + $12,
+                    would_call = would_call + $13
               where command_id = $1
           returning run_id)
          select r.status,
@@ -183,6 +184,8 @@ pub async fn record_command(
     .bind(d.item_redrive as i64)
     .bind(d.counts.reconciled)
     .bind(d.others_cap)
+    .bind(d.counts.called)
+    .bind(d.counts.would_call)
     .fetch_one(conn)
     .await?;
     Ok(Recorded {

@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::policy::Ident;
+pub(crate) use crate::policy::template::pieces;
+pub use crate::policy::template::placeholders;
 
 /// What happens to the row after its call succeeded.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +77,30 @@ pub struct HttpAction {
     pub then: Then,
     /// Every column the templates read.
     pub columns: Vec<Ident>,
+    /// Once per item for ever (the default) or once per (window, item). Left out of the
+    /// version's JSON when `item`, so actions written before it keep their version.
+    #[serde(default, skip_serializing_if = "OncePer::is_item")]
+    pub once_per: OncePer,
+}
+
+/// How often an external action's effect happens for one item.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OncePer {
+    /// Once per (policy, item): idempotency key `{policy}:{item}:{n}`, `n` growing only when an
+    /// effect closed and the item qualifies again (`once_per = "item"`, the default).
+    #[default]
+    Item,
+    /// Once per (policy, window, item): idempotency key `{policy}:{window}:{item}` (the window
+    /// as run ids write it); an open effect blocks only its own window (`once_per = "window"`).
+    Window,
+}
+
+impl OncePer {
+    /// Whether it is the default, once per item.
+    pub fn is_item(&self) -> bool {
+        *self == OncePer::Item
+    }
 }
 
 /// `action = { kind = "object_store", ... }`, validated.
@@ -167,44 +193,9 @@ pub struct ActionConfig {
     /// External actions: what happens to the row afterwards (required).
     #[serde(default)]
     pub then: Option<ThenConfig>,
-}
-
-/// Splits a template into literal text and `{column}` placeholders. A placeholder is `{`, an
-/// identifier (letters, digits, `_`, `$`, starting with a letter or `_`), `}`; every other brace
-/// is literal text, so JSON bodies need no escaping.
-pub(crate) fn pieces(template: &str) -> Vec<(&str, bool)> {
-    let mut out = Vec::new();
-    let mut rest = template;
-    while let Some(open) = rest.find('{') {
-        let after = &rest[open + 1..];
-        let name_len = after
-            .bytes()
-            .take_while(|b| b.is_ascii_alphanumeric() || *b == b'_' || *b == b'$')
-            .count();
-        let starts_ok = after
-            .bytes()
-            .next()
-            .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_');
-        if starts_ok && after.as_bytes().get(name_len) == Some(&b'}') {
-            out.push((&rest[..open], false));
-            out.push((&after[..name_len], true));
-            rest = &after[name_len + 1..];
-        } else {
-            out.push((&rest[..open + 1], false));
-            rest = after;
-        }
-    }
-    out.push((rest, false));
-    out
-}
-
-/// The `{column}` placeholders of a template, in order.
-pub fn placeholders(template: &str) -> Result<Vec<Ident>, String> {
-    pieces(template)
-        .into_iter()
-        .filter(|(_, p)| *p)
-        .map(|(name, _)| Ident::parse(name).map_err(|e| format!("`{template}`: placeholder {e}")))
-        .collect()
+    /// `http`: `"item"` (default) or `"window"`.
+    #[serde(default)]
+    pub once_per: Option<String>,
 }
 
 /// Validates an `action = { ... }`; errors are `field: message`.
@@ -264,6 +255,7 @@ pub fn from_config(a: &ActionConfig) -> Result<crate::policy::ActionSpec, Vec<St
         ("done", a.done.is_some()),
         ("retry", a.retry.is_some()),
         ("not_found", a.not_found.is_some()),
+        ("once_per", a.once_per.is_some()),
     ];
     let spec = match a.kind.as_str() {
         "delete_rows" => {
@@ -271,7 +263,13 @@ pub fn from_config(a: &ActionConfig) -> Result<crate::policy::ActionSpec, Vec<St
                 .iter()
                 .chain([("column", a.column.is_some())].iter())
             {
-                if *set {
+                if *set && *f == "once_per" {
+                    errors.push(
+                        "once_per: delete_rows makes no external call to make once per item or \
+                         window (it is a field of http actions)"
+                            .into(),
+                    );
+                } else if *set {
                     errors.push(format!("{f}: not a field of delete_rows"));
                 }
             }
@@ -430,10 +428,27 @@ fn http_from_config(
             header_contains: n.header_contains.clone(),
         }
     });
-    if then == Some(Then::Nothing) && method != "DELETE" {
+    let once_per = match a.once_per.as_deref() {
+        None | Some("item") => OncePer::Item,
+        Some("window") => OncePer::Window,
+        Some(other) => {
+            errors.push(format!(
+                "once_per: `{other}` is not one of \"item\", \"window\""
+            ));
+            OncePer::Item
+        }
+    };
+    if once_per == OncePer::Window && !matches!(method.as_str(), "POST" | "PUT" | "PATCH") {
+        errors.push(format!(
+            "once_per: \"window\" is for POST, PUT or PATCH calls (a {method} carries no \
+             effect to make once per window)"
+        ));
+    }
+    if then == Some(Then::Nothing) && method != "DELETE" && once_per != OncePer::Window {
         errors.push(format!(
             "then: \"nothing\" is allowed only for actions harmless to repeat (DELETE calls, \
-             object deletes); a {method} would be sent again by every later run"
+             object deletes) or with once_per = \"window\"; a {method} would be sent again by \
+             every later run"
         ));
     }
     Some(HttpAction {
@@ -448,5 +463,6 @@ fn http_from_config(
         not_found,
         then: then?,
         columns,
+        once_per,
     })
 }

@@ -22,6 +22,7 @@ mod rules;
 pub mod safety;
 pub mod select;
 mod spec;
+mod template;
 mod written;
 
 pub use catalog::*;

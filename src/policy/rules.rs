@@ -218,6 +218,8 @@ impl RuleSet {
             // Qualified by the table's full name: an effects column could share the key's name.
             q.push(" when exists (select 1 from sweeper.effects e where e.policy = ");
             q.push_bind(policy.clone());
+            q.push(" and e.scope = ");
+            q.push_bind(self.action.effect_scope(self.window));
             q.push(format!(
                 " and e.item_key = ({}.{})::text and e.state <> 'closed' and e.run_id <> ",
                 self.table_sql(),
@@ -335,6 +337,52 @@ impl RuleSet {
     }
 }
 
+impl RuleSet {
+    /// For an action once per window (whose rows are kept): pushes ` and` a row whose effect of
+    /// this window is not closed yet, so the closure check counts only the rows still to call.
+    /// Pushes nothing for other actions.
+    pub fn push_not_done_in_window(&self, q: &mut QueryBuilder<'_, Postgres>) {
+        let Some((policy, _)) = self
+            .effects
+            .as_ref()
+            .filter(|_| self.action.once_per_window())
+        else {
+            return;
+        };
+        q.push(" and not exists (select 1 from sweeper.effects e where e.policy = ");
+        q.push_bind(policy.clone());
+        q.push(" and e.scope = ");
+        q.push_bind(self.action.effect_scope(self.window));
+        q.push(format!(
+            " and e.item_key = ({}.{})::text and e.state = 'closed')",
+            self.table_sql(),
+            self.key_sql()
+        ));
+    }
+
+    /// The digest that tells whether an item's row changed during its call: of the whole row,
+    /// or — for an action once per window, whose row is kept and may move for reasons of its own
+    /// (a customer's `last_seen_at`) — of only the columns the rules and the templates read (the
+    /// key, the timestamp, `select`, exclusions, the action's columns).
+    pub fn row_digest_sql(&self) -> String {
+        let table = self.table_sql();
+        if !self.action.once_per_window() {
+            return format!("md5({table}.*::text)");
+        }
+        let mut columns: Vec<&Ident> = vec![&self.target.key, &self.target.timestamp];
+        columns.extend(self.select.iter().map(|s| &s.column));
+        columns.extend(self.exclude.iter().map(|e| &e.column));
+        columns.extend(self.action.columns());
+        let mut seen = std::collections::HashSet::new();
+        columns.retain(|c| seen.insert(c.as_str()));
+        let list: Vec<String> = columns
+            .iter()
+            .map(|c| format!("{table}.{}", c.quoted()))
+            .collect();
+        format!("md5(jsonb_build_array({})::text)", list.join(", "))
+    }
+}
+
 /// Appends to `into` each of `more` it does not hold yet (both versions' rules apply).
 fn union<T: PartialEq + Clone>(into: &mut Vec<T>, more: &[T]) {
     for m in more {
@@ -356,8 +404,9 @@ impl crate::ledger::effects::ItemQuery for RuleSet {
         q.push(" as reason, ");
         self.push_unselected_reason(q);
         q.push(format!(
-            " as unselected, to_jsonb({table}.*) as fields, md5({table}.*::text) as row_digest \
+            " as unselected, to_jsonb({table}.*) as fields, {} as row_digest \
              from {table} where {} = cast(",
+            self.row_digest_sql(),
             self.key_sql()
         ));
         q.push_bind(key.to_string());

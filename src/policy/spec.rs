@@ -70,6 +70,21 @@ impl ActionSpec {
         }
     }
 
+    /// Whether its effect is once per (window, item) (`once_per = "window"`).
+    pub fn once_per_window(&self) -> bool {
+        matches!(self, ActionSpec::Http(h) if h.once_per == crate::policy::action::OncePer::Window)
+    }
+
+    /// The `sweeper.effects.scope` of its effects in `window`: the window as run ids write it
+    /// for an effect once per window, `''` for one once per item.
+    pub fn effect_scope(&self, window: chrono::DateTime<chrono::Utc>) -> String {
+        if self.once_per_window() {
+            crate::window::format(window)
+        } else {
+            String::new()
+        }
+    }
+
     /// The item columns the action reads (templates, the object column, a stamped column).
     pub fn columns(&self) -> Vec<&Ident> {
         match self {

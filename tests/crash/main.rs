@@ -12,6 +12,7 @@ mod emulator;
 #[allow(dead_code)]
 #[path = "../integration/ext_common.rs"]
 mod ext_common;
+mod digest;
 mod external;
 #[allow(dead_code)]
 #[path = "../kit/mod.rs"]

@@ -6,6 +6,7 @@ mod cli;
 mod common;
 mod consume;
 mod contract;
+mod digest;
 mod emulator;
 mod ext_common;
 mod external;
