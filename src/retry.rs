@@ -39,6 +39,8 @@ pub enum HoldKind {
     /// The run's planned count crossed the blast-radius guard: it waits for
     /// `POST /runs/{id}/approve` (or for planning to finish, before which it executes nothing).
     Approval,
+    /// A stage (`after`): a run it follows for the same window has not completed.
+    After,
     /// Outside the policy's active hours: due again when they open.
     ActiveHours,
     /// A database-health signal is above its high mark.
@@ -51,11 +53,12 @@ impl HoldKind {
     /// Every kind, in the precedence order a run's `held` object follows when several apply
     /// (DESIGN §14: identity, suspended, approval, after, active hours, governor, pace; the schema
     /// holds sit after approval). `suspended` is a policy state, not a command hold.
-    pub const ALL: [HoldKind; 7] = [
+    pub const ALL: [HoldKind; 8] = [
         HoldKind::Identity,
         HoldKind::Approval,
         HoldKind::Schema,
         HoldKind::PolicyChanged,
+        HoldKind::After,
         HoldKind::ActiveHours,
         HoldKind::Governor,
         HoldKind::Pace,
@@ -68,6 +71,7 @@ impl HoldKind {
             HoldKind::PolicyChanged => "policy_changed",
             HoldKind::Identity => "identity",
             HoldKind::Approval => "approval",
+            HoldKind::After => "after",
             HoldKind::ActiveHours => "active_hours",
             HoldKind::Governor => "governor",
             HoldKind::Pace => "pace",

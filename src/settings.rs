@@ -416,6 +416,7 @@ fn policies_from(
             Err(es) => errors.extend(es.into_iter().map(|e| format!("{label}.{e}"))),
         }
     }
+    errors.extend(crate::policy::stages::check(&policies));
     policies
 }
 

@@ -83,3 +83,21 @@ pub fn watch(state: &AppState, seen: &mut std::collections::HashMap<String, Hold
         }
     }
 }
+
+/// The stage hold on `policy`'s command of window `window` (`after`, see
+/// [`crate::policy::stages`]): why it waits for its upstream runs, or `None`. One query, in the
+/// gate's transaction, only for a policy with `after`.
+pub async fn after_hold(
+    state: &AppState,
+    tx: &mut sqlx::PgConnection,
+    policy: &str,
+    window: DateTime<Utc>,
+) -> sqlx::Result<Option<String>> {
+    let Some(p) = state.config.policy(policy).filter(|p| !p.after.is_empty()) else {
+        return Ok(None);
+    };
+    let upstream = crate::policy::stages::upstream_runs(p, &state.config.policies, window);
+    let ids: Vec<String> = upstream.iter().filter_map(|(_, r)| r.clone()).collect();
+    let status = crate::ledger::runs::statuses(tx, &ids).await?;
+    Ok(crate::policy::stages::waits_for(p, &upstream, &status))
+}

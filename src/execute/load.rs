@@ -20,7 +20,12 @@ pub(super) async fn load(
     if let Some(step) = gate(state, &c, command_id, executor)? {
         return Ok(step);
     }
-    if let Some(step) = held(state, &c, executor, pace_wait) {
+    let after = if c.dry_run {
+        None
+    } else {
+        holds::after_hold(state, tx, &c.policy, c.window_at).await?
+    };
+    if let Some(step) = held(state, &c, executor, pace_wait, after) {
         return Ok(step);
     }
     let rules = rules_for(state, tx, &c).await?;
@@ -246,9 +251,16 @@ fn gate(
 }
 
 /// The holds of DESIGN §14 on a command the gate let through, in precedence order: the identity
-/// guard, the blast-radius guard's approval, active hours, the governor, then the pace's later
-/// start (`pace_wait` seconds away). `None`: it runs now.
-fn held(state: &AppState, c: &LockedCommand, executor: Executor, pace_wait: f64) -> Option<Step> {
+/// guard, the blast-radius guard's approval, a stage's upstream runs (`after`: why it waits),
+/// active hours, the governor, then the pace's later start (`pace_wait` seconds away). `None`:
+/// it runs now.
+fn held(
+    state: &AppState,
+    c: &LockedCommand,
+    executor: Executor,
+    pace_wait: f64,
+    after: Option<String>,
+) -> Option<Step> {
     // The attempt this try was counted as is given back.
     let attempts = match executor {
         Executor::Delivery => c.attempts,
@@ -284,6 +296,9 @@ fn held(state: &AppState, c: &LockedCommand, executor: Executor, pace_wait: f64)
             );
         }
         _ => {}
+    }
+    if let Some(why) = after {
+        return hold(HoldKind::After, why, None);
     }
     if let Some(h) = holds::policy_hold(state, &c.policy) {
         let recheck = h

@@ -349,3 +349,18 @@ pub async fn unfinished_commands(
     .fetch_one(pool)
     .await
 }
+
+/// The statuses of the runs `run_ids` that exist: run id → status.
+pub async fn statuses(
+    conn: &mut PgConnection,
+    run_ids: &[String],
+) -> sqlx::Result<std::collections::HashMap<String, String>> {
+    Ok(
+        sqlx::query_as("select run_id, status from sweeper.runs where run_id = any($1)")
+            .bind(run_ids)
+            .fetch_all(conn)
+            .await?
+            .into_iter()
+            .collect(),
+    )
+}

@@ -22,6 +22,7 @@ mod rules;
 pub mod safety;
 pub mod select;
 mod spec;
+pub mod stages;
 mod template;
 mod written;
 
@@ -62,6 +63,11 @@ pub struct Policy {
     pub exclusion_literals: Vec<Vec<Literal>>,
     /// When its work may run (not part of the version).
     pub safety: Safety,
+    /// Policies whose run of the same window must complete before this one's executes
+    /// ([`stages`]; not part of the version).
+    pub after: Vec<String>,
+    /// Whether an upstream run `completed_with_dead_letters` releases it.
+    pub after_allows_dead_letters: bool,
 }
 
 /// A policy's production-safety controls (DESIGN §14 "Holds"), validated.
@@ -382,6 +388,8 @@ impl Policy {
             max_concurrent_commands,
             exclusion_literals,
             safety,
+            after: c.after,
+            after_allows_dead_letters: c.after_allows_dead_letters,
         })
     }
 

@@ -28,6 +28,12 @@ pub struct PolicyConfig {
     /// A selection policy may use `delete_rows` only with `allow_delete = true`.
     #[serde(default)]
     pub allow_delete: bool,
+    /// Policies whose run of the same window must complete first (see [`super::stages`]).
+    #[serde(default)]
+    pub after: Vec<String>,
+    /// An upstream run `completed_with_dead_letters` releases this one too (default false).
+    #[serde(default)]
+    pub after_allows_dead_letters: bool,
     /// Exclusions.
     #[serde(default)]
     pub exclude: Vec<ExclusionConfig>,

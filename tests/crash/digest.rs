@@ -80,7 +80,9 @@ async fn a_crash_after_the_digest_call_repeats_it_once_with_the_same_key() {
     let calls = api_standin.calls();
     let mut per_key: BTreeMap<String, usize> = BTreeMap::new();
     for c in &calls {
-        *per_key.entry(c.idempotency_key.clone().unwrap()).or_default() += 1;
+        *per_key
+            .entry(c.idempotency_key.clone().unwrap())
+            .or_default() += 1;
     }
     eprintln!("calls by idempotency key: {per_key:?}");
     let key = |i: i64| format!("support-digest:{WINDOW}:{i}");

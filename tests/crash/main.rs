@@ -7,12 +7,12 @@
 #[allow(dead_code, unused_imports)]
 #[path = "../integration/common.rs"]
 mod common;
+mod digest;
 #[path = "../integration/emulator.rs"]
 mod emulator;
 #[allow(dead_code)]
 #[path = "../integration/ext_common.rs"]
 mod ext_common;
-mod digest;
 mod external;
 #[allow(dead_code)]
 #[path = "../kit/mod.rs"]

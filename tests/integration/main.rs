@@ -25,6 +25,7 @@ mod safety;
 mod scenarios;
 mod schema_blip;
 mod selection;
+mod stages;
 mod standby;
 mod standin;
 mod tokens;

@@ -79,10 +79,13 @@ pub(super) use ledger::StoppedCommand;
 /// (null when its policy has no guard).
 async fn run_held(
     state: &AppState,
-    run_id: &str,
-    policy: &str,
-    status: &str,
+    run: &ledger::Run,
 ) -> Result<(Option<serde_json::Value>, serde_json::Value), Problem> {
+    let (run_id, policy, status) = (
+        run.run_id.as_str(),
+        run.policy.as_str(),
+        run.status.as_str(),
+    );
     let a = ledger::runs::approval(&state.pool, run_id).await?;
     let (approval, verdict, changed_at) =
         (a.approval.clone(), a.guard_verdict.clone(), a.changed_at);
@@ -132,6 +135,14 @@ async fn run_held(
         }
         _ => {}
     }
+    if !run.dry_run {
+        let mut conn = state.pool.acquire().await?;
+        if let Some(why) =
+            crate::execute::holds::after_hold(state, &mut conn, policy, run.window_at).await?
+        {
+            return Ok((held("after", why, Some(a.created_at)), approval_body));
+        }
+    }
     let recorded = ledger::run_hold(
         &state.pool,
         run_id,
@@ -174,7 +185,7 @@ pub async fn get_run(
     .bind(&run_id)
     .fetch_optional(&state.pool)
     .await?;
-    let (held, approval) = run_held(&state, &run_id, &run.policy, &run.status).await?;
+    let (held, approval) = run_held(&state, &run).await?;
     let verdict = replay_verdict(&state, &run_id).await?;
     let open = crate::ledger::dead_letter::list(
         &state.pool,
