@@ -73,10 +73,13 @@ pub(super) struct PlanningState {
 pub(super) use ledger::StoppedCommand;
 
 /// The run's `held` object (DESIGN §14): the first hold that applies, in precedence order —
-/// the identity guard, the policy's suspension, the blast-radius guard's approval, then what its
+/// the identity guard, the policy's suspension, the blast-radius guard's approval, a stage's
+/// upstream runs (`after`), then what its
 /// commands or planning job recorded (schema, policy change, active hours, governor, pace), then
 /// what this replica sees now (active hours, the governor) — or null; and its `approval` object
 /// (null when its policy has no guard).
+// Over 80 lines: the run's holds in DESIGN §14's precedence, each an early return that shares
+// the one `held` shape.
 async fn run_held(
     state: &AppState,
     run: &ledger::Run,
