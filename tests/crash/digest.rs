@@ -8,7 +8,6 @@ use sqlx::PgPool;
 
 use super::{advance, api};
 use crate::common::*;
-use crate::ext_common::dependency;
 use crate::kit::process::{Launch, Server};
 use crate::standin::{StandIn, ok};
 
@@ -28,23 +27,7 @@ insert into crm.customers (id, email, status) values
     (3, 'c@example.com', 'active'), (4, 'd@example.com', 'inactive')";
 
 fn policies(url: &str) -> String {
-    dependency("digests", url, "")
-        + r#"
-[[policy]]
-name = "support-digest"
-schedule = { cron = "0 9 * * 1", timezone = "UTC" }
-target = { table = "crm.customers", key = "id", timestamp = "created_at" }
-select = [ { column = "status", equals = "active" } ]
-batch_size = 10
-[policy.action]
-kind = "http"
-dependency = "digests"
-method = "POST"
-path = "/digests/{id}"
-body = '{"to": "{email}"}'
-once_per = "window"
-then = "nothing"
-"#
+    crate::kit::digest::digest_policy(url, 10)
 }
 
 #[tokio::test]

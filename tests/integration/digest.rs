@@ -6,7 +6,6 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::common::*;
-use crate::ext_common::dependency;
 use crate::standin::{StandIn, ok};
 
 /// Monday 2026-09-07 09:01 UTC: the window is 09:00 that day.
@@ -29,23 +28,7 @@ insert into crm.customers (id, email, status) values
     (5, 'e@example.com', null)";
 
 fn digest_policy(url: &str) -> String {
-    dependency("digests", url, "")
-        + r#"
-[[policy]]
-name = "support-digest"
-schedule = { cron = "0 9 * * 1", timezone = "UTC" }
-target = { table = "crm.customers", key = "id", timestamp = "created_at" }
-select = [ { column = "status", equals = "active" } ]
-batch_size = 2
-[policy.action]
-kind = "http"
-dependency = "digests"
-method = "POST"
-path = "/digests/{id}"
-body = '{"to": "{email}"}'
-once_per = "window"
-then = "nothing"
-"#
+    crate::kit::digest::digest_policy(url, 2)
 }
 
 async fn spawn(workers: usize, policies: String) -> TestApp {

@@ -9,5 +9,6 @@
 pub mod client;
 pub mod cluster;
 pub mod db;
+pub mod digest;
 pub mod ledger;
 pub mod process;
