@@ -23,3 +23,4 @@ pub mod state;
 pub mod transport;
 pub mod trigger;
 pub mod window;
+pub mod windows;

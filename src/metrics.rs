@@ -5,7 +5,7 @@
 //! same numbers and nothing resets on restart: dead letters open and the age of the oldest,
 //! quarantined total (dead letters are never purged, so their count only grows), commands by
 //! state, the age of the oldest due command, runs by status, planning jobs whose last page
-//! failed, last successful run per policy.
+//! failed, last successful run and missed windows per policy.
 
 use std::sync::OnceLock;
 
@@ -31,6 +31,7 @@ pub const SERIES: &[&str] = &[
     "sweeper_runs",
     "sweeper_planning_jobs_failing",
     "sweeper_last_successful_run_timestamp_seconds",
+    "sweeper_missed_windows",
     "sweeper_held_at_planning",
     "sweeper_held",
     "sweeper_held_overdue",
@@ -166,7 +167,8 @@ pub fn consume_unknown_command() {
 /// The ledger-wide values go through a recorder local to this scrape, so concurrent scrapes
 /// (or several applications in one test process) cannot mix their numbers.
 ///
-/// `policies` are the configured policies: each has a
+/// `policies` are the configured policies with their missed windows among their latest 1,000
+/// ticks (`sweeper_missed_windows`, [`crate::windows`]): each has a
 /// `sweeper_last_successful_run_timestamp_seconds`, 0 until its first successful run.
 ///
 /// `hold_alert_after` (seconds) makes held work overdue (`sweeper_held_overdue`; never an
@@ -176,7 +178,7 @@ pub fn consume_unknown_command() {
 // Over 80 lines: one block per metric family, in the order of the exposition.
 pub async fn render(
     pool: &PgPool,
-    policies: &[&str],
+    policies: &[(&str, usize)],
     hold_alert_after: i64,
     held_policies: (&[String], &[String]),
 ) -> sqlx::Result<String> {
@@ -296,7 +298,8 @@ pub async fn render(
             gauge!("sweeper_held_at_planning", "policy" => policy.clone(), "reason" => reason.clone())
                 .set(*n as f64);
         }
-        for policy in policies {
+        for (policy, missed) in policies {
+            gauge!("sweeper_missed_windows", "policy" => policy.to_string()).set(*missed as f64);
             let at = last
                 .iter()
                 .find(|(p, _)| p == policy)

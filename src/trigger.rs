@@ -176,7 +176,9 @@ fn resolve_window(
         .ok_or_else(|| TriggerError::BadWindow("the schedule has no tick yet".into()))
 }
 
-async fn create_run(
+/// Creates the run of `window` with `cutoff` (or finds the one that exists): the trigger's
+/// path and a backfill's.
+pub async fn create_run(
     state: &AppState,
     policy: &Policy,
     window: DateTime<Utc>,

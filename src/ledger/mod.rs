@@ -22,6 +22,7 @@ pub mod planning;
 pub mod queue;
 pub mod runs;
 pub mod states;
+pub mod windows;
 
 pub use states::{CommandState, RunStatus};
 

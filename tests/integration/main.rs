@@ -31,3 +31,4 @@ mod standin;
 mod tokens;
 mod trigger;
 mod visibility;
+mod windows;

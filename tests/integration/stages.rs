@@ -12,7 +12,7 @@ use crate::standin::{StandIn, ok};
 
 const NOW: &str = "2026-09-07T09:01:00Z";
 
-const SETUP: &str = "
+pub(crate) const SETUP: &str = "
 create schema crm;
 create table crm.customers (
     id bigint primary key,
@@ -31,7 +31,7 @@ insert into crm.digest_items
     select g, 1 + g % 2, timestamptz '2026-09-07T09:00:00Z' - make_interval(days => g)
       from generate_series(1, 20) g";
 
-fn policies(url: &str, cleanup_extra: &str) -> String {
+pub(crate) fn policies(url: &str, cleanup_extra: &str) -> String {
     dependency("digests", url, "retry = { base = \"1s\", cap = \"2s\" }")
         + &format!(
             r#"
@@ -59,7 +59,7 @@ after = ["support-digest"]
         )
 }
 
-async fn items(app: &TestApp) -> i64 {
+pub(crate) async fn items(app: &TestApp) -> i64 {
     sqlx::query_scalar("select count(*) from crm.digest_items")
         .fetch_one(&app.pool)
         .await

@@ -185,6 +185,30 @@ impl Client {
         .await
     }
 
+    /// `GET /policies/{policy}/windows{query}` (200).
+    pub async fn windows(&self, policy: &str, query: &str) -> Value {
+        self.expect(
+            200,
+            Method::GET,
+            &format!("/policies/{policy}/windows{query}"),
+            None,
+        )
+        .await
+    }
+
+    /// `POST /policies/{policy}/backfill` with `body` (a `reason` is added when absent).
+    pub async fn backfill(&self, policy: &str, mut body: Value) -> Answer {
+        if body.get("reason").is_none() {
+            body["reason"] = json!("the scheduler skipped it");
+        }
+        self.send(
+            Method::POST,
+            &format!("/policies/{policy}/backfill"),
+            Some(body),
+        )
+        .await
+    }
+
     /// `GET /dead-letters{query}` (200): the `dead_letters` array.
     pub async fn dead_letters(&self, query: &str) -> Vec<Value> {
         let body = self

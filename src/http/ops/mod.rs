@@ -18,6 +18,7 @@ mod dead_letters;
 mod probes;
 mod runs;
 mod safety;
+mod windows;
 
 pub use acts::{accept_identity, approve_run, cancel_run, resume_policy, suspend_policy};
 pub use dead_letters::{
@@ -27,6 +28,7 @@ pub use dead_letters::{
 pub use probes::{healthz, metrics, policies, readyz};
 pub use runs::{get_run, list_runs, run_items};
 pub use safety::{governor, guard};
+pub use windows::{backfill, policy_windows};
 
 // Helpers the endpoint groups share.
 #[allow(unused_imports)]

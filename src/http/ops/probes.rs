@@ -124,6 +124,13 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         .iter()
         .map(|p| p.name.as_str())
         .collect();
+    let mut with_missed = Vec::with_capacity(policies.len());
+    for p in &state.config.policies {
+        match crate::windows::missed_recently(&state, p).await {
+            Ok(n) => with_missed.push((p.name.as_str(), n)),
+            Err(e) => return Problem::unavailable(e, 5).into_response(),
+        }
+    }
     let (mut hours, mut governor) = (Vec::new(), Vec::new());
     for p in &policies {
         match crate::execute::holds::policy_hold(&state, p).map(|h| h.kind) {
@@ -134,7 +141,7 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
     }
     match crate::metrics::render(
         &state.pool,
-        &policies,
+        &with_missed,
         state.config.ledger.hold_alert_after.seconds(),
         (&hours, &governor),
     )
