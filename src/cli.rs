@@ -63,16 +63,22 @@ pub enum Command {
         #[arg(long)]
         issuer: Option<String>,
     },
-    /// Create a demo database with 200,000 support tickets, start the server, trigger a run over
-    /// HTTP as a cron would, wait for it and print a report.
+    /// Create a demo database (200,000 support tickets, or with `--scenario digest` customers
+    /// and digest data), start the server, trigger runs over HTTP as a cron would, wait for them
+    /// and print a report.
     Quickstart {
+        /// Which job: `retention` (200,000 support tickets, `ticket-retention`) or `digest`
+        /// (the weekly support digest to active customers, then its cleanup stage, with a
+        /// worker restart mid-digest).
+        #[arg(long, value_enum, default_value_t = crate::quickstart::Scenario::Retention)]
+        scenario: crate::quickstart::Scenario,
         /// Stop after the report; the last stdout line is a JSON summary.
         #[arg(long)]
         exit: bool,
         /// Port to serve on (0 picks a free one).
         #[arg(long, default_value_t = 0)]
         port: u16,
-        /// Tickets to seed.
+        /// Tickets to seed (retention scenario).
         #[arg(long, default_value_t = 200_000)]
         rows: i64,
     },
@@ -272,8 +278,19 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
-        Command::Quickstart { exit, port, rows } => {
-            crate::quickstart::run(crate::quickstart::Options { exit, port, rows }).await?;
+        Command::Quickstart {
+            scenario,
+            exit,
+            port,
+            rows,
+        } => {
+            crate::quickstart::run(crate::quickstart::Options {
+                scenario,
+                exit,
+                port,
+                rows,
+            })
+            .await?;
             Ok(ExitCode::SUCCESS)
         }
     }

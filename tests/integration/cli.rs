@@ -650,3 +650,52 @@ async fn every_documented_series_is_exported_from_start_up() {
         );
     }
 }
+
+/// The digest quick start, as the README runs it: each active customer gets one digest for the
+/// week across the server's abort and restart, the cleanup leaves nothing eligible, no window is
+/// missed; a second run in a row reports the same.
+#[tokio::test]
+async fn the_digest_quick_start_sends_each_digest_once_and_a_second_run_reports_the_same() {
+    let mut reports = Vec::new();
+    for _ in 0..2 {
+        let out = sweeper(&["quickstart", "--scenario", "digest", "--exit"])
+            .env("DATABASE_URL", crate::kit::db::server_url())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let last = stdout.lines().last().unwrap_or("");
+        let r: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"));
+        assert_eq!(r["duplicate_digests"], 0, "{r}");
+        assert_eq!(r["digests_sent"], r["active_customers"], "{r}");
+        assert_eq!(r["called"], r["active_customers"], "{r}");
+        assert_eq!(r["remaining_eligible"], 0, "{r}");
+        assert_eq!(r["digest_remaining_eligible"], 0, "{r}");
+        assert_eq!(r["missed_windows"], 0, "{r}");
+        assert_eq!(r["digest_status"], "completed", "{r}");
+        assert_eq!(r["cleanup_status"], "completed", "{r}");
+        assert!(r["active_customers"].as_i64().unwrap() > 200, "{r}");
+        assert!(r["cleanup_deleted"].as_i64().unwrap() > 0, "{r}");
+        // The stand-in failed calls (503s and one 429) and the abort came mid-digest.
+        assert!(r["failed_calls"].as_i64().unwrap() >= 2, "{r}");
+        let at_abort = r["digests_at_abort"].as_i64().unwrap();
+        assert!(
+            at_abort > 0 && at_abort < r["active_customers"].as_i64().unwrap(),
+            "{r}"
+        );
+        reports.push(r);
+    }
+    for k in [
+        "window",
+        "active_customers",
+        "digests_sent",
+        "cleanup_deleted",
+        "cleanup_cutoff",
+    ] {
+        assert_eq!(reports[0][k], reports[1][k], "{k}: {reports:?}");
+    }
+}

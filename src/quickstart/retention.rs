@@ -1,37 +1,18 @@
-//! `sweeper quickstart`: the main job on real input, end to end.
-//!
-//! On the PostgreSQL server named by `DATABASE_URL` (default
-//! [`DEFAULT_SERVER_URL`]) it drops and recreates its own database, [`DEMO_DATABASE`] (and never
-//! touches another), seeds `demo.tickets` with a support-desk dataset, starts the real server on a
-//! local port, mints a token, triggers `ticket-retention` over HTTP for the latest tick as a cron
-//! would, waits for the run, and prints a report.
+//! The retention quick start (the default scenario): `demo.tickets` in [`DEMO_DATABASE`],
+//! `ticket-retention` triggered over HTTP for the latest tick as a cron would, the run waited
+//! for, a report printed.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use anyhow::{Context, bail};
-use serde_json::{Value, json};
-use sqlx::{Connection, PgConnection};
-use tokio_util::sync::CancellationToken;
+use anyhow::Context;
+use serde_json::json;
+use sqlx::PgConnection;
 
-use crate::app::Application;
-use crate::settings::Config;
+use super::{Demo, Options};
 
-/// The server used when `DATABASE_URL` is not set.
-pub const DEFAULT_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
-/// The database quickstart owns: dropped and recreated on every run.
+/// The database the retention quick start owns: dropped and recreated on every run.
 pub const DEMO_DATABASE: &str = "sweeper_quickstart";
-
-/// Options of `sweeper quickstart`.
-#[derive(Debug, Clone)]
-pub struct Options {
-    /// Stop after the report, printing a JSON summary as the last stdout line.
-    pub exit: bool,
-    /// Port to serve on; 0 picks a free one.
-    pub port: u16,
-    /// Tickets to seed.
-    pub rows: i64,
-}
 
 /// The demo policy, as an operator would write it.
 const POLICY: &str = r#"
@@ -49,18 +30,13 @@ batch_size = 250
 // Over 80 lines: a script read top to bottom (database, schema, seed, serve, trigger, consume,
 // report), each step a few lines that share its locals.
 pub async fn run(opts: Options) -> anyhow::Result<()> {
-    let server_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_SERVER_URL.into());
-    let mut demo_url = url::Url::parse(&server_url).context("DATABASE_URL is not a URL")?;
-    demo_url.set_path(&format!("/{DEMO_DATABASE}"));
-
     println!("== sweeper quickstart ==");
     println!(
         "creating database {DEMO_DATABASE} with {} support tickets ...",
         opts.rows
     );
     let t_seed = Instant::now();
-    recreate_database(&server_url).await?;
-    let mut conn = PgConnection::connect(demo_url.as_str()).await?;
+    let (mut conn, demo_url) = super::recreate_database(DEMO_DATABASE).await?;
     seed(&mut conn, opts.rows).await?;
     let before = counts(&mut conn).await?;
     println!(
@@ -70,77 +46,22 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         before.1
     );
 
-    // A fresh random HS256 secret for this session only.
-    let secret = hex::encode(rand::random::<[u8; 32]>());
-    let toml = format!(
-        "database_url = \"{demo}\"\nlisten = \"127.0.0.1:{port}\"\n\
-         [queue]\nworkers = 2\n\
-         [[auth.issuer]]\niss = \"sweeper-quickstart\"\naudience = \"sweeper\"\n\
-         keys = [ {{ kid = \"quickstart\", secret = \"{secret}\" }} ]\n{POLICY}",
-        demo = demo_url,
-        port = opts.port,
-    );
-    // From the text alone: a deployment's SWEEPER_* or DATABASE_URL must not redirect it.
-    let config = Config::from_toml(&toml).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let issuer = config.credentials.issuers[0].clone();
-    let app = Application::build(config).await?;
-    let base = format!("http://127.0.0.1:{}", app.port());
-    let shutdown = CancellationToken::new();
-    let server = tokio::spawn(app.run_until(shutdown.clone()));
-
-    let token = crate::auth::mint(
-        &issuer,
-        "quickstart",
-        &[
-            "trigger:*".into(),
-            "ops:read".into(),
-            "ops:write".into(),
-            "consume".into(),
-        ],
-        3_600,
-    )?;
-    let client = reqwest::Client::new();
+    let demo = Demo::start(
+        &demo_url,
+        opts.port,
+        &format!("[queue]\nworkers = 2\n{POLICY}"),
+    )
+    .await?;
     let schedule = crate::window::Schedule::new("0 2 * * *", "UTC").map_err(anyhow::Error::msg)?;
     let window = schedule
         .latest_tick_at_or_before(chrono::Utc::now())
         .context("no tick yet")?;
-    let window_s = crate::window::format(window);
-    println!("POST {base}/trigger/ticket-retention?window={window_s}");
-    let resp = client
-        .post(format!("{base}/trigger/ticket-retention?window={window_s}"))
-        .bearer_auth(&token)
-        .send()
-        .await?;
-    let status = resp.status();
-    let run: Value = resp.json().await?;
-    if !status.is_success() {
-        bail!("trigger answered {status}: {run}");
-    }
-    let run_id = run["run_id"].as_str().context("no run_id")?.to_string();
-    println!(
-        "-> {status}: run {run_id}, cutoff {}",
-        run["cutoff"].as_str().unwrap_or("?")
-    );
-
     let started = Instant::now();
-    let run = loop {
-        let r: Value = client
-            .get(format!("{base}/runs/{run_id}"))
-            .bearer_auth(&token)
-            .send()
-            .await?
-            .error_for_status()?
-            .json()
-            .await?;
-        let s = r["status"].as_str().unwrap_or("");
-        if crate::ledger::is_terminal_run_status(s) {
-            break r;
-        }
-        if started.elapsed() > Duration::from_secs(600) {
-            bail!("the run did not finish within 10 minutes: {r}");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let run = demo
+        .trigger("ticket-retention", &crate::window::format(window))
+        .await?;
+    let run_id = run["run_id"].as_str().context("no run_id")?.to_string();
+    let run = demo.wait_terminal(&run_id).await?;
 
     let after = counts(&mut conn).await?;
     let audit_deleted: i64 = sqlx::query_scalar(
@@ -218,41 +139,15 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         "database_url": safe_url.as_str(),
     });
 
-    if opts.exit {
-        shutdown.cancel();
-        server.await??;
-    } else {
-        println!();
-        println!("sweeper keeps serving on {base} until Ctrl-C. Try:");
-        println!("  export TOKEN={token}");
-        println!("  curl -s -H \"Authorization: Bearer $TOKEN\" {base}/runs/{run_id}");
-        println!(
-            "  curl -s -H \"Authorization: Bearer $TOKEN\" '{base}/runs/{run_id}/items?limit=5'"
-        );
-        println!("  curl -s -H \"Authorization: Bearer $TOKEN\" {base}/policies");
-        println!(
-            "  curl -s -X POST -H \"Authorization: Bearer $TOKEN\" '{base}/trigger/ticket-retention?dry_run=true'"
-        );
-        crate::app::shutdown_on_signal(shutdown.clone()).await;
-        server.await??;
-    }
+    let (base, q) = (demo.base.clone(), "-H \"Authorization: Bearer $TOKEN\"");
+    let hints = [
+        format!("curl -s {q} {base}/runs/{run_id}"),
+        format!("curl -s {q} '{base}/runs/{run_id}/items?limit=5'"),
+        format!("curl -s {q} {base}/policies"),
+        format!("curl -s -X POST {q} '{base}/trigger/ticket-retention?dry_run=true'"),
+    ];
+    demo.finish(opts.exit, &hints).await?;
     println!("{summary}");
-    Ok(())
-}
-
-async fn recreate_database(server_url: &str) -> anyhow::Result<()> {
-    let mut admin = PgConnection::connect(server_url)
-        .await
-        .with_context(|| "cannot connect to the PostgreSQL server in DATABASE_URL".to_string())?;
-    // The name is a constant: only sweeper's own demo database is ever dropped.
-    sqlx::query(&format!(
-        "drop database if exists {DEMO_DATABASE} with (force)"
-    ))
-    .execute(&mut admin)
-    .await?;
-    sqlx::query(&format!("create database {DEMO_DATABASE}"))
-        .execute(&mut admin)
-        .await?;
     Ok(())
 }
 

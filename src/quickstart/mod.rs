@@ -1,0 +1,223 @@
+//! `sweeper quickstart`: the main jobs on real input, end to end.
+//!
+//! Each scenario owns one database on the PostgreSQL server named by `DATABASE_URL` (default
+//! [`DEFAULT_SERVER_URL`]), drops and recreates it (and never touches another), seeds it, starts
+//! the real server on a local port, mints a token, triggers its policies over HTTP as a cron
+//! would, waits for the runs and prints a report:
+//! - `retention` ([`retention`], the default): `ticket-retention` over `demo.tickets` in
+//!   `sweeper_quickstart`;
+//! - `digest` ([`digest`]): the weekly support digest and its cleanup stage in
+//!   `sweeper_quickstart_digest`, against a local digest API over real HTTP.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::Value;
+use sqlx::{Connection, PgConnection};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::app::Application;
+use crate::settings::Config;
+
+pub mod digest;
+mod digest_api;
+pub mod retention;
+
+pub use retention::DEMO_DATABASE;
+
+/// The server used when `DATABASE_URL` is not set.
+pub const DEFAULT_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+/// Which job the quick start shows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenario {
+    /// Ticket retention: delete closed tickets past 90 days, exclusions held.
+    #[default]
+    Retention,
+    /// The weekly support digest: one call per active customer and week, then the cleanup of
+    /// the digest data, a worker restart in the middle.
+    Digest,
+}
+
+/// Options of `sweeper quickstart`.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Which job.
+    pub scenario: Scenario,
+    /// Stop after the report, printing a JSON summary as the last stdout line.
+    pub exit: bool,
+    /// Port to serve on; 0 picks a free one.
+    pub port: u16,
+    /// Tickets to seed (retention scenario).
+    pub rows: i64,
+}
+
+/// Runs the chosen scenario.
+pub async fn run(opts: Options) -> anyhow::Result<()> {
+    match opts.scenario {
+        Scenario::Retention => retention::run(opts).await,
+        Scenario::Digest => digest::run(opts).await,
+    }
+}
+
+/// The server URL from `DATABASE_URL` and the URL of the scenario's own `database` on it.
+fn urls(database: &str) -> anyhow::Result<(String, url::Url)> {
+    let server_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_SERVER_URL.into());
+    let mut demo_url = url::Url::parse(&server_url).context("DATABASE_URL is not a URL")?;
+    demo_url.set_path(&format!("/{database}"));
+    Ok((server_url, demo_url))
+}
+
+/// Drops and recreates `database` (a constant of this module: only a quick start's own database
+/// is ever dropped) and connects to it.
+async fn recreate_database(database: &'static str) -> anyhow::Result<(PgConnection, url::Url)> {
+    let (server_url, demo_url) = urls(database)?;
+    let mut admin = PgConnection::connect(&server_url)
+        .await
+        .with_context(|| "cannot connect to the PostgreSQL server in DATABASE_URL".to_string())?;
+    sqlx::query(&format!("drop database if exists {database} with (force)"))
+        .execute(&mut admin)
+        .await?;
+    sqlx::query(&format!("create database {database}"))
+        .execute(&mut admin)
+        .await?;
+    let conn = PgConnection::connect(demo_url.as_str()).await?;
+    Ok((conn, demo_url))
+}
+
+/// A quick start's running server and a client with an all-scopes token for it.
+pub(super) struct Demo {
+    /// `http://127.0.0.1:{port}`.
+    pub base: String,
+    /// Bearer token (1 h) with every scope.
+    pub token: String,
+    /// The HTTP client.
+    pub client: reqwest::Client,
+    toml: String,
+    shutdown: CancellationToken,
+    server: JoinHandle<anyhow::Result<()>>,
+}
+
+impl Demo {
+    /// Starts the server on `database_url` with `port` and the configuration `rest` (queue,
+    /// dependencies, policies), a fresh random HS256 secret for this session only.
+    pub async fn start(database_url: &url::Url, port: u16, rest: &str) -> anyhow::Result<Demo> {
+        let secret = hex::encode(rand::random::<[u8; 32]>());
+        let toml = format!(
+            "database_url = \"{database_url}\"\nlisten = \"127.0.0.1:{port}\"\n{rest}\n\
+             [[auth.issuer]]\niss = \"sweeper-quickstart\"\naudience = \"sweeper\"\n\
+             keys = [ {{ kid = \"quickstart\", secret = \"{secret}\" }} ]\n",
+        );
+        // From the text alone: a deployment's SWEEPER_* or DATABASE_URL must not redirect it.
+        let config = Config::from_toml(&toml).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let token = crate::auth::mint(
+            &config.credentials.issuers[0],
+            "quickstart",
+            &[
+                "trigger:*".into(),
+                "ops:read".into(),
+                "ops:write".into(),
+                "consume".into(),
+            ],
+            3_600,
+        )?;
+        let (base, shutdown, server) = serve(config).await?;
+        Ok(Demo {
+            base,
+            token,
+            client: reqwest::Client::new(),
+            toml,
+            shutdown,
+            server,
+        })
+    }
+
+    /// Aborts the server as a crash would (its workers' calls and transactions in flight are
+    /// dropped, their leases left to expire) and starts a new one on the same configuration.
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        self.server.abort();
+        let _ = (&mut self.server).await;
+        let config = Config::from_toml(&self.toml).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let (base, shutdown, server) = serve(config).await?;
+        (self.base, self.shutdown, self.server) = (base, shutdown, server);
+        Ok(())
+    }
+
+    /// `POST /trigger/{policy}?window={window}`: the new (or existing) run.
+    pub async fn trigger(&self, policy: &str, window: &str) -> anyhow::Result<Value> {
+        let url = format!("{}/trigger/{policy}?window={window}", self.base);
+        let resp = self
+            .client
+            .post(&url)
+            .bearer_auth(&self.token)
+            .send()
+            .await?;
+        let status = resp.status();
+        let run: Value = resp.json().await?;
+        if !status.is_success() {
+            bail!("trigger answered {status}: {run}");
+        }
+        println!(
+            "POST {url}\n-> {status}: run {}, cutoff {}",
+            run["run_id"].as_str().unwrap_or("?"),
+            run["cutoff"].as_str().unwrap_or("?")
+        );
+        Ok(run)
+    }
+
+    /// `GET {path}` as JSON (a non-2xx answer is an error).
+    pub async fn get(&self, path: &str) -> anyhow::Result<Value> {
+        Ok(self
+            .client
+            .get(format!("{}{path}", self.base))
+            .bearer_auth(&self.token)
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?)
+    }
+
+    /// Polls `GET /runs/{run_id}` until the run is terminal (at most 10 minutes).
+    pub async fn wait_terminal(&self, run_id: &str) -> anyhow::Result<Value> {
+        let started = Instant::now();
+        loop {
+            let r = self.get(&format!("/runs/{run_id}")).await?;
+            if crate::ledger::is_terminal_run_status(r["status"].as_str().unwrap_or("")) {
+                return Ok(r);
+            }
+            if started.elapsed() > Duration::from_secs(600) {
+                bail!("the run did not finish within 10 minutes: {r}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// With `exit`, stops the server; else prints `hints` (curl lines, `$TOKEN` exported first)
+    /// and serves until Ctrl-C.
+    pub async fn finish(self, exit: bool, hints: &[String]) -> anyhow::Result<()> {
+        if !exit {
+            println!();
+            println!("sweeper keeps serving on {} until Ctrl-C. Try:", self.base);
+            println!("  export TOKEN={}", self.token);
+            for h in hints {
+                println!("  {h}");
+            }
+            crate::app::shutdown_on_signal(self.shutdown.clone()).await;
+        }
+        self.shutdown.cancel();
+        self.server.await??;
+        Ok(())
+    }
+}
+
+async fn serve(
+    config: Config,
+) -> anyhow::Result<(String, CancellationToken, JoinHandle<anyhow::Result<()>>)> {
+    let app = Application::build(config).await?;
+    let base = format!("http://127.0.0.1:{}", app.port());
+    let shutdown = CancellationToken::new();
+    let server = tokio::spawn(app.run_until(shutdown.clone()));
+    Ok((base, shutdown, server))
+}
