@@ -45,8 +45,9 @@ fn missed_metric(metrics: &str, policy: &str) -> String {
         .to_string()
 }
 
-#[tokio::test]
-async fn a_skipped_week_shows_missed_and_its_backfill_uses_that_weeks_key_and_cutoff() {
+/// A digest API that answers every call, and an app whose digest and cleanup of week 1
+/// (`2026-09-07T09:00:00Z`) both completed.
+async fn week_one_done() -> (StandIn, TestApp) {
     let api = StandIn::start(Duration::ZERO, |_, _| ok()).await;
     let app = TestApp::spawn(Spawn {
         setup_sql: SETUP,
@@ -60,6 +61,12 @@ async fn a_skipped_week_shows_missed_and_its_backfill_uses_that_weeks_key_and_cu
         let run = app.api.trigger_new(p, "").await;
         assert_eq!(app.wait_terminal(&run).await["status"], "completed");
     }
+    (api, app)
+}
+
+#[tokio::test]
+async fn a_skipped_week_shows_missed_and_its_backfill_uses_that_weeks_key_and_cutoff() {
+    let (api, app) = week_one_done().await;
     assert_eq!(
         items(&app).await,
         14,
@@ -181,19 +188,7 @@ async fn a_skipped_week_shows_missed_and_its_backfill_uses_that_weeks_key_and_cu
 
 #[tokio::test]
 async fn a_week_skipped_while_suspended_is_backfilled_only_when_named() {
-    let api = StandIn::start(Duration::ZERO, |_, _| ok()).await;
-    let app = TestApp::spawn(Spawn {
-        setup_sql: SETUP,
-        now: Some(at("2026-09-07T09:01:00Z")),
-        policies: policies(&api.url(), ""),
-        workers: 2,
-        ..Default::default()
-    })
-    .await;
-    for p in ["support-digest", "support-digest-cleanup"] {
-        let run = app.api.trigger_new(p, "").await;
-        assert_eq!(app.wait_terminal(&run).await["status"], "completed");
-    }
+    let (_api, app) = week_one_done().await;
     app.api
         .suspend("support-digest", "the desk is closed next week")
         .await;
