@@ -9,8 +9,8 @@
 
 use std::sync::OnceLock;
 
-use metrics::{counter, gauge};
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use sqlx::PgPool;
 
 use crate::retry::FailureClass;
@@ -41,6 +41,23 @@ pub const SERIES: &[&str] = &[
     "sweeper_consume_unknown_commands_total",
     "sweeper_dependency_calls_total",
     "sweeper_dependency_pauses_total",
+    "sweeper_held_runs",
+    "sweeper_items_total",
+    "sweeper_trigger_lag_seconds",
+    "sweeper_consume_duration_seconds",
+    "sweeper_run_duration_seconds",
+];
+
+/// Buckets of `sweeper_trigger_lag_seconds` (arrival − window; negative for an early
+/// trigger) and `sweeper_run_duration_seconds` (window to completion), in seconds.
+const LAG_BUCKETS: &[f64] = &[
+    0.5, 1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0,
+];
+
+/// Buckets of `sweeper_consume_duration_seconds`, in seconds: a delivery is answered within
+/// the command deadline (30 s by default).
+const CONSUME_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
 /// (outcome, class) of `sweeper_attempts_total` that can occur.
@@ -84,8 +101,18 @@ const CALL_RESULTS: &[&str] = &[
 /// Registers every process counter at 0 (see [`SERIES`]), so alerts can be written before the
 /// first incident: a counter that appears only when it first moves cannot be told from a
 /// scrape that lost it.
-pub fn register(dependencies: &[String]) {
+pub fn register(dependencies: &[String], policies: &[String]) {
     handle();
+    // Registering a histogram makes its series (count 0) appear before the first sample.
+    let _ = histogram!("sweeper_trigger_lag_seconds");
+    let _ = histogram!("sweeper_consume_duration_seconds");
+    for p in policies {
+        let _ = histogram!("sweeper_run_duration_seconds", "policy" => p.clone());
+        for o in crate::ledger::Outcome::ALL {
+            counter!("sweeper_items_total", "policy" => p.clone(), "outcome" => o.as_str())
+                .increment(0);
+        }
+    }
     for (outcome, class) in ATTEMPT_LABELS {
         counter!("sweeper_attempts_total", "outcome" => *outcome, "class" => *class).increment(0);
     }
@@ -106,12 +133,58 @@ pub fn register(dependencies: &[String]) {
 /// Installs the process-wide recorder once and returns its handle.
 pub fn handle() -> &'static PrometheusHandle {
     HANDLE.get_or_init(|| {
-        let recorder = PrometheusBuilder::new().build_recorder();
+        let full = |name: &str| Matcher::Full(name.to_string());
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(full("sweeper_trigger_lag_seconds"), LAG_BUCKETS)
+            .and_then(|b| {
+                b.set_buckets_for_metric(full("sweeper_run_duration_seconds"), LAG_BUCKETS)
+            })
+            .and_then(|b| {
+                b.set_buckets_for_metric(full("sweeper_consume_duration_seconds"), CONSUME_BUCKETS)
+            })
+            .expect("the bucket lists are not empty")
+            .build_recorder();
         let handle = recorder.handle();
         // A second recorder (another Application in the same process) keeps the first.
         let _ = metrics::set_global_recorder(recorder);
         handle
     })
+}
+
+/// Counts a successful attempt and its items ([`attempt_succeeded`], [`items_recorded`]).
+pub fn attempt_committed(policy: &str, counts: &crate::ledger::Counts) {
+    attempt_succeeded();
+    items_recorded(policy, counts);
+}
+
+/// Counts the items of a command whose audit rows just committed, by outcome
+/// (`sweeper_items_total{policy, outcome}`).
+pub fn items_recorded(policy: &str, counts: &crate::ledger::Counts) {
+    for o in crate::ledger::Outcome::ALL {
+        let n = counts.get(o);
+        if n > 0 {
+            counter!("sweeper_items_total", "policy" => policy.to_string(), "outcome" => o.as_str())
+                .increment(n as u64);
+        }
+    }
+}
+
+/// Observes a live trigger that created its window's run: arrival − window, in seconds
+/// (`sweeper_trigger_lag_seconds`; backfills and dry runs are not observed).
+pub fn trigger_lag(seconds: f64) {
+    histogram!("sweeper_trigger_lag_seconds").record(seconds);
+}
+
+/// Observes one `/consume` request, authenticated, from its start to its answer, in seconds
+/// (`sweeper_consume_duration_seconds`).
+pub fn consume_finished(seconds: f64) {
+    histogram!("sweeper_consume_duration_seconds").record(seconds);
+}
+
+/// Observes a live run completed by this process: its window to its completion, in seconds
+/// (`sweeper_run_duration_seconds{policy}`).
+pub fn run_completed(policy: &str, seconds: f64) {
+    histogram!("sweeper_run_duration_seconds", "policy" => policy.to_string()).record(seconds);
 }
 
 /// Counts a failed attempt or snooze (`sweeper_attempts_total{outcome, class}`).
@@ -223,10 +296,10 @@ pub async fn render(
     // Held work: non-terminal commands and planning jobs, by the kind their run shows (the
     // identity guard and the approval hold every command of their runs; active hours and the
     // governor every command of their policies, recorded or not).
-    let held_work: Vec<(String, i64, i64, Option<f64>)> = sqlx::query_as(
+    let held_work: Vec<(String, i64, i64, Option<f64>, i64)> = sqlx::query_as(
         "with i as (select held_since from sweeper.database_identity where held_since is not null),
               h as (
-             select case when exists (select 1 from i) then 'identity'
+             select c.run_id, case when exists (select 1 from i) then 'identity'
                          when r.approval in ('awaiting_plan', 'required') then 'approval'
                          when c.held_kind is not null then c.held_kind
                          when r.policy = any($2) then 'active_hours'
@@ -241,12 +314,13 @@ pub async fn render(
                      or r.approval in ('awaiting_plan', 'required')
                      or r.policy = any($2) or r.policy = any($3))
              union all
-             select held_kind, held_since from sweeper.planning_jobs
+             select run_id, held_kind, held_since from sweeper.planning_jobs
               where held_since is not null and not done)
          select held_kind, count(*),
                 count(*) filter (where held_since < sweeper.now() - make_interval(secs => $1)
                                    and held_kind not in ('active_hours', 'pace')),
-                extract(epoch from sweeper.now() - min(held_since))::float8
+                extract(epoch from sweeper.now() - min(held_since))::float8,
+                count(distinct run_id)
            from h group by held_kind",
     )
     .bind(hold_alert_after as f64)
@@ -291,6 +365,7 @@ pub async fn render(
             let row = held_work.iter().find(|(hk, ..)| hk == k);
             gauge!("sweeper_held", "kind" => k).set(row.map_or(0, |r| r.1) as f64);
             gauge!("sweeper_held_overdue", "kind" => k).set(row.map_or(0, |r| r.2) as f64);
+            gauge!("sweeper_held_runs", "kind" => k).set(row.map_or(0, |r| r.4) as f64);
             oldest_held = oldest_held.max(row.and_then(|r| r.3).unwrap_or(0.0));
         }
         gauge!("sweeper_held_oldest_age_seconds").set(oldest_held);
@@ -311,5 +386,100 @@ pub async fn render(
     });
     let process = handle();
     process.run_upkeep();
-    Ok(format!("{}{}", scrape_handle.render(), process.render()))
+    let mut text = format!("{}{}", scrape_handle.render(), process.render());
+    let names: Vec<&str> = policies.iter().map(|(p, _)| *p).collect();
+    append_empty_histograms(&mut text, &names);
+    Ok(text)
+}
+
+/// The exporter writes a histogram only once it has a sample; until then each one (and each
+/// configured policy's run duration) is written here with count 0, so it reads 0 from
+/// start-up like the counters. Lines join their family's group (the text format wants each
+/// family's lines together).
+fn append_empty_histograms(text: &mut String, policies: &[&str]) {
+    let mut series: Vec<(&str, &[f64], String)> = vec![
+        ("sweeper_trigger_lag_seconds", LAG_BUCKETS, String::new()),
+        (
+            "sweeper_consume_duration_seconds",
+            CONSUME_BUCKETS,
+            String::new(),
+        ),
+    ];
+    for p in policies {
+        series.push((
+            "sweeper_run_duration_seconds",
+            LAG_BUCKETS,
+            format!("policy=\"{p}\""),
+        ));
+    }
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+    for (name, buckets, labels) in series {
+        let braces = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{labels}}}")
+        };
+        let count = format!("{name}_count{braces} ");
+        if lines.iter().any(|l| l.starts_with(&count)) {
+            continue;
+        }
+        let sep = if labels.is_empty() { "" } else { "," };
+        let mut add: Vec<String> = buckets
+            .iter()
+            .map(|b| b.to_string())
+            .chain(["+Inf".to_string()])
+            .map(|le| format!("{name}_bucket{{{labels}{sep}le=\"{le}\"}} 0"))
+            .collect();
+        add.push(format!("{name}_sum{braces} 0"));
+        add.push(format!("{name}_count{braces} 0"));
+        let type_line = format!("# TYPE {name} histogram");
+        match lines.iter().position(|l| *l == type_line) {
+            Some(at) => {
+                let prefix = format!("{name}_");
+                let end = lines[at + 1..]
+                    .iter()
+                    .position(|l| !l.starts_with(&prefix))
+                    .map_or(lines.len(), |n| at + 1 + n);
+                lines.splice(end..end, add);
+            }
+            None => {
+                lines.push(type_line);
+                lines.extend(add);
+            }
+        }
+    }
+    *text = lines.join("\n") + "\n";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_histogram_joins_its_familys_group() {
+        let mut text = "# TYPE sweeper_run_duration_seconds histogram\n\
+                        sweeper_run_duration_seconds_bucket{policy=\"a\",le=\"+Inf\"} 1\n\
+                        sweeper_run_duration_seconds_sum{policy=\"a\"} 3\n\
+                        sweeper_run_duration_seconds_count{policy=\"a\"} 1\n\
+                        # TYPE sweeper_runs gauge\nsweeper_runs 0\n"
+            .to_string();
+        append_empty_histograms(&mut text, &["a", "b"]);
+        let lines: Vec<&str> = text.lines().collect();
+        let family: Vec<usize> = lines
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.starts_with("sweeper_run_duration_seconds_"))
+            .map(|(i, _)| i)
+            .collect();
+        // a's three lines and b's 15 buckets, sum and count, in one run of lines.
+        assert_eq!(family.len(), 3 + LAG_BUCKETS.len() + 3);
+        assert!(family.windows(2).all(|w| w[1] == w[0] + 1), "{text}");
+        assert!(text.contains("sweeper_run_duration_seconds_count{policy=\"b\"} 0"));
+        assert!(!text.contains("sweeper_run_duration_seconds_count{policy=\"a\"} 0"));
+        assert_eq!(
+            text.matches("# TYPE sweeper_run_duration_seconds").count(),
+            1
+        );
+        assert!(text.contains("sweeper_trigger_lag_seconds_count 0"));
+    }
 }

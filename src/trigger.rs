@@ -127,6 +127,9 @@ pub async fn trigger(
         create_run(state, policy, window, cutoff, principal).await?
     };
     if let TriggerOutcome::Created(run) = &outcome {
+        if !dry_run && !backfill {
+            crate::metrics::trigger_lag((arrival - window).as_seconds_f64());
+        }
         info!(run_id = %run.run_id, policy = %policy.name, window = %window::format(window),
               cutoff = %run.cutoff.to_rfc3339(), dry_run, backfill, "run created");
         state.wake_planner.notify_waiters();

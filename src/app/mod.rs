@@ -120,6 +120,11 @@ impl Application {
                 .iter()
                 .map(|d| d.name.clone())
                 .collect::<Vec<_>>(),
+            &config
+                .policies
+                .iter()
+                .map(|p| p.name.as_str().to_string())
+                .collect::<Vec<_>>(),
         );
         if config.migrate_on_start {
             migrate(&config).await?;

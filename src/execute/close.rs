@@ -87,6 +87,7 @@ pub(super) async fn close(
     .map_err(db)?;
     crate::crash_point!("effect_before_commit");
     tx.commit().await.map_err(db)?;
+    crate::metrics::items_recorded(&l.policy, &columns.counts);
     let run_status = if complete {
         complete_after(state, &l.run_id, &l.policy, recorded, Some(r)).await
     } else {

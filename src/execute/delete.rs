@@ -105,7 +105,7 @@ pub(super) async fn attempt(
             AttemptError::Failed(f)
         });
     }
-    crate::metrics::attempt_succeeded();
+    crate::metrics::attempt_committed(&loaded.policy, &counts);
     crate::crash_point!("consume_after_commit");
     let rules = (!loaded.dry_run).then_some(&loaded.rules);
     let run_status = complete_after(state, &loaded.run_id, &loaded.policy, recorded, rules).await;
@@ -178,7 +178,7 @@ async fn delete_in_one_statement(
             AttemptError::Failed(f)
         });
     }
-    crate::metrics::attempt_succeeded();
+    crate::metrics::attempt_committed(&loaded.policy, &counts);
     crate::crash_point!("consume_after_commit");
     let run_status =
         complete_after(state, &loaded.run_id, &loaded.policy, recorded, Some(rules)).await;

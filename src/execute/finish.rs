@@ -84,7 +84,7 @@ pub(crate) async fn complete_run(
     sqlx::query("set local lock_timeout = '1s'")
         .execute(&mut *tx)
         .await?;
-    let Some(status) = ledger::runs::complete_if_done(&mut tx, run_id).await? else {
+    let Some((status, seconds)) = ledger::runs::complete_if_done(&mut tx, run_id).await? else {
         tx.rollback().await?;
         return Ok(None);
     };
@@ -103,6 +103,9 @@ pub(crate) async fn complete_run(
     }
     tx.commit().await?;
     info!(run_id, status, "run completed");
+    if !run_id.contains(":dry-") {
+        crate::metrics::run_completed(policy_of(run_id), seconds);
+    }
     Ok(Some(status))
 }
 
@@ -144,7 +147,7 @@ pub(crate) async fn record_item_dead_letters(
     failed: &[(String, String)],
 ) -> sqlx::Result<()> {
     match loaded.redrive_of {
-        Some(dl) => ledger::dead_letter::reopen_item(tx, dl, &failed[0].1).await,
+        Some(dl) => ledger::dead_letter::reopen_item(tx, dl, command_id, &failed[0].1).await,
         None => {
             ledger::dead_letter::record_items(
                 tx,
@@ -474,4 +477,9 @@ async fn schedule_retry(
 /// is a claim, a catalog read and a rollback; a push command is republished each time).
 pub fn hold_recheck_seconds(state: &AppState) -> u64 {
     (state.config.consume.retry_after.seconds() as u64).max(5)
+}
+
+/// The policy of a run id `{policy}:{window}[:dry-{n}]`.
+fn policy_of(run_id: &str) -> &str {
+    run_id.split(':').next().unwrap_or(run_id)
 }

@@ -102,9 +102,23 @@ async fn quarantine_and_ack(
         .into_response())
 }
 
+/// `POST /consume`: one delivery, timed in `sweeper_consume_duration_seconds`.
+pub(super) async fn consume_handler(
+    state: State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Result<Response, Problem> {
+    let started = std::time::Instant::now();
+    let answer = consume(state, caller, headers, body).await;
+    crate::metrics::consume_finished(started.elapsed().as_secs_f64());
+    answer
+}
+
+/// The delivery itself, authenticated; [`consume_handler`] times it.
 // Over 80 lines: the push credential decides how the body is read and answered (DESIGN §5); the
 // branches are that table.
-pub(super) async fn consume_handler(
+async fn consume(
     State(state): State<AppState>,
     caller: Caller,
     headers: HeaderMap,

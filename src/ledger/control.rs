@@ -35,6 +35,19 @@ pub async fn policy_state(pool: &PgPool, policy: &str) -> sqlx::Result<Option<Po
     .await
 }
 
+/// Every policy's state an operator ever changed, by policy name.
+pub async fn policy_states(
+    pool: &PgPool,
+) -> sqlx::Result<std::collections::HashMap<String, PolicyState>> {
+    let rows: Vec<PolicyState> = sqlx::query_as(
+        "select policy, suspended, suspended_at, changed_at, changed_by, reason
+           from sweeper.policy_state",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|s| (s.policy.clone(), s)).collect())
+}
+
 /// Suspends `policy`: triggers create no run, and no command of it is claimed or executed until
 /// it is resumed. Suspending a suspended policy changes nothing (still logged).
 pub async fn suspend(

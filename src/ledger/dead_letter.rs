@@ -5,6 +5,9 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
+mod items;
+pub use items::{record_items, reopen_item};
+
 /// A dead letter as `GET /dead-letters/{id}` shows it.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct DeadLetter {
@@ -52,7 +55,8 @@ pub struct DeadLetter {
     pub age_seconds: f64,
 }
 
-const COLUMNS: &str = "dead_letter_id, kind, run_id, policy, command_id, item_key, reason, class,
+pub(crate) const COLUMNS: &str =
+    "dead_letter_id, kind, run_id, policy, command_id, item_key, reason, class,
     attempts, raw_body, raw_sha256, raw_size, first_failure_at, last_failure_at, failures, status,
     resolved_at, resolved_by, resolution_reason, created_at,
     extract(epoch from sweeper.now() - created_at)::float8 as age_seconds";
@@ -66,7 +70,8 @@ pub struct Filter<'a> {
     pub policy: Option<&'a str>,
     /// Only this class.
     pub class: Option<&'a str>,
-    /// `open` (open or redriven) or `resolved` (resolved or abandoned); both when None.
+    /// `open` (open or redriven), `resolved` (resolved or abandoned), or exactly `redriven`
+    /// or `abandoned`; all when None.
     pub state: Option<&'a str>,
 }
 
@@ -83,7 +88,8 @@ pub async fn list(
             and ($3::text is null or class = $3)
             and ($4::text is null
                  or ($4 = 'open' and status in ('open', 'redriven'))
-                 or ($4 = 'resolved' and status in ('resolved', 'abandoned')))
+                 or ($4 = 'resolved' and status in ('resolved', 'abandoned'))
+                 or ($4 in ('redriven', 'abandoned') and status = $4))
             and ($5::bigint is null or dead_letter_id < $5)
           order by dead_letter_id desc limit $6"
     );
@@ -364,6 +370,19 @@ pub async fn abandon(
     .bind(id)
     .fetch_all(&mut *tx)
     .await?;
+    // The run's last open dead letter abandoned: it no longer needs a look (its abandoned
+    // count stays visible on `GET /runs/{id}`).
+    sqlx::query(
+        "update sweeper.runs r set status = 'completed'
+           from sweeper.dead_letters dl
+          where dl.dead_letter_id = $1 and r.run_id = dl.run_id
+            and r.status = 'completed_with_dead_letters'
+            and not exists (select 1 from sweeper.dead_letters o
+                             where o.run_id = r.run_id and o.status in ('open', 'redriven'))",
+    )
+    .bind(id)
+    .execute(&mut *tx)
+    .await?;
     log_operator_act(
         &mut tx,
         subject,
@@ -409,56 +428,6 @@ pub async fn redrive_many(
         }
     }
     Ok(done)
-}
-
-/// Reopens the item dead letter `dead_letter_id` whose redrive failed again, with `reason`.
-pub async fn reopen_item(
-    conn: &mut sqlx::PgConnection,
-    dead_letter_id: i64,
-    reason: &str,
-) -> sqlx::Result<()> {
-    sqlx::query(
-        "update sweeper.dead_letters
-            set status = 'open', reason = $2, last_failure_at = sweeper.now(),
-                failures = failures + 1
-          where dead_letter_id = $1",
-    )
-    .bind(dead_letter_id)
-    .bind(reason)
-    .execute(conn)
-    .await?;
-    Ok(())
-}
-
-/// Item dead letters for the items of `command_id` that failed, `(item_key, reason)`: one per
-/// item (a live one counts one more failure).
-pub async fn record_items(
-    conn: &mut sqlx::PgConnection,
-    run_id: &str,
-    policy: &str,
-    command_id: &str,
-    failed: &[(String, String)],
-) -> sqlx::Result<()> {
-    let keys: Vec<&str> = failed.iter().map(|(k, _)| k.as_str()).collect();
-    let reasons: Vec<&str> = failed.iter().map(|(_, r)| r.as_str()).collect();
-    sqlx::query(
-        "insert into sweeper.dead_letters
-             (kind, run_id, policy, command_id, item_key, reason, class, first_failure_at,
-              last_failure_at)
-         select 'item', $1, $2, $3, u.item_key, u.reason, 'permanent', sweeper.now(), sweeper.now()
-           from unnest($4::text[], $5::text[]) as u(item_key, reason)
-         on conflict (command_id, item_key) where kind = 'item' and status in ('open', 'redriven')
-         do update set reason = excluded.reason, last_failure_at = excluded.last_failure_at,
-                       failures = sweeper.dead_letters.failures + 1, status = 'open'",
-    )
-    .bind(run_id)
-    .bind(policy)
-    .bind(command_id)
-    .bind(&keys)
-    .bind(&reasons)
-    .execute(conn)
-    .await?;
-    Ok(())
 }
 
 /// Quarantines an envelope (a delivery that can never succeed): its bounded raw body, the size

@@ -7,12 +7,15 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::{PgConnection, PgPool};
 
+pub mod attention;
 pub mod audit;
 pub mod commands;
 pub mod control;
 pub mod dead_letter;
 pub mod effects;
 pub mod identity;
+pub mod item_history;
+pub mod operator_log;
 pub mod outbox;
 pub mod outcome;
 

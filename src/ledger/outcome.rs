@@ -28,6 +28,19 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in the audit's order.
+    pub const ALL: [Outcome; 9] = [
+        Outcome::Deleted,
+        Outcome::AlreadyAbsent,
+        Outcome::Excluded,
+        Outcome::NotEligible,
+        Outcome::Failed,
+        Outcome::WouldDelete,
+        Outcome::Reconciled,
+        Outcome::Called,
+        Outcome::WouldCall,
+    ];
+
     /// The name stored in `sweeper.audit.outcome`.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -68,6 +81,21 @@ pub struct Counts {
 }
 
 impl Counts {
+    /// The count of outcome `o`.
+    pub fn get(&self, o: Outcome) -> i64 {
+        match o {
+            Outcome::Deleted => self.deleted,
+            Outcome::AlreadyAbsent => self.already_absent,
+            Outcome::Excluded => self.excluded,
+            Outcome::NotEligible => self.not_eligible,
+            Outcome::Failed => self.failed,
+            Outcome::WouldDelete => self.would_delete,
+            Outcome::Reconciled => self.reconciled,
+            Outcome::Called => self.called,
+            Outcome::WouldCall => self.would_call,
+        }
+    }
+
     /// Counts one more item with outcome `o`.
     pub fn add(&mut self, o: Outcome) {
         match o {

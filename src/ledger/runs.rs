@@ -195,25 +195,27 @@ pub async fn record_command(
 }
 
 /// Completes `run_id` if planning is done and no command is pending: `completed`, or
-/// `completed_with_dead_letters` while a dead letter of the run is not resolved. Decided once:
+/// `completed_with_dead_letters` while a dead letter of the run is open or redriven (an
+/// abandoned one no longer counts: the operator decided). Decided once:
 /// the UPDATE is guarded by the run's status, so of two concurrent callers one changes it and the
 /// other finds it completed. Callers run it after their own commit (a snapshot that sees their
 /// command terminal): the last command to commit always sees every other one terminal. Returns
-/// the status when this call completed the run.
+/// the status and the seconds from the window to completion when this call completed the run.
 pub async fn complete_if_done(
     conn: &mut PgConnection,
     run_id: &str,
-) -> sqlx::Result<Option<String>> {
-    sqlx::query_scalar(
+) -> sqlx::Result<Option<(String, f64)>> {
+    sqlx::query_as(
         "update sweeper.runs r
             set status = case when exists (select 1 from sweeper.dead_letters d
-                                            where d.run_id = r.run_id and d.status <> 'resolved')
+                                            where d.run_id = r.run_id
+                                              and d.status in ('open', 'redriven'))
                               then 'completed_with_dead_letters' else 'completed' end,
                 completed_at = sweeper.now()
           where r.run_id = $1 and r.status in ('planning', 'running') and r.planning_done
             and not exists (select 1 from sweeper.commands c
                              where c.run_id = r.run_id and c.state in ('pending', 'leased'))
-          returning r.status",
+          returning r.status, extract(epoch from r.completed_at - r.window_at)::float8",
     )
     .bind(run_id)
     .fetch_optional(conn)

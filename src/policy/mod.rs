@@ -18,6 +18,7 @@ mod catalog;
 pub mod check;
 mod name;
 pub mod path;
+pub mod references;
 mod rules;
 pub mod safety;
 pub mod select;

@@ -195,14 +195,14 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         "seconds": (seconds * 10.0).round() / 10.0,
         "database_url": safe_url.as_str(),
     });
-    let (base, q) = (demo.base.clone(), "-H \"Authorization: Bearer $TOKEN\"");
+    let q = "-H \"Authorization: Bearer $SWEEPER_TOKEN\"";
     let hints = [
-        format!("curl -s {q} {base}/runs/{digest_id}"),
-        format!("curl -s {q} '{base}/runs/{digest_id}/items?limit=5'"),
-        format!("curl -s {q} {base}/runs/{cleanup_id}"),
-        format!("curl -s {q} {base}/policies/support-digest/windows"),
+        format!("curl -s {q} \"$SWEEPER_URL/runs/$RUN\" | jq '{{status, progress, called}}'"),
+        format!("curl -s {q} \"$SWEEPER_URL/runs/$RUN/items?limit=5\" | jq ."),
+        format!("curl -s {q} \"$SWEEPER_URL/runs/{cleanup_id}\" | jq '{{status, deleted}}'"),
+        format!("curl -s {q} \"$SWEEPER_URL/policies/support-digest/windows\" | jq ."),
     ];
-    demo.finish(opts.exit, &hints).await?;
+    demo.finish(opts.exit, &digest_id, &hints).await?;
     println!("{summary}");
     Ok(())
 }

@@ -179,12 +179,28 @@ impl Demo {
             .await?)
     }
 
-    /// Polls `GET /runs/{run_id}` until the run is terminal (at most 10 minutes).
+    /// Polls `GET /runs/{run_id}` until the run is terminal (at most 10 minutes), showing its
+    /// `progress` on stderr: a bar redrawn in place on a terminal, a plain line every 2 s
+    /// otherwise.
     pub async fn wait_terminal(&self, run_id: &str) -> anyhow::Result<Value> {
+        use std::io::{IsTerminal, Write};
         let started = Instant::now();
+        let terminal = std::io::stderr().is_terminal();
+        let mut last_line = Instant::now();
         loop {
             let r = self.get(&format!("/runs/{run_id}")).await?;
-            if crate::ledger::is_terminal_run_status(r["status"].as_str().unwrap_or("")) {
+            let done = crate::ledger::is_terminal_run_status(r["status"].as_str().unwrap_or(""));
+            if terminal {
+                eprint!("\r{}\x1b[K", progress_line(&r, true));
+                if done {
+                    eprintln!();
+                }
+                let _ = std::io::stderr().flush();
+            } else if done || last_line.elapsed() >= Duration::from_secs(2) {
+                eprintln!("{}", progress_line(&r, false));
+                last_line = Instant::now();
+            }
+            if done {
                 return Ok(r);
             }
             if started.elapsed() > Duration::from_secs(600) {
@@ -194,22 +210,86 @@ impl Demo {
         }
     }
 
-    /// With `exit`, stops the server; else prints `hints` (curl lines, `$TOKEN` exported first)
-    /// and serves until Ctrl-C.
-    pub async fn finish(self, exit: bool, hints: &[String]) -> anyhow::Result<()> {
+    /// With `exit`, stops the server; else prints the variables the README's on-call runbook
+    /// uses (`SWEEPER_URL`, `SWEEPER_TOKEN`, `RUN` = `run_id`), writes this session's
+    /// configuration (its random secret included, mode 0600) so a longer-lived token can be
+    /// minted against it, prints `hints` (curl lines) and serves until Ctrl-C.
+    pub async fn finish(self, exit: bool, run_id: &str, hints: &[String]) -> anyhow::Result<()> {
         if !exit {
+            let config_path = std::env::temp_dir().join(format!(
+                "sweeper-quickstart-{}.toml",
+                self.base.rsplit(':').next().unwrap_or("0")
+            ));
+            write_private(&config_path, &self.toml)?;
             println!();
-            println!("sweeper keeps serving on {} until Ctrl-C. Try:", self.base);
-            println!("  export TOKEN={}", self.token);
+            println!(
+                "sweeper keeps serving on {} until Ctrl-C. In another shell, paste:",
+                self.base
+            );
+            println!("  export SWEEPER_URL={}", self.base);
+            println!("  export SWEEPER_TOKEN={}", self.token);
+            println!("  export RUN={run_id}");
+            println!(
+                "The token lasts 1 h and this session's signing secret is random; a longer one \
+                 (the README's \"On call\" runbook then works as written):"
+            );
+            println!(
+                "  export SWEEPER_TOKEN=$(cargo run -q -- token --config {} --scope \"ops:read ops:write trigger:* consume\" --ttl 8h --sub \"${{USER:-oncall}}\")",
+                config_path.display()
+            );
+            println!("Try:");
             for h in hints {
                 println!("  {h}");
             }
             crate::app::shutdown_on_signal(self.shutdown.clone()).await;
+            let _ = std::fs::remove_file(&config_path);
         }
         self.shutdown.cancel();
         self.server.await??;
         Ok(())
     }
+}
+
+/// One line of a run's `progress` (`GET /runs/{id}`): a bar when `bar`, plain words otherwise.
+fn progress_line(run: &Value, bar: bool) -> String {
+    let p = &run["progress"];
+    let fraction = p["executed_fraction"].as_f64().unwrap_or(0.0);
+    let eta = p["eta_seconds"]
+        .as_f64()
+        .map(|s| format!(", ETA {s:.0}s"))
+        .unwrap_or_default();
+    let words = format!(
+        "{} {:>3.0}%: {}/{} items, {} commands of {}, {:.0} items/s{eta}",
+        run["status"].as_str().unwrap_or("?"),
+        fraction * 100.0,
+        p["items_done"],
+        p["items_planned"],
+        p["commands_done"],
+        p["commands"],
+        p["items_per_second"].as_f64().unwrap_or(0.0),
+    );
+    if !bar {
+        return format!("progress: {words}");
+    }
+    let filled = (fraction * 30.0).round() as usize;
+    format!(
+        "[{}{}] {words}",
+        "#".repeat(filled),
+        ".".repeat(30 - filled.min(30))
+    )
+}
+
+/// Writes `text` to `path` readable by its owner only (it holds a signing secret).
+fn write_private(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(text.as_bytes())
 }
 
 async fn serve(

@@ -74,6 +74,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let held: BTreeMap<String, i64> =
         serde_json::from_value(run["held_at_planning"].clone()).unwrap_or_default();
     let held_total: i64 = held.values().sum();
+    // Every ticket is one of: eligible (planned), held at planning, or closed at or after the
+    // cutoff (not yet old enough).
+    let newer = before.0 - n("eligible_planned") - held_total;
     let seconds = match (
         crate::window::parse_rfc3339(run["created_at"].as_str().unwrap_or("")),
         crate::window::parse_rfc3339(run["completed_at"].as_str().unwrap_or("")),
@@ -97,6 +100,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         "  cutoff              {}",
         run["cutoff"].as_str().unwrap_or("?")
     );
+    println!(
+        "  tickets             {} before, {} after",
+        before.0, after.0
+    );
+    println!("  not yet old enough  {newer}");
     println!("  eligible (planned)  {}", n("eligible_planned"));
     println!("  deleted             {}", n("deleted"));
     println!("  held at planning    {held_total}");
@@ -123,6 +131,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         "window": run["window"],
         "cutoff": run["cutoff"],
         "eligible": n("eligible_planned"),
+        "not_yet_old_enough": newer,
         "deleted": n("deleted"),
         "held": held_total,
         "held_by_reason": held,
@@ -139,14 +148,14 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         "database_url": safe_url.as_str(),
     });
 
-    let (base, q) = (demo.base.clone(), "-H \"Authorization: Bearer $TOKEN\"");
+    let q = "-H \"Authorization: Bearer $SWEEPER_TOKEN\"";
     let hints = [
-        format!("curl -s {q} {base}/runs/{run_id}"),
-        format!("curl -s {q} '{base}/runs/{run_id}/items?limit=5'"),
-        format!("curl -s {q} {base}/policies"),
-        format!("curl -s -X POST {q} '{base}/trigger/ticket-retention?dry_run=true'"),
+        format!("curl -s {q} \"$SWEEPER_URL/runs/$RUN\" | jq '{{status, progress, held}}'"),
+        format!("curl -s {q} \"$SWEEPER_URL/runs/$RUN/items?limit=5\" | jq ."),
+        format!("curl -s {q} \"$SWEEPER_URL/runs?status=attention\" | jq ."),
+        format!("curl -s -X POST {q} \"$SWEEPER_URL/trigger/ticket-retention?dry_run=true\""),
     ];
-    demo.finish(opts.exit, &hints).await?;
+    demo.finish(opts.exit, &run_id, &hints).await?;
     println!("{summary}");
     Ok(())
 }

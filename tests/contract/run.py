@@ -222,6 +222,7 @@ def make_template():
                           "order by 1 limit 5"),
         "dead_letters": [int(i) for i in query("select dead_letter_id from sweeper.dead_letters")],
         "policies": ["ticket-retention"],
+        "item_keys": query("select distinct item_key from sweeper.audit order by 1 limit 5"),
     }
     assert ids["commands"] and len(ids["dead_letters"]) >= 2, ids
     # The restore and clone guard would hold every clone of a served database (its oid differs):
@@ -248,6 +249,10 @@ OPERATIONS = {
     "listDeadLetters": ("READ", [200], {"query.run_id": "runs", "query.policy": "policies"}),
     "getDeadLetter": ("READ", [200, 404], {"path.id": "dead_letters"}),
     "listPolicies": ("READ", [200], {}),
+    # 400: a key that is not a bigint (the seeded policy's key type).
+    "itemHistory": ("READ", [200, 400, 404],
+                    {"path.policy": "policies", "path.key": "item_keys"}),
+    "listOperatorLog": ("READ", [200], {}),
     "cancelRun": ("WRITE", [200, 404, 409], {"path.run_id": "runs"}),
     "redriveDeadLetters": ("WRITE", [200], {"body.run_id": "runs"}),
     "redriveDeadLetter": ("WRITE", [200, 404, 409], {"path.id": "dead_letters"}),

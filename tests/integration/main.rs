@@ -16,11 +16,13 @@ mod jwks;
 #[allow(dead_code)]
 #[path = "../kit/mod.rs"]
 mod kit;
+mod on_call;
 mod planning;
 mod planning_paths;
 mod pubsub;
 mod push_bodies;
 mod qstash;
+mod runbook;
 mod safety;
 mod scenarios;
 mod schema_blip;

@@ -10,6 +10,10 @@ pub struct DeadLettersQuery {
     run_id: Option<String>,
     policy: Option<String>,
     class: Option<String>,
+    /// `open` (open or redriven), `resolved` (resolved or abandoned), or one exact status:
+    /// `redriven`, `abandoned`.
+    status: Option<String>,
+    /// The older name of `status`, kept as an alias (both at once must agree).
     state: Option<String>,
     before: Option<i64>,
     limit: Option<i64>,
@@ -17,8 +21,8 @@ pub struct DeadLettersQuery {
 
 pub(super) const CLASSES: &[&str] = &["transient", "throttled", "permanent"];
 
-/// `GET /dead-letters?run_id=&policy=&class=&state=open|resolved&before=&limit=` (scope
-/// `ops:read`): newest first; `next_before` pages on.
+/// `GET /dead-letters?run_id=&policy=&class=&status=&before=&limit=` (scope `ops:read`): newest
+/// first, each with its `replay_safe`; `next_before` pages on.
 pub async fn list_dead_letters(
     State(state): State<AppState>,
     caller: Caller,
@@ -35,10 +39,21 @@ pub async fn list_dead_letters(
             CLASSES.join(", ")
         )));
     }
-    if let Some(s) = &q.state
-        && !matches!(s.as_str(), "open" | "resolved")
+    let status = match (q.status, q.state) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(bad_query(
+                "status and state (its older name) disagree: give one of them",
+            ));
+        }
+        (a, b) => a.or(b),
+    };
+    if let Some(s) = &status
+        && !matches!(s.as_str(), "open" | "resolved" | "redriven" | "abandoned")
     {
-        return Err(bad_query("state must be open or resolved"));
+        return Err(bad_query(
+            "status must be open (open or redriven), resolved (resolved or abandoned), \
+             redriven or abandoned",
+        ));
     }
     let limit = q.limit.unwrap_or(100);
     if !(1..=1000).contains(&limit) {
@@ -48,12 +63,13 @@ pub async fn list_dead_letters(
         run_id: q.run_id.as_deref(),
         policy: q.policy.as_deref(),
         class: q.class.as_deref(),
-        state: q.state.as_deref(),
+        state: status.as_deref(),
     };
     let items = crate::ledger::dead_letter::list(&state.pool, &filter, q.before, limit).await?;
     let next_before = (items.len() as i64 == limit)
         .then(|| items.last().map(|d| d.dead_letter_id))
         .flatten();
+    let items = with_verdicts(&state, &items).await?;
     Ok(Json(json!({ "dead_letters": items, "next_before": next_before })).into_response())
 }
 
@@ -75,10 +91,10 @@ pub async fn get_dead_letter(
     let dl = crate::ledger::dead_letter::get(&state.pool, id)
         .await?
         .ok_or_else(|| unknown_dead_letter(id))?;
-    let mut body = serde_json::to_value(&dl).map_err(Problem::internal)?;
-    if let Some(run_id) = &dl.run_id {
-        body["replay_safe"] = replay_verdict(&state, run_id).await?;
-    }
+    let body = with_verdicts(&state, std::slice::from_ref(&dl))
+        .await?
+        .pop()
+        .unwrap_or_default();
     Ok(Json(body).into_response())
 }
 

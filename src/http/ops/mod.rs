@@ -14,8 +14,12 @@ use crate::ledger::audit;
 use crate::state::AppState;
 
 mod acts;
+mod attention;
 mod dead_letters;
+mod items;
+mod operator_log;
 mod probes;
+mod replay;
 mod runs;
 mod safety;
 mod windows;
@@ -25,6 +29,8 @@ pub use dead_letters::{
     abandon_dead_letter, get_dead_letter, list_dead_letters, redrive_dead_letter,
     redrive_dead_letters,
 };
+pub use items::item_history;
+pub use operator_log::list_operator_log;
 pub use probes::{healthz, metrics, policies, readyz};
 pub use runs::{get_run, list_runs, run_items};
 pub use safety::{governor, guard};
@@ -36,4 +42,6 @@ use acts::{BulkRedriveBody, HasReason, ReasonBody, json_integer, reason_of, requ
 #[allow(unused_imports)]
 use dead_letters::{CLASSES, act_problem, unknown_dead_letter};
 #[allow(unused_imports)]
-use runs::{PlanningState, StoppedCommand, bad_query, policy_filter, replay_verdict, unknown_run};
+use replay::{replay_verdict, with_verdicts};
+#[allow(unused_imports)]
+use runs::{PlanningState, StoppedCommand, bad_query, policy_filter, unknown_run};

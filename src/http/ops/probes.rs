@@ -3,7 +3,9 @@
 use super::*;
 
 /// `GET /policies` (scope `ops:read`): loaded policies with their version, the ledger's
-/// current version and `planning` — the path a run triggered now would plan along, and why
+/// current version, `suspended` (null, or since when, by whom and why), `last_run` (its latest
+/// live window's run: id, window, status, completed_at; null before the first), `next_window`
+/// (the schedule's next tick after the ledger's now) and `planning` — the path a run triggered now would plan along, and why
 /// ([`crate::policy::path::PathChoice`]). No secrets: policies hold none.
 pub async fn policies(State(state): State<AppState>, caller: Caller) -> Result<Response, Problem> {
     caller.require("ops:read")?;
@@ -15,16 +17,28 @@ pub async fn policies(State(state): State<AppState>, caller: Caller) -> Result<R
         planning.push(planning_path(&mut conn, p, now, state.config.planning.path).await);
     }
     drop(conn);
+    let suspended = ledger::control::policy_states(&state.pool).await?;
+    let last = ledger::attention::list_latest_runs(&state.pool).await?;
     let list: Vec<_> = state
         .config
         .policies
         .iter()
         .zip(planning)
         .map(|(p, planning)| {
+            let ps = suspended.get(p.name.as_str()).filter(|s| s.suspended);
+            let last = last.iter().find(|r| r.0 == p.name.as_str());
             json!({
                 "name": p.name,
                 "version": p.version,
                 "current_version": current.get(p.name.as_str()),
+                "suspended": ps.map(|s| json!({
+                    "since": s.suspended_at, "by": s.changed_by, "reason": s.reason,
+                })),
+                "last_run": last.map(|(_, run_id, window, status, completed_at)| json!({
+                    "run_id": run_id, "window": crate::window::format(*window),
+                    "status": status, "completed_at": completed_at,
+                })),
+                "next_window": p.schedule.next_tick_after(now).map(crate::window::format),
                 "schedule": { "cron": p.schedule.expr(), "timezone": p.schedule.zone_name() },
                 "early_tolerance": p.early_tolerance,
                 "retain_for": p.spec.select.is_empty()

@@ -28,8 +28,12 @@ pub(super) fn policy_filter(policy: Option<&str>) -> Result<(), Problem> {
     }
 }
 
+/// `?status=` that lists the runs needing a look rather than one status.
+const ATTENTION: &str = "attention";
+
 /// `GET /runs?policy=&status=&limit=` (scope `ops:read`): newest windows first, at most `limit`
-/// (default 50, at most 500).
+/// (default 50, at most 500). `status=attention`: the runs that need a look, each with its
+/// `reason` (see [`super::attention`]).
 pub async fn list_runs(
     State(state): State<AppState>,
     caller: Caller,
@@ -39,10 +43,11 @@ pub async fn list_runs(
     let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
     policy_filter(q.policy.as_deref())?;
     if let Some(s) = &q.status
+        && s != ATTENTION
         && ledger::RunStatus::parse(s).is_none()
     {
         return Err(bad_query(format!(
-            "status `{s}` is not one of {}",
+            "status `{s}` is not one of {}, {ATTENTION}",
             ledger::RunStatus::ALL
                 .map(ledger::RunStatus::as_str)
                 .join(", ")
@@ -51,6 +56,9 @@ pub async fn list_runs(
     let limit = q.limit.unwrap_or(50);
     if !(1..=500).contains(&limit) {
         return Err(bad_query("limit must be between 1 and 500"));
+    }
+    if q.status.as_deref() == Some(ATTENTION) {
+        return super::attention::attention(&state, q.policy.as_deref(), limit).await;
     }
     let runs =
         ledger::list_runs(&state.pool, q.policy.as_deref(), q.status.as_deref(), limit).await?;
@@ -167,7 +175,12 @@ async fn run_held(
     Ok((now.or(recorded), approval_body))
 }
 
-/// `GET /runs/{run_id}` (scope `ops:read`): the run with its commands per state.
+/// Retrying commands `GET /runs/{id}` lists (`retrying` counts them all).
+const RETRYING_SHOWN: i64 = 20;
+
+/// `GET /runs/{run_id}` (scope `ops:read`): the run with its commands per state, why it is not
+/// done (`held`, `retrying_commands` with their last error, `stopped_commands`, open dead
+/// letters with their `replay_safe`) and its `progress`.
 pub async fn get_run(
     State(state): State<AppState>,
     caller: Caller,
@@ -190,6 +203,12 @@ pub async fn get_run(
     .await?;
     let (held, approval) = run_held(&state, &run).await?;
     let verdict = replay_verdict(&state, &run_id).await?;
+    let retrying = ledger::attention::retrying(&state.pool, &run_id, RETRYING_SHOWN).await?;
+    let facts = ledger::attention::facts(&state.pool, &[run_id.as_str()])
+        .await?
+        .remove(&run_id)
+        .unwrap_or_default();
+    let progress = ledger::attention::progress(&state.pool, &run).await?;
     let open = crate::ledger::dead_letter::list(
         &state.pool,
         &crate::ledger::dead_letter::Filter {
@@ -222,15 +241,14 @@ pub async fn get_run(
             }))
             .collect::<Vec<_>>()
     );
-    body["open_dead_letters"] = json!(
-        open.into_iter()
-            .map(|d| {
-                let mut v = serde_json::to_value(&d).unwrap_or_default();
-                v["replay_safe"] = verdict.clone();
-                v
-            })
-            .collect::<Vec<_>>()
-    );
+    body["open_dead_letters"] = json!(with_verdicts(&state, &open).await?);
+    body["dead_letters"] = json!({
+        "open": facts.open_dead_letters, "redriven": facts.redriven_dead_letters,
+        "abandoned": facts.abandoned_dead_letters,
+    });
+    body["retrying"] = json!(facts.retrying_commands);
+    body["retrying_commands"] = json!(retrying);
+    body["progress"] = json!(progress);
     Ok(Json(body).into_response())
 }
 
@@ -283,40 +301,4 @@ pub async fn run_items(
         .then(|| items.last().map(|i| i.audit_id.to_string()))
         .flatten();
     Ok(Json(json!({ "items": items, "next_cursor": next_cursor })).into_response())
-}
-
-/// Whether replaying the run's commands is safe, and why: the effect is idempotent (one
-/// transaction per command for `delete_rows`), the cutoff is fixed on the run, and the pinned
-/// policy version is still the one that would apply.
-pub(super) async fn replay_verdict(
-    state: &AppState,
-    run_id: &str,
-) -> Result<serde_json::Value, Problem> {
-    let row: Option<(String, String, Option<String>)> = sqlx::query_as(
-        "select r.policy, r.policy_version,
-                (select version from sweeper.policy_versions v where v.policy = r.policy
-                  order by seq desc limit 1)
-           from sweeper.runs r where r.run_id = $1",
-    )
-    .bind(run_id)
-    .fetch_optional(&state.pool)
-    .await?;
-    let Some((_policy, pinned, current)) = row else {
-        return Ok(json!({"safe": false, "reasons": ["the run no longer exists"]}));
-    };
-    let version_current = current.as_deref() == Some(pinned.as_str());
-    let mut reasons = vec![
-        "effect idempotent: a command's deletes, audit rows and state commit in one transaction"
-            .to_string(),
-        "cutoff fixed: stored on the run and bound into every query".to_string(),
-    ];
-    if version_current {
-        reasons.push(format!("pinned policy version {pinned} is still current"));
-    } else {
-        reasons.push(format!(
-            "pinned policy version {pinned} is no longer current ({}): a replay applies the stricter of both",
-            current.as_deref().unwrap_or("none")
-        ));
-    }
-    Ok(json!({ "safe": version_current, "reasons": reasons }))
 }

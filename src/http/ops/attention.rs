@@ -1,0 +1,124 @@
+//! `GET /runs?status=attention`: every run that needs a look, each with a one-line `reason`
+//! built from facts read for all of them at once (a fixed number of statements).
+
+use super::*;
+use crate::ledger::attention::Facts;
+
+/// The runs that need a look, newest window first: not terminal (held, retrying, planning or
+/// working), or with dead letters open or redriven. Each is the run as `GET /runs` shows it,
+/// plus `reason` (one line: what holds it, what is retrying and why, what waits for an
+/// operator), `held_kind` (null when nothing holds it) and the facts behind the reason.
+pub(super) async fn attention(
+    state: &AppState,
+    policy: Option<&str>,
+    limit: i64,
+) -> Result<Response, Problem> {
+    let runs = ledger::attention::attention_runs(&state.pool, policy, limit).await?;
+    let identity = ledger::identity::held(&state.pool).await?;
+    let suspended = ledger::control::policy_states(&state.pool).await?;
+    let list = runs
+        .into_iter()
+        .map(|(run, facts)| {
+            let ps = suspended.get(&run.policy).filter(|s| s.suspended);
+            let (held_kind, reason) = reason(state, &run, &facts, identity.as_ref(), ps);
+            let mut v = serde_json::to_value(&run).unwrap_or_default();
+            v["reason"] = json!(reason);
+            v["held_kind"] = json!(held_kind);
+            v["open_dead_letters"] = json!(facts.open_dead_letters);
+            v["redriven_dead_letters"] = json!(facts.redriven_dead_letters);
+            v["abandoned_dead_letters"] = json!(facts.abandoned_dead_letters);
+            v["retrying_commands"] = json!(facts.retrying_commands);
+            v
+        })
+        .collect::<Vec<_>>();
+    Ok(Json(json!({ "runs": list })).into_response())
+}
+
+/// The run's hold kind (if held) and its one-line reason: every part that applies, most
+/// urgent first, joined by `; `.
+// Over 80 lines: one short block per part of the reason, in the order they are shown.
+fn reason(
+    state: &AppState,
+    run: &ledger::Run,
+    f: &Facts,
+    identity: Option<&(chrono::DateTime<chrono::Utc>, String)>,
+    suspended: Option<&ledger::control::PolicyState>,
+) -> (Option<String>, String) {
+    let mut parts = Vec::new();
+    let mut kind: Option<&str> = None;
+    let live = !run.is_terminal();
+    if live {
+        if let Some((_, why)) = identity {
+            kind = Some("identity");
+            parts.push(format!("held (identity): {why}"));
+        } else if let Some(s) = suspended {
+            kind = Some("suspended");
+            parts.push(format!(
+                "held (suspended): policy {} suspended by {}: {}",
+                run.policy, s.changed_by, s.reason
+            ));
+        } else if f.approval.as_deref() == Some("required") {
+            kind = Some("approval");
+            parts.push(format!(
+                "held (approval): over the blast-radius guard; approve with POST /runs/{}/approve, or cancel",
+                run.run_id
+            ));
+        } else if let Some(k) = &f.held_kind {
+            kind = Some(k.as_str());
+            parts.push(format!(
+                "held ({k}): {}",
+                f.held_reason.as_deref().unwrap_or("")
+            ));
+        } else if let Some(h) = crate::execute::holds::policy_hold(state, &run.policy) {
+            kind = Some(h.kind.as_str());
+            parts.push(format!("held ({}): {}", h.kind.as_str(), h.detail));
+        }
+        if f.planning_failures > 0 {
+            parts.push(format!(
+                "planning failing ({} pages in a row): {}",
+                f.planning_failures,
+                f.planning_error.as_deref().unwrap_or("")
+            ));
+        }
+        if f.retrying_commands > 0 {
+            parts.push(format!(
+                "{} command(s) retrying; next at {} (attempt {}, {}): {}",
+                f.retrying_commands,
+                f.retry_next_at
+                    .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
+                    .unwrap_or_default(),
+                f.retry_attempts.unwrap_or(0),
+                f.retry_class.as_deref().unwrap_or("unknown"),
+                f.retry_error.as_deref().unwrap_or("")
+            ));
+        }
+    }
+    if f.open_dead_letters > 0 {
+        parts.push(format!(
+            "{} dead letter(s) open (redrive or abandon: GET /dead-letters?run_id={}): {}",
+            f.open_dead_letters,
+            run.run_id,
+            f.dead_letter_reason.as_deref().unwrap_or("")
+        ));
+    }
+    if f.redriven_dead_letters > 0 {
+        parts.push(format!(
+            "{} dead letter(s) redriven, not yet done",
+            f.redriven_dead_letters
+        ));
+    }
+    if parts.is_empty() {
+        parts.push(if run.status == "planning" {
+            format!(
+                "planning: {} items in commands so far",
+                run.eligible_planned
+            )
+        } else {
+            format!(
+                "running: {} of its commands not yet done",
+                f.unfinished_commands
+            )
+        });
+    }
+    (kind.map(str::to_string), parts.join("; "))
+}

@@ -1,0 +1,150 @@
+//! `replay_safe`: whether replaying a run's commands or a dead letter causes no double effect,
+//! and — a separate question — whether the cause of an item's failure is gone, so a redrive
+//! can succeed.
+
+use std::collections::HashMap;
+
+use super::*;
+use crate::ledger::dead_letter::DeadLetter;
+
+/// Whether replaying the run's commands is safe, and why: the effect is idempotent (one
+/// transaction per command for `delete_rows`), the cutoff is fixed on the run, and the pinned
+/// policy version is still the one that would apply.
+pub(super) async fn replay_verdict(
+    state: &AppState,
+    run_id: &str,
+) -> Result<serde_json::Value, Problem> {
+    let row: Option<(String, String, Option<String>)> = sqlx::query_as(
+        "select r.policy, r.policy_version,
+                (select version from sweeper.policy_versions v where v.policy = r.policy
+                  order by seq desc limit 1)
+           from sweeper.runs r where r.run_id = $1",
+    )
+    .bind(run_id)
+    .fetch_optional(&state.pool)
+    .await?;
+    let Some((_policy, pinned, current)) = row else {
+        return Ok(json!({"safe": false, "reasons": ["the run no longer exists"]}));
+    };
+    let version_current = current.as_deref() == Some(pinned.as_str());
+    let mut reasons = vec![
+        "effect idempotent: a command's deletes, audit rows and state commit in one transaction"
+            .to_string(),
+        "cutoff fixed: stored on the run and bound into every query".to_string(),
+    ];
+    if version_current {
+        reasons.push(format!("pinned policy version {pinned} is still current"));
+    } else {
+        reasons.push(format!(
+            "pinned policy version {pinned} is no longer current ({}): a replay applies the stricter of both",
+            current.as_deref().unwrap_or("none")
+        ));
+    }
+    Ok(json!({ "safe": version_current, "reasons": reasons }))
+}
+
+/// SQLSTATE of a foreign-key violation (PostgreSQL, Appendix A): the item is still referenced.
+const FOREIGN_KEY_VIOLATION: &str = "SQLSTATE 23503";
+
+/// Each dead letter as JSON with its `replay_safe`: the run's verdict (no double effect) and
+/// `will_fail_again` — for an item that failed on a foreign key, `true` with the constraints
+/// and referencing tables (`references`) while a referencing row still exists, `false` once
+/// none does; `"unknown"` for any other failure, or when the check itself could not run (a
+/// lock held longer than its `lock_timeout`, a table gone). One run verdict per run and one
+/// check per policy, whatever the number of dead letters.
+// Over 80 lines: the run verdicts, the per-policy foreign-key checks, then each dead letter's
+// answer (true, false or unknown, each with its own words).
+pub(super) async fn with_verdicts(
+    state: &AppState,
+    dead_letters: &[DeadLetter],
+) -> Result<Vec<serde_json::Value>, Problem> {
+    let mut runs: HashMap<&str, serde_json::Value> = HashMap::new();
+    for run_id in dead_letters.iter().filter_map(|d| d.run_id.as_deref()) {
+        if !runs.contains_key(run_id) {
+            runs.insert(run_id, replay_verdict(state, run_id).await?);
+        }
+    }
+    // Foreign-key failures per policy: their keys, checked in one call per policy.
+    let mut fk: HashMap<&str, Vec<String>> = HashMap::new();
+    for d in dead_letters.iter().filter(|d| is_foreign_key_failure(d)) {
+        if let (Some(p), Some(k)) = (d.policy.as_deref(), d.item_key.as_ref()) {
+            fk.entry(p).or_default().push(k.clone());
+        }
+    }
+    let mut referenced: HashMap<&str, Option<HashMap<String, Vec<Reference>>>> = HashMap::new();
+    for (policy, keys) in &fk {
+        let found = match state.config.policy(policy) {
+            Some(p) => {
+                match crate::policy::references::still_referenced(&state.pool, &p.spec.target, keys)
+                    .await
+                {
+                    Ok(m) => Some(m),
+                    Err(e) => {
+                        tracing::info!(policy, error = %e, "foreign-key re-check did not finish");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+        referenced.insert(policy, found);
+    }
+    dead_letters
+        .iter()
+        .map(|d| {
+            let mut v = serde_json::to_value(d).map_err(Problem::internal)?;
+            let Some(run_id) = d.run_id.as_deref() else {
+                return Ok(v);
+            };
+            let mut verdict = runs.get(run_id).cloned().unwrap_or_default();
+            let found = d
+                .policy
+                .as_deref()
+                .and_then(|p| referenced.get(p))
+                .filter(|_| is_foreign_key_failure(d));
+            match (found, d.item_key.as_ref()) {
+                (Some(Some(m)), Some(k)) => match m.get(k) {
+                    Some(refs) => {
+                        verdict["will_fail_again"] = json!(true);
+                        verdict["references"] = json!(refs);
+                        verdict["cause"] = json!(format!(
+                            "still referenced by {}: remove or re-point those rows before \
+                             redriving, or abandon",
+                            refs.iter()
+                                .map(|r| format!("{} ({})", r.table, r.constraint))
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ));
+                    }
+                    None => {
+                        verdict["will_fail_again"] = json!(false);
+                        verdict["references"] = json!([]);
+                        verdict["cause"] =
+                            json!("no row references the item any more: a redrive can succeed");
+                    }
+                },
+                (Some(None), _) => {
+                    verdict["will_fail_again"] = json!("unknown");
+                    verdict["cause"] = json!(
+                        "the foreign-key re-check did not finish (a lock held, or the table \
+                         changed): ask again"
+                    );
+                }
+                _ => {
+                    verdict["will_fail_again"] = json!("unknown");
+                    verdict["cause"] = json!(
+                        "only a foreign-key failure is re-checked; read the reason and attempts"
+                    );
+                }
+            }
+            v["replay_safe"] = verdict;
+            Ok(v)
+        })
+        .collect()
+}
+
+use crate::policy::references::Reference;
+
+fn is_foreign_key_failure(d: &DeadLetter) -> bool {
+    d.kind == "item" && d.reason.contains(FOREIGN_KEY_VIOLATION)
+}

@@ -1,0 +1,116 @@
+//! One record's history under one policy (`GET /policies/{policy}/items/{key}`): its audit rows
+//! across runs, its effects and its dead letters, each read through an index on
+//! `(policy, item_key)`; and which exported audit months were dropped, so an answer can say
+//! since when it is complete.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::PgPool;
+
+use super::audit::AuditRow;
+use super::dead_letter::DeadLetter;
+
+/// The record's audit rows after `after` (an `audit_id`), oldest first, at most `limit`.
+pub async fn audit_rows(
+    pool: &PgPool,
+    policy: &str,
+    item_key: &str,
+    after: i64,
+    limit: i64,
+) -> sqlx::Result<Vec<AuditRow>> {
+    sqlx::query_as(
+        "select audit_id, recorded_at, policy, policy_version, run_id, window_at, cutoff,
+                command_id, item_key, outcome, reason, actor, dry_run
+           from sweeper.audit
+          where policy = $1 and item_key = $2 and audit_id > $3
+          order by audit_id limit $4",
+    )
+    .bind(policy)
+    .bind(item_key)
+    .bind(after)
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
+
+/// An effect of the record (an external call decided for it), as the history shows it.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct Effect {
+    /// `''` for an effect once per item, else the window it belongs to.
+    pub scope: String,
+    /// Its number: the idempotency key ends in it (once per item) or names the window.
+    pub n: i32,
+    /// `calling` (a call may have been made), `called` (it returned) or `closed`.
+    pub state: String,
+    /// The run and command that decided it.
+    pub run_id: String,
+    /// The command.
+    pub command_id: String,
+    /// What the call achieved (set once `called`).
+    pub outcome: Option<String>,
+    /// When it was opened, called and closed.
+    pub started_at: DateTime<Utc>,
+    /// When the call returned.
+    pub called_at: Option<DateTime<Utc>>,
+    /// When it was closed.
+    pub closed_at: Option<DateTime<Utc>>,
+}
+
+/// The record's effects, open ones first, at most 100.
+pub async fn effects(pool: &PgPool, policy: &str, item_key: &str) -> sqlx::Result<Vec<Effect>> {
+    sqlx::query_as(
+        "select scope, n, state, run_id, command_id, outcome, started_at, called_at, closed_at
+           from sweeper.effects where policy = $1 and item_key = $2
+          order by state = 'closed', started_at desc limit 100",
+    )
+    .bind(policy)
+    .bind(item_key)
+    .fetch_all(pool)
+    .await
+}
+
+/// The record's item dead letters, newest first, at most 100.
+pub async fn dead_letters(
+    pool: &PgPool,
+    policy: &str,
+    item_key: &str,
+) -> sqlx::Result<Vec<DeadLetter>> {
+    let sql = format!(
+        "select {} from sweeper.dead_letters
+          where policy = $1 and item_key = $2 and kind = 'item'
+          order by dead_letter_id desc limit 100",
+        super::dead_letter::COLUMNS
+    );
+    sqlx::query_as(&sql)
+        .bind(policy)
+        .bind(item_key)
+        .fetch_all(pool)
+        .await
+}
+
+/// An audit month exported and dropped: its rows are no longer in the ledger.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct DroppedExport {
+    /// The partition's name.
+    pub partition: String,
+    /// Its range (`from_at` null for the first).
+    pub from_at: Option<DateTime<Utc>>,
+    /// Exclusive end.
+    pub to_at: DateTime<Utc>,
+    /// Rows exported.
+    pub rows: i64,
+    /// SHA-256 of the export file, hex.
+    pub sha256: String,
+    /// Where it went.
+    pub location: String,
+}
+
+/// Every dropped audit month, oldest first.
+pub async fn dropped_exports(pool: &PgPool) -> sqlx::Result<Vec<DroppedExport>> {
+    sqlx::query_as(
+        "select partition, from_at, to_at, rows, sha256, location from sweeper.audit_exports
+          where state = 'dropped' order by to_at",
+    )
+    .fetch_all(pool)
+    .await
+}

@@ -1,0 +1,107 @@
+//! Whether the cause of an item's failure is gone: rows of other tables that still reference it
+//! through a foreign key that refuses the delete (ON DELETE NO ACTION or RESTRICT, SQLSTATE
+//! 23503 when violated). Read with `SELECT EXISTS` per constraint under a short
+//! `lock_timeout` — never a trial delete — so asking cannot take the locks a delete would.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+use sqlx::PgPool;
+
+use super::spec::Target;
+
+/// A foreign key that still references an item.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Reference {
+    /// The constraint's name.
+    pub constraint: String,
+    /// The referencing table, as `regclass` prints it.
+    pub table: String,
+}
+
+/// How long the check waits for a lock before it gives up (and answers `unknown`).
+const LOCK_TIMEOUT: &str = "500ms";
+
+/// The SQL type of the target's key column (`bigint`, `uuid`, `text`, ...); None when the
+/// table or column is gone.
+pub async fn key_type(pool: &PgPool, target: &Target) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar(
+        "select format_type(a.atttypid, a.atttypmod) from pg_attribute a
+          where a.attrelid = to_regclass($1) and a.attname = $2 and not a.attisdropped",
+    )
+    .bind(target.table.quoted())
+    .bind(target.key.as_str())
+    .fetch_optional(pool)
+    .await
+}
+
+/// For each of `keys` (the target's keys as text) still referenced through a refusing foreign
+/// key: the constraints and referencing tables. One statement per such constraint, all keys at
+/// once, in one read-only transaction with `lock_timeout` set; Err on a lock timeout or any
+/// other failure (the caller answers `unknown`).
+pub async fn still_referenced(
+    pool: &PgPool,
+    target: &Target,
+    keys: &[String],
+) -> sqlx::Result<HashMap<String, Vec<Reference>>> {
+    let mut out: HashMap<String, Vec<Reference>> = HashMap::new();
+    if keys.is_empty() {
+        return Ok(out);
+    }
+    let Some(key_type) = key_type(pool, target).await? else {
+        return Ok(out);
+    };
+    let mut tx = pool.begin().await?;
+    sqlx::query("set transaction read only")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(&format!("set local lock_timeout = '{LOCK_TIMEOUT}'"))
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query("set local statement_timeout = '5s'")
+        .execute(&mut *tx)
+        .await?;
+    // (name, referencing table, its columns, the target's columns), quoted, in key order.
+    let constraints: Vec<(String, String, Vec<String>, Vec<String>)> = sqlx::query_as(
+        "select c.conname::text, c.conrelid::regclass::text,
+                array(select quote_ident(a.attname) from unnest(c.conkey) with ordinality k(n, i)
+                        join pg_attribute a on a.attrelid = c.conrelid and a.attnum = k.n
+                       order by k.i),
+                array(select quote_ident(a.attname) from unnest(c.confkey) with ordinality k(n, i)
+                        join pg_attribute a on a.attrelid = c.confrelid and a.attnum = k.n
+                       order by k.i)
+           from pg_constraint c
+          where c.contype = 'f' and c.confrelid = to_regclass($1) and c.confdeltype in ('a', 'r')
+          order by c.conname",
+    )
+    .bind(target.table.quoted())
+    .fetch_all(&mut *tx)
+    .await?;
+    let (table, key) = (target.table.quoted(), target.key.quoted());
+    for (name, referencing, from, to) in constraints {
+        let on = from
+            .iter()
+            .zip(&to)
+            .map(|(f, t)| format!("r.{f} = t.{t}"))
+            .collect::<Vec<_>>()
+            .join(" and ");
+        // Names come from the catalog, quoted by quote_ident / regclass; keys are bound.
+        let sql = format!(
+            "select t.{key}::text from {table} t
+              where t.{key} = any(cast($1 as {key_type}[]))
+                and exists (select 1 from {referencing} r where {on})"
+        );
+        let hit: Vec<String> = sqlx::query_scalar(&sql)
+            .bind(keys)
+            .fetch_all(&mut *tx)
+            .await?;
+        for k in hit {
+            out.entry(k).or_default().push(Reference {
+                constraint: name.clone(),
+                table: referencing.clone(),
+            });
+        }
+    }
+    tx.rollback().await?;
+    Ok(out)
+}

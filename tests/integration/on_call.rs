@@ -1,0 +1,291 @@
+//! On-call reads: the runs that need a look and why, a retrying command's reason and the run's
+//! progress, whether a dead letter's cause is gone, one record's history, the operator log,
+//! and the policies' state.
+
+use crate::common::*;
+use crate::kit::ledger::advance_clock;
+use serde_json::{Value, json};
+use sweeper::app::worker::{WorkerStep, run_one_command};
+use sweeper::execute::ConsumeOutcome;
+
+const WINDOW: &str = "2026-09-01T02:00:00Z";
+
+const TICKETS_WITH_CHILD: &str = "
+create schema demo;
+create table demo.tickets (id bigint primary key, status text, legal_hold boolean, closed_at timestamptz);
+create index on demo.tickets (closed_at);
+create table demo.attachments (id bigint primary key, ticket_id bigint references demo.tickets (id))
+";
+
+async fn app(policy_extra: &str, extra_toml: &str, setup_sql: &'static str) -> TestApp {
+    TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: format!("{}{policy_extra}\n", ticket_policy(10)),
+        extra_toml: extra_toml.into(),
+        setup_sql,
+        ..Default::default()
+    })
+    .await
+}
+
+fn attention_entry(list: &Value, run_id: &str) -> Option<Value> {
+    list["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["run_id"] == run_id)
+        .cloned()
+}
+
+#[tokio::test]
+async fn a_foreign_key_dead_letter_is_listed_for_attention_says_it_will_fail_again_and_leaves_when_abandoned()
+ {
+    let app = app("", "", TICKETS_WITH_CHILD).await;
+    let eligible = seed_mixed(&app.pool, 20, at(WINDOW)).await;
+    let blocked = eligible[1];
+    sqlx::query("insert into demo.attachments values (1, $1)")
+        .bind(blocked)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let (run_id, _) = app.planned_run().await;
+    app.drain().await;
+    assert_eq!(
+        app.wait_terminal(&run_id).await["status"],
+        "completed_with_dead_letters"
+    );
+
+    // 1. Which runs need a look, and why: one call.
+    let list = app.get_json("/runs?status=attention").await;
+    let entry = attention_entry(&list, &run_id).expect("the run needs a look");
+    let reason = entry["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("1 dead letter(s) open") && reason.contains("SQLSTATE 23503"),
+        "{reason}"
+    );
+    assert_eq!(entry["open_dead_letters"], 1);
+
+    // 2. The run names the dead letter; its cause is still there.
+    let run = app.get_json(&format!("/runs/{run_id}")).await;
+    assert_eq!(
+        run["dead_letters"],
+        json!({"open": 1, "redriven": 0, "abandoned": 0})
+    );
+    assert_eq!(run["progress"]["executed_fraction"], 1.0, "{run}");
+    assert_eq!(run["progress"]["planned_fraction"], 1.0);
+    let dl = &run["open_dead_letters"][0];
+    assert_eq!(dl["replay_safe"]["safe"], true);
+    assert_eq!(dl["replay_safe"]["will_fail_again"], true, "{dl}");
+    assert_eq!(
+        dl["replay_safe"]["references"][0]["table"], "demo.attachments",
+        "{dl}"
+    );
+    let attempts = dl["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 1, "{dl}");
+    assert!(attempts[0]["error"].as_str().unwrap().contains("23503"));
+    let id = dl["dead_letter_id"].as_i64().unwrap();
+
+    // `?status=` and its older name `?state=` answer the same.
+    for q in ["status=open", "state=open"] {
+        let page = app.get_json(&format!("/dead-letters?{q}")).await;
+        assert_eq!(page["dead_letters"].as_array().unwrap().len(), 1, "{q}");
+        assert_eq!(
+            page["dead_letters"][0]["replay_safe"]["will_fail_again"],
+            true
+        );
+    }
+    let both = app
+        .api
+        .send(
+            reqwest::Method::GET,
+            "/dead-letters?status=open&state=resolved",
+            None,
+        )
+        .await;
+    assert_eq!(both.status, 400, "{}", both.body);
+
+    // A redrive before the cause is removed fails again: open, the redrive's resolution
+    // cleared, the second failure in its attempts.
+    app.api.redrive(id, "try it").await;
+    app.drain().await;
+    app.wait_terminal(&run_id).await;
+    let dl = app.get_json(&format!("/dead-letters/{id}")).await;
+    assert_eq!(
+        (
+            dl["status"].as_str(),
+            dl["resolved_at"].is_null(),
+            dl["resolved_by"].is_null()
+        ),
+        (Some("open"), true, true),
+        "{dl}"
+    );
+    assert_eq!(dl["attempts"].as_array().unwrap().len(), 2, "{dl}");
+
+    // The record's whole history, with the key written as a bigint is not (`007` is `7`).
+    let key = format!("00{blocked}");
+    let h = app
+        .get_json(&format!("/policies/ticket-retention/items/{key}"))
+        .await;
+    assert_eq!(h["item_key"], blocked.to_string());
+    let outcomes: Vec<&str> = h["audit"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["outcome"].as_str().unwrap())
+        .collect();
+    assert_eq!(outcomes, ["failed", "failed"], "{h}");
+    assert_eq!(h["audit"][0]["run_id"], run_id.as_str());
+    assert_eq!(h["audit"][0]["cutoff"], "2026-06-03T02:00:00Z");
+    assert_eq!(h["dead_letters"][0]["dead_letter_id"], id);
+    assert!(h["history_complete_since"].is_null());
+    let page = app
+        .get_json(&format!(
+            "/policies/ticket-retention/items/{blocked}?limit=1"
+        ))
+        .await;
+    assert_eq!(page["audit"].as_array().unwrap().len(), 1);
+    let next = page["next_cursor"].as_str().unwrap();
+    let page = app
+        .get_json(&format!(
+            "/policies/ticket-retention/items/{blocked}?limit=1&cursor={next}"
+        ))
+        .await;
+    assert_eq!(page["audit"][0]["outcome"], "failed");
+    let bad = app
+        .api
+        .send(
+            reqwest::Method::GET,
+            "/policies/ticket-retention/items/abc",
+            None,
+        )
+        .await;
+    assert_eq!(
+        (bad.status, bad.body["type"].as_str().unwrap_or_default()),
+        (400, "urn:sweeper:problem:bad-key"),
+        "{}",
+        bad.body
+    );
+    let unknown = app
+        .api
+        .send(reqwest::Method::GET, "/policies/nope/items/1", None)
+        .await;
+    assert_eq!(unknown.status, 404);
+
+    // The referencing row goes: the cause is gone.
+    sqlx::query("delete from demo.attachments")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let dl = app.get_json(&format!("/dead-letters/{id}")).await;
+    assert_eq!(dl["replay_safe"]["will_fail_again"], false, "{dl}");
+
+    // Abandoned instead: the run leaves the list, completed, its abandoned count kept.
+    app.api.abandon(id, "ticket kept on purpose").await;
+    let run = app.get_json(&format!("/runs/{run_id}")).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(run["dead_letters"]["abandoned"], 1);
+    let list = app.get_json("/runs?status=attention").await;
+    assert!(attention_entry(&list, &run_id).is_none(), "{list}");
+
+    // The operator log says who did both, and why.
+    let log = app.get_json("/operator-log?target=dead_letter:").await;
+    let acts: Vec<(&str, &str)> = log["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["action"].as_str().unwrap(), e["reason"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        acts,
+        [("abandon", "ticket kept on purpose"), ("redrive", "try it")]
+    );
+    let page = app.get_json("/operator-log?action=redrive&limit=1").await;
+    assert_eq!(page["entries"].as_array().unwrap().len(), 1);
+    assert!(page["next_before"].is_i64());
+    for bad in [
+        "/operator-log?action=delete",
+        "/operator-log?since=yesterday",
+        "/operator-log?limit=0",
+    ] {
+        let a = app.api.send(reqwest::Method::GET, bad, None).await;
+        assert_eq!(a.status, 400, "{bad}: {}", a.body);
+    }
+
+    // The policy shows its last run and next window.
+    let policies = app.get_json("/policies").await;
+    let p = &policies["policies"][0];
+    assert_eq!(p["suspended"], Value::Null);
+    assert_eq!(p["last_run"]["run_id"], run_id.as_str());
+    assert_eq!(p["last_run"]["status"], "completed");
+    assert_eq!(p["next_window"], "2026-09-02T02:00:00Z");
+}
+
+#[tokio::test]
+async fn a_retrying_command_shows_its_last_error_on_the_run_and_in_the_attention_list() {
+    let app = app(
+        r#"retry = { max_attempts = 5, base = "1s", cap = "2s", max_age = "1d" }"#,
+        "[consume]\nlock_timeout = \"1s\"",
+        TICKETS,
+    )
+    .await;
+    let eligible = seed_mixed(&app.pool, 12, at(WINDOW)).await;
+    let (run_id, commands) = app.planned_run().await;
+    let blocker = lock_ticket(&app.db.url, eligible[0]).await;
+
+    for _ in 0..2 {
+        match run_one_command(&app.state).await.unwrap() {
+            WorkerStep::Ran(ConsumeOutcome::NotNow { .. }) => {}
+            other => panic!("{other:?}"),
+        }
+        advance_clock(&app.pool, 3).await;
+    }
+    let run = app.get_json(&format!("/runs/{run_id}")).await;
+    assert_eq!(run["status"], "running");
+    assert_eq!(run["retrying"], 1, "{run}");
+    let r = &run["retrying_commands"][0];
+    assert_eq!(r["command_id"], commands[0].as_str());
+    assert_eq!(r["attempts"], 2);
+    assert_eq!(r["last_error_class"], "transient");
+    assert!(r["last_error"].as_str().unwrap().contains("55P03"), "{r}");
+    assert!(r["next_attempt_at"].is_string());
+    let p = &run["progress"];
+    assert_eq!(p["planned_fraction"], 1.0);
+    assert!(p["executed_fraction"].as_f64().unwrap() < 1.0, "{p}");
+
+    let list = app.get_json("/runs?status=attention").await;
+    let entry = attention_entry(&list, &run_id).unwrap();
+    let reason = entry["reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with("1 command(s) retrying") && reason.contains("55P03"),
+        "{reason}"
+    );
+    assert_eq!(entry["retrying_commands"], 1);
+
+    release_ticket(blocker).await;
+    app.drain().await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed");
+    assert_eq!(run["retrying"], 0);
+    assert_eq!(run["progress"]["executed_fraction"], 1.0);
+    assert!(attention_entry(&app.get_json("/runs?status=attention").await, &run_id).is_none());
+
+    // Items by outcome, the run's duration and the trigger's lag are exported.
+    // (Process counters: other tests in this process add to them.)
+    let metrics = app.api.metrics().await;
+    let deleted = "sweeper_items_total{policy=\"ticket-retention\",outcome=\"deleted\"} ";
+    let n: i64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(deleted))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{deleted}\n{metrics}"));
+    assert!(n >= run["deleted"].as_i64().unwrap(), "{n}");
+    for series in [
+        "sweeper_items_total{policy=\"ticket-retention\",outcome=\"would_call\"}",
+        "sweeper_run_duration_seconds_count{policy=\"ticket-retention\"}",
+        "sweeper_trigger_lag_seconds_count",
+        "sweeper_consume_duration_seconds_count",
+        "sweeper_held_runs{kind=\"identity\"} 0",
+    ] {
+        assert!(metrics.contains(series), "{series}\n{metrics}");
+    }
+}

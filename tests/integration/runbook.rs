@@ -1,0 +1,127 @@
+//! The README's on-call runbook, run verbatim with bash, curl and jq against a live server
+//! with a real failure (a foreign key that refuses the delete of one eligible ticket), each
+//! answer checked.
+
+use crate::common::*;
+
+const TICKETS_WITH_CHILD: &str = "
+create schema demo;
+create table demo.tickets (id bigint primary key, status text, legal_hold boolean, closed_at timestamptz);
+create index on demo.tickets (closed_at);
+create table demo.attachments (id bigint primary key, ticket_id bigint references demo.tickets (id))
+";
+
+/// The commands of the fenced block after the README's `<!-- runbook: -->` marker: comment
+/// lines dropped, each remaining line one command (the block has no continuations).
+fn runbook_commands() -> Vec<String> {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("README.md");
+    let after = readme
+        .split_once("<!-- runbook:")
+        .expect("the README marks its runbook")
+        .1;
+    let block = after
+        .split_once("```sh\n")
+        .expect("a sh block follows the marker")
+        .1
+        .split_once("\n```")
+        .expect("the block ends")
+        .0;
+    block
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#') && !l.trim().is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test]
+async fn the_readme_runbook_answers_which_run_why_whether_replay_is_safe_and_redrives() {
+    let commands = runbook_commands();
+    assert_eq!(commands.len(), 5, "{commands:#?}");
+    assert!(
+        commands
+            .iter()
+            .all(|c| !c.contains("$SWEEPER ") && !c.contains("$TOKEN")),
+        "only SWEEPER_URL, SWEEPER_TOKEN and RUN: {commands:#?}"
+    );
+
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: ticket_policy(10),
+        setup_sql: TICKETS_WITH_CHILD,
+        ..Default::default()
+    })
+    .await;
+    let eligible = seed_mixed(&app.pool, 20, at("2026-09-01T02:00:00Z")).await;
+    sqlx::query("insert into demo.attachments values (1, $1)")
+        .bind(eligible[0])
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let (run_id, _) = app.planned_run().await;
+    app.drain().await;
+    app.wait_terminal(&run_id).await;
+
+    // One shell for the whole block (KEY carries from one command to the next), a marker
+    // after each command so each answer is checked on its own.
+    let script: String = commands
+        .iter()
+        .map(|c| format!("{c}\necho '=== step'\n"))
+        .collect();
+    let mut bash = std::process::Command::new("bash");
+    bash.args(["-euo", "pipefail", "-c", &script])
+        .env("SWEEPER_URL", &app.base)
+        .env("SWEEPER_TOKEN", app.ops_token())
+        .env("RUN", &run_id);
+    // Off the runtime's thread: the server under test answers on it.
+    let out = tokio::task::spawn_blocking(move || bash.output())
+        .await
+        .unwrap()
+        .expect("bash runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let answers: Vec<&str> = stdout.split("=== step\n").collect();
+    assert_eq!(answers.len(), 6, "{stdout}");
+
+    // 1. The run, its status and why, on one line.
+    let line = answers[0]
+        .lines()
+        .find(|l| l.starts_with(&run_id))
+        .unwrap_or_else(|| panic!("{}", answers[0]));
+    assert!(
+        line.contains("completed_with_dead_letters")
+            && line.contains("1 dead letter(s) open")
+            && line.contains("SQLSTATE 23503"),
+        "{line}"
+    );
+    // 2. The dead letter, safe to replay but still referenced.
+    let run: serde_json::Value = serde_json::from_str(answers[1]).expect(answers[1]);
+    let dl = &run["dead_letters"][0];
+    assert_eq!(dl["item_key"], eligible[0].to_string());
+    assert_eq!(
+        (dl["safe"].as_bool(), dl["will_fail_again"].as_bool()),
+        (Some(true), Some(true))
+    );
+    assert!(
+        dl["cause"].as_str().unwrap().contains("demo.attachments"),
+        "{dl}"
+    );
+    assert_eq!(run["progress"]["executed_fraction"], 1.0);
+    // 3. The redrive names what it queued.
+    let redrive: serde_json::Value = serde_json::from_str(answers[2]).expect(answers[2]);
+    assert_eq!(
+        redrive["redriven"],
+        serde_json::json!([dl["dead_letter_id"]])
+    );
+    // 4. KEY is set (no output); the record's history names the run, its cutoff and outcome.
+    assert_eq!(answers[3], "");
+    let history: serde_json::Value = serde_json::from_str(answers[4]).expect(answers[4]);
+    assert_eq!(history["audit"][0]["run_id"], run_id.as_str(), "{history}");
+    assert_eq!(history["audit"][0]["cutoff"], "2026-06-03T02:00:00Z");
+    assert!(history["audit"][0]["outcome"].is_string());
+    assert!(history["history_complete_since"].is_null());
+}
