@@ -233,8 +233,12 @@ impl Demo {
                 "The token lasts 1 h and this session's signing secret is random; a longer one \
                  (the README's \"On call\" runbook then works as written):"
             );
+            // This very binary, by its absolute path: the line works from any directory.
+            let exe = std::env::current_exe()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|_| "sweeper".into());
             println!(
-                "  export SWEEPER_TOKEN=$(cargo run -q -- token --config {} --scope \"ops:read ops:write trigger:* consume\" --ttl 8h --sub \"${{USER:-oncall}}\")",
+                "  export SWEEPER_TOKEN=$({exe} token --config {} --scope \"ops:read ops:write trigger:* consume\" --ttl 8h --sub \"${{USER:-oncall}}\")",
                 config_path.display()
             );
             println!("Try:");
