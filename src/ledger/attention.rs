@@ -21,6 +21,8 @@ pub struct Facts {
     pub redriven_dead_letters: i64,
     /// Dead letters an operator abandoned (they no longer keep the run in the list).
     pub abandoned_dead_letters: i64,
+    /// Dead letters whose redrive succeeded.
+    pub resolved_dead_letters: i64,
     /// The newest open dead letter's reason.
     #[serde(skip)]
     pub dead_letter_reason: Option<String>,
@@ -39,6 +41,9 @@ pub struct Facts {
     /// Its next attempt.
     #[serde(skip)]
     pub retry_next_at: Option<DateTime<Utc>>,
+    /// It is being tried now (leased), so its next attempt is this one.
+    #[serde(skip)]
+    pub retry_trying_now: bool,
     /// The oldest hold recorded on a command or the planning job: kind and detail.
     #[serde(skip)]
     pub held_kind: Option<String>,
@@ -103,6 +108,7 @@ pub async fn facts(
                 coalesce(d.open, 0) as open_dead_letters,
                 coalesce(d.redriven, 0) as redriven_dead_letters,
                 coalesce(d.abandoned, 0) as abandoned_dead_letters,
+                coalesce(d.resolved, 0) as resolved_dead_letters,
                 (select dl.reason from sweeper.dead_letters dl
                   where dl.run_id = r.run_id and dl.status = 'open'
                   order by dl.dead_letter_id desc limit 1) as dead_letter_reason,
@@ -111,6 +117,7 @@ pub async fn facts(
                     and c.attempts > 0 and c.last_error is not null) as retrying_commands,
                 rc.last_error as retry_error, rc.last_error_class as retry_class,
                 rc.attempts as retry_attempts, rc.next_attempt_at as retry_next_at,
+                coalesce(rc.state = 'leased', false) as retry_trying_now,
                 coalesce(hc.held_kind, case when not p.done then p.held_kind end) as held_kind,
                 coalesce(hc.held_reason, case when not p.done then p.held_reason end)
                     as held_reason,
@@ -124,10 +131,11 @@ pub async fn facts(
            left join lateral (
                select count(*) filter (where status = 'open') as open,
                       count(*) filter (where status = 'redriven') as redriven,
-                      count(*) filter (where status = 'abandoned') as abandoned
+                      count(*) filter (where status = 'abandoned') as abandoned,
+                      count(*) filter (where status = 'resolved') as resolved
                  from sweeper.dead_letters dl where dl.run_id = r.run_id) d on true
            left join lateral (
-               select c.last_error, c.last_error_class, c.attempts, c.next_attempt_at
+               select c.last_error, c.last_error_class, c.attempts, c.next_attempt_at, c.state
                  from sweeper.commands c
                 where c.run_id = r.run_id and c.state in ('pending', 'leased')
                   and c.attempts > 0 and c.last_error is not null
@@ -159,8 +167,10 @@ pub struct Retrying {
     pub last_error: Option<String>,
     /// Its class: `transient`, `throttled` or `permanent`.
     pub last_error_class: Option<String>,
-    /// When it is tried next (RFC 3339).
+    /// When it is tried next (RFC 3339); for a leased command, when this try began to be due.
     pub next_attempt_at: DateTime<Utc>,
+    /// It is being tried now (`leased`): attempt `attempts + 1` is running.
+    pub trying_now: bool,
     /// Items in it.
     pub items: i32,
 }
@@ -169,7 +179,7 @@ pub struct Retrying {
 pub async fn retrying(pool: &PgPool, run_id: &str, limit: i64) -> sqlx::Result<Vec<Retrying>> {
     sqlx::query_as(
         "select command_id, state, attempts, last_error, last_error_class, next_attempt_at,
-                cardinality(item_keys) as items
+                state = 'leased' as trying_now, cardinality(item_keys) as items
            from sweeper.commands
           where run_id = $1 and state in ('pending', 'leased') and attempts > 0
             and last_error is not null

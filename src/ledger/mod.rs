@@ -102,7 +102,7 @@ pub struct Run {
     pub planning_done: bool,
     /// Commands not yet terminal.
     pub pending_commands: i32,
-    /// Commands planned.
+    /// Commands planned, plus one per item dead letter redriven (its one-item command).
     pub commands_total: i32,
     /// Commands quarantined.
     pub quarantined_commands: i32,

@@ -209,6 +209,28 @@ async fn an_items_history_is_found_across_two_months_through_its_index() {
         ),
     ];
     assert_eq!(history, expected);
+    // The same history over HTTP, from both months.
+    let h = app
+        .get_json(&format!("/policies/ticket-retention/items/{item}"))
+        .await;
+    let over_http: Vec<(String, String)> = h["audit"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["run_id"].as_str().unwrap().to_string(),
+                r["outcome"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        over_http,
+        expected
+            .iter()
+            .map(|(r, o, _)| (r.clone(), o.clone()))
+            .collect::<Vec<_>>()
+    );
     // Every partition answers it from an index (with sequential scans ruled out, a partition
     // without one would show a Seq Scan).
     let mut conn = app.pool.acquire().await.unwrap();
@@ -348,6 +370,20 @@ async fn an_expired_month_is_exported_verified_and_dropped_and_an_open_runs_mont
         .await
         .unwrap();
     assert_eq!(left, total - january_rows);
+    // A January record's history now says since when it is complete and where the rest went.
+    let key = lines[0]["item_key"].as_str().unwrap();
+    let h = app
+        .get_json(&format!("/policies/ticket-retention/items/{key}"))
+        .await;
+    assert_eq!(h["history_complete_since"], "2027-02-01T00:00:00Z", "{h}");
+    let export = h["exports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["partition"] == "audit_2027_01")
+        .unwrap_or_else(|| panic!("{h}"));
+    assert_eq!(export["location"], file.to_str().unwrap());
+    assert_eq!(export["sha256"], on_disk.as_str());
 
     // Again: nothing more to drop while February's run is open; the export is untouched.
     assert_eq!(

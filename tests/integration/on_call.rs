@@ -69,7 +69,7 @@ async fn a_foreign_key_dead_letter_is_listed_for_attention_says_it_will_fail_aga
     let run = app.get_json(&format!("/runs/{run_id}")).await;
     assert_eq!(
         run["dead_letters"],
-        json!({"open": 1, "redriven": 0, "abandoned": 0})
+        json!({"open": 1, "redriven": 0, "abandoned": 0, "resolved": 0})
     );
     assert_eq!(run["progress"]["executed_fraction"], 1.0, "{run}");
     assert_eq!(run["progress"]["planned_fraction"], 1.0);
@@ -106,7 +106,20 @@ async fn a_foreign_key_dead_letter_is_listed_for_attention_says_it_will_fail_aga
 
     // A redrive before the cause is removed fails again: open, the redrive's resolution
     // cleared, the second failure in its attempts.
-    app.api.redrive(id, "try it").await;
+    let acted = app
+        .api
+        .send(
+            reqwest::Method::POST,
+            &format!("/dead-letters/{id}/redrive"),
+            Some(json!({"reason": "try it"})),
+        )
+        .await;
+    assert_eq!(
+        (acted.status, &acted.body["will_fail_again"]),
+        (200, &json!(true)),
+        "{}",
+        acted.body
+    );
     app.drain().await;
     app.wait_terminal(&run_id).await;
     let dl = app.get_json(&format!("/dead-letters/{id}")).await;
@@ -256,7 +269,9 @@ async fn a_retrying_command_shows_its_last_error_on_the_run_and_in_the_attention
     let entry = attention_entry(&list, &run_id).unwrap();
     let reason = entry["reason"].as_str().unwrap();
     assert!(
-        reason.starts_with("1 command(s) retrying") && reason.contains("55P03"),
+        reason.starts_with("1 command(s) retrying; attempt 3 at ")
+            && reason.contains("after 2 failed (transient)")
+            && reason.contains("55P03"),
         "{reason}"
     );
     assert_eq!(entry["retrying_commands"], 1);

@@ -111,11 +111,12 @@ async fn the_readme_runbook_answers_which_run_why_whether_replay_is_safe_and_red
         "{dl}"
     );
     assert_eq!(run["progress"]["executed_fraction"], 1.0);
-    // 3. The redrive names what it queued.
+    // 3. The redrive names what it queued, and that it will fail again (still referenced).
     let redrive: serde_json::Value = serde_json::from_str(answers[2]).expect(answers[2]);
+    let ids = serde_json::json!([dl["dead_letter_id"]]);
     assert_eq!(
-        redrive["redriven"],
-        serde_json::json!([dl["dead_letter_id"]])
+        (&redrive["redriven"], &redrive["will_fail_again"]),
+        (&ids, &ids)
     );
     // 4. KEY is set (no output); the record's history names the run, its cutoff and outcome.
     assert_eq!(answers[3], "");

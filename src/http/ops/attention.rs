@@ -81,13 +81,21 @@ fn reason(
             ));
         }
         if f.retrying_commands > 0 {
+            let attempts = f.retry_attempts.unwrap_or(0);
+            let when = if f.retry_trying_now {
+                format!("attempt {} running now", attempts + 1)
+            } else {
+                format!(
+                    "attempt {} at {}",
+                    attempts + 1,
+                    f.retry_next_at
+                        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
+                        .unwrap_or_default()
+                )
+            };
             parts.push(format!(
-                "{} command(s) retrying; next at {} (attempt {}, {}): {}",
+                "{} command(s) retrying; {when}, after {attempts} failed ({}): {}",
                 f.retrying_commands,
-                f.retry_next_at
-                    .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
-                    .unwrap_or_default(),
-                f.retry_attempts.unwrap_or(0),
                 f.retry_class.as_deref().unwrap_or("unknown"),
                 f.retry_error.as_deref().unwrap_or("")
             ));

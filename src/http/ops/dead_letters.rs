@@ -107,7 +107,8 @@ pub(super) fn act_problem(e: crate::ledger::dead_letter::ActError) -> Problem {
     }
 }
 
-/// `POST /dead-letters/{id}/redrive` `{"reason": ...}` (scope `ops:write`).
+/// `POST /dead-letters/{id}/redrive` `{"reason": ...}` (scope `ops:write`): also answers
+/// `will_fail_again` and `cause` as they were just before the redrive (see `replay_safe`).
 pub async fn redrive_dead_letter(
     State(state): State<AppState>,
     caller: Caller,
@@ -116,12 +117,25 @@ pub async fn redrive_dead_letter(
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
     let b: ReasonBody = reason_of(&body)?;
+    // Asked before the redrive: whether its cause is still there (the redrive goes ahead
+    // either way; the answer says it will fail again the same way).
+    let before = match crate::ledger::dead_letter::get(&state.pool, id).await? {
+        Some(dl) => with_verdicts(&state, std::slice::from_ref(&dl))
+            .await?
+            .pop(),
+        None => None,
+    };
     let r =
         crate::ledger::dead_letter::redrive(&state.pool, id, &caller.0.subject, b.reason.trim())
             .await
             .map_err(act_problem)?;
     state.wake_workers.notify_waiters();
-    Ok(Json(json!({ "dead_letter_id": id, "result": r })).into_response())
+    let verdict = before.map(|v| v["replay_safe"].clone()).unwrap_or_default();
+    Ok(Json(json!({
+        "dead_letter_id": id, "result": r,
+        "will_fail_again": verdict["will_fail_again"], "cause": verdict["cause"],
+    }))
+    .into_response())
 }
 
 /// `POST /dead-letters/{id}/abandon` `{"reason": ...}` (scope `ops:write`).
@@ -142,7 +156,8 @@ pub async fn abandon_dead_letter(
 
 /// `POST /dead-letters/redrive` `{"reason", "run_id"?, "class"?, "limit"?}` (scope `ops:write`):
 /// redrives open dead letters of a run and/or a class, at most `limit` (default 100, at most
-/// 1000) per call; the queue paces their execution.
+/// 1000) per call; the queue paces their execution. `will_fail_again` lists those redriven whose
+/// cause was still there (a foreign key still referencing the item): they will fail the same way.
 pub async fn redrive_dead_letters(
     State(state): State<AppState>,
     caller: Caller,
@@ -174,6 +189,25 @@ pub async fn redrive_dead_letters(
             "limit must be between 1 and 1000",
         ));
     }
+    // Which of the candidates will fail again the same way (asked before; redriven anyway).
+    let candidates = crate::ledger::dead_letter::list(
+        &state.pool,
+        &crate::ledger::dead_letter::Filter {
+            run_id: b.run_id.as_deref(),
+            class: b.class.as_deref(),
+            state: Some("open"),
+            ..Default::default()
+        },
+        None,
+        limit,
+    )
+    .await?;
+    let still: Vec<i64> = with_verdicts(&state, &candidates)
+        .await?
+        .iter()
+        .filter(|v| v["replay_safe"]["will_fail_again"] == json!(true))
+        .filter_map(|v| v["dead_letter_id"].as_i64())
+        .collect();
     let ids = crate::ledger::dead_letter::redrive_many(
         &state.pool,
         b.run_id.as_deref(),
@@ -185,5 +219,6 @@ pub async fn redrive_dead_letters(
     .await
     .map_err(act_problem)?;
     state.wake_workers.notify_waiters();
-    Ok(Json(json!({ "redriven": ids })).into_response())
+    let will_fail_again: Vec<i64> = still.into_iter().filter(|i| ids.contains(i)).collect();
+    Ok(Json(json!({ "redriven": ids, "will_fail_again": will_fail_again })).into_response())
 }

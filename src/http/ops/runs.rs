@@ -244,7 +244,7 @@ pub async fn get_run(
     body["open_dead_letters"] = json!(with_verdicts(&state, &open).await?);
     body["dead_letters"] = json!({
         "open": facts.open_dead_letters, "redriven": facts.redriven_dead_letters,
-        "abandoned": facts.abandoned_dead_letters,
+        "abandoned": facts.abandoned_dead_letters, "resolved": facts.resolved_dead_letters,
     });
     body["retrying"] = json!(facts.retrying_commands);
     body["retrying_commands"] = json!(retrying);
