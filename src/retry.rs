@@ -440,6 +440,16 @@ mod tests {
     }
 
     #[test]
+    fn full_jitter_spreads_delays_over_the_whole_range() {
+        // Uniform on [0, 8]: mean 4, standard error of 10,000 samples ~0.023.
+        let b = Backoff::default();
+        let mut rng = rand::rng();
+        let n = 10_000;
+        let mean = (0..n).map(|_| b.delay_seconds(3, &mut rng)).sum::<f64>() / n as f64;
+        assert!((3.8..=4.2).contains(&mean), "{mean}");
+    }
+
+    #[test]
     fn retry_after_reads_both_forms_and_distrusts_them() {
         use std::time::{Duration, UNIX_EPOCH};
         // Sun, 06 Nov 1994 08:49:37 GMT, RFC 9110's own example instant.
