@@ -194,8 +194,8 @@ pub async fn retrying(pool: &PgPool, run_id: &str, limit: i64) -> sqlx::Result<V
 /// How far a run has got, as `GET /runs/{id}`'s `progress` shows it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Progress {
-    /// 1 once planning is done; null while planning (how many rows remain to plan is not known
-    /// without the scan itself; `eligible_planned` and `planning.pages_done` grow meanwhile).
+    /// 1 once planning is done; while planning, the walk's estimated fraction (set by the
+    /// caller from the cursor, `crate::plan::estimate`), or null when it cannot be told.
     pub planned_fraction: Option<f64>,
     /// Items with an outcome over items planned (0-1; 1 when nothing was planned and the run is
     /// done).

@@ -17,6 +17,7 @@
 //! check and the next run (DESIGN §14).
 
 mod batches;
+pub mod estimate;
 mod guard;
 mod rules;
 mod scan;

@@ -257,7 +257,11 @@ impl Demo {
 /// One line of a run's `progress` (`GET /runs/{id}`): a bar when `bar`, plain words otherwise.
 fn progress_line(run: &Value, bar: bool) -> String {
     let p = &run["progress"];
-    let fraction = p["executed_fraction"].as_f64().unwrap_or(0.0);
+    // While planning, the walk's estimate (when it has one); then the items executed.
+    let fraction = match (run["status"].as_str(), p["planned_fraction"].as_f64()) {
+        (Some("planning"), Some(planned)) => planned,
+        _ => p["executed_fraction"].as_f64().unwrap_or(0.0),
+    };
     let eta = p["eta_seconds"]
         .as_f64()
         .map(|s| format!(", ETA {s:.0}s"))

@@ -304,3 +304,55 @@ async fn a_retrying_command_shows_its_last_error_on_the_run_and_in_the_attention
         assert!(metrics.contains(series), "{series}\n{metrics}");
     }
 }
+
+#[tokio::test]
+async fn planning_progress_is_estimated_from_the_cursor_against_the_key_range_and_the_oldest_row() {
+    use sweeper::plan::estimate::{Cursor, planned_fraction};
+    let app = app("", "", TICKETS).await;
+    // Keys 1..=20, closed from a year before the window onwards.
+    seed_mixed(&app.pool, 20, at(WINDOW)).await;
+    let target = &app
+        .state
+        .config
+        .policy("ticket-retention")
+        .unwrap()
+        .spec
+        .target;
+    let cutoff = at("2026-06-03T02:00:00Z");
+    let (lo, hi): (i64, i64) = sqlx::query_as("select min(id), max(id) from demo.tickets")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    let mid = ((lo + hi) / 2).to_string();
+    let key_order = |key| Cursor {
+        path: Some("key_order"),
+        key,
+        timestamp: None,
+    };
+    let f = planned_fraction(&app.pool, target, &key_order(Some(&mid)), cutoff)
+        .await
+        .unwrap();
+    let expected = ((lo + hi) / 2 - lo) as f64 / (hi - lo) as f64;
+    assert!((f - expected).abs() < 1e-9, "{f} {expected}");
+    assert_eq!(
+        planned_fraction(&app.pool, target, &Cursor::default(), cutoff).await,
+        Some(0.0),
+        "before the first page"
+    );
+    // The timestamp walk: halfway between the oldest row and the cutoff.
+    let oldest: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("select min(closed_at) from demo.tickets")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    let half = oldest + (cutoff - oldest) / 2;
+    let by_time = Cursor {
+        path: Some("timestamp_index"),
+        key: None,
+        timestamp: Some(half),
+    };
+    let f = planned_fraction(&app.pool, target, &by_time, cutoff)
+        .await
+        .unwrap();
+    assert!((f - 0.5).abs() < 1e-6, "{f}");
+}

@@ -76,6 +76,8 @@ pub(super) struct PlanningState {
     /// `key_order` or `timestamp_index`; NULL until the first page chose it.
     path: Option<String>,
     path_reason: Option<String>,
+    cursor_key: Option<String>,
+    cursor_timestamp: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 pub(super) use ledger::StoppedCommand;
@@ -195,7 +197,8 @@ pub async fn get_run(
     let commands = ledger::command_states(&state.pool, &run_id).await?;
     let stopped = ledger::stopped_commands(&state.pool, &run_id).await?;
     let planning: Option<PlanningState> = sqlx::query_as(
-        "select pages_done, done, failures, last_error, last_error_at, path, path_reason
+        "select pages_done, done, failures, last_error, last_error_at, path, path_reason,
+                cursor_key, cursor_timestamp
                from sweeper.planning_jobs where run_id = $1",
     )
     .bind(&run_id)
@@ -208,7 +211,25 @@ pub async fn get_run(
         .await?
         .remove(&run_id)
         .unwrap_or_default();
-    let progress = ledger::attention::progress(&state.pool, &run).await?;
+    let mut progress = ledger::attention::progress(&state.pool, &run).await?;
+    if let (false, Some(p), Some(policy)) = (
+        run.planning_done,
+        planning.as_ref(),
+        state.config.policy(&run.policy),
+    ) {
+        let cursor = crate::plan::estimate::Cursor {
+            path: p.path.as_deref(),
+            key: p.cursor_key.as_deref(),
+            timestamp: p.cursor_timestamp,
+        };
+        progress.planned_fraction = crate::plan::estimate::planned_fraction(
+            &state.pool,
+            &policy.spec.target,
+            &cursor,
+            run.cutoff,
+        )
+        .await;
+    }
     let open = crate::ledger::dead_letter::list(
         &state.pool,
         &crate::ledger::dead_letter::Filter {

@@ -1,0 +1,79 @@
+//! How far a run's planning has walked, estimated from its cursor without a scan: the target's
+//! smallest and largest key (key order, numeric keys) or its oldest timestamp (the timestamp
+//! walk, which ends at the cutoff), each one index-backed `min`/`max` read.
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+
+use crate::policy::Target;
+
+/// Where a planning job stands: its walk and cursor.
+#[derive(Debug, Clone, Default)]
+pub struct Cursor<'a> {
+    /// `key_order` or `timestamp_index`; None before the first page.
+    pub path: Option<&'a str>,
+    /// The last key planned (as text).
+    pub key: Option<&'a str>,
+    /// The timestamp walk's last timestamp.
+    pub timestamp: Option<DateTime<Utc>>,
+}
+
+/// The walked fraction (0-1): 0 before the first page; for key order over a `bigint` or
+/// `integer` key, `(cursor − min) / (max − min)`; for the timestamp walk of a `timestamptz`
+/// column, `(cursor − oldest) / (cutoff − oldest)`. None when it cannot be told this way (a
+/// text or uuid key, a `timestamp` column with a zone, a read over one second).
+pub async fn planned_fraction(
+    pool: &PgPool,
+    target: &Target,
+    cursor: &Cursor<'_>,
+    cutoff: DateTime<Utc>,
+) -> Option<f64> {
+    let Some(path) = cursor.path else {
+        return Some(0.0);
+    };
+    let mut tx = pool.begin().await.ok()?;
+    sqlx::query("set local statement_timeout = '1s'")
+        .execute(&mut *tx)
+        .await
+        .ok()?;
+    let table = target.table.quoted();
+    let fraction = match path {
+        "timestamp_index" if target.timestamp_zone.is_none() => {
+            let Some(at) = cursor.timestamp else {
+                return Some(0.0);
+            };
+            let ts = target.timestamp.quoted();
+            let oldest: Option<DateTime<Utc>> =
+                sqlx::query_scalar(&format!("select min({ts})::timestamptz from {table}"))
+                    .fetch_one(&mut *tx)
+                    .await
+                    .ok()?;
+            let oldest = oldest?;
+            let span = (cutoff - oldest).as_seconds_f64();
+            (span > 0.0).then(|| (at - oldest).as_seconds_f64() / span)
+        }
+        "key_order" => {
+            let key_type = crate::policy::references::key_type(pool, target)
+                .await
+                .ok()??;
+            if !matches!(key_type.as_str(), "bigint" | "integer" | "smallint") {
+                return None;
+            }
+            let Some(at) = cursor.key.and_then(|k| k.parse::<f64>().ok()) else {
+                return Some(0.0);
+            };
+            let key = target.key.quoted();
+            let (lo, hi): (Option<f64>, Option<f64>) = sqlx::query_as(&format!(
+                "select min({key})::float8, max({key})::float8 from {table}"
+            ))
+            .fetch_one(&mut *tx)
+            .await
+            .ok()?;
+            let (lo, hi) = (lo?, hi?);
+            Some(if hi > lo { (at - lo) / (hi - lo) } else { 1.0 })
+        }
+        _ => None,
+    };
+    let _ = tx.rollback().await;
+    fraction.map(|f| f.clamp(0.0, 1.0))
+}
