@@ -76,6 +76,7 @@ const HOLD_KINDS: &[&str] = &[
     "identity",
     "suspended",
     "approval",
+    "after",
     "schema",
     "policy_changed",
     "active_hours",
@@ -300,17 +301,20 @@ pub async fn render(
         "with i as (select held_since from sweeper.database_identity where held_since is not null),
               h as (
              select c.run_id, case when exists (select 1 from i) then 'identity'
+                         when ps.suspended then 'suspended'
                          when r.approval in ('awaiting_plan', 'required') then 'approval'
                          when c.held_kind is not null then c.held_kind
                          when r.policy = any($2) then 'active_hours'
                          else 'governor' end as held_kind,
                     case when exists (select 1 from i) then (select held_since from i)
+                         when ps.suspended then ps.suspended_at
                          when r.approval in ('awaiting_plan', 'required')
                               then coalesce(r.approval_changed_at, r.created_at)
                          else c.held_since end as held_since
                from sweeper.commands c join sweeper.runs r using (run_id)
+               left join sweeper.policy_state ps on ps.policy = r.policy and ps.suspended
               where c.state in ('pending', 'leased')
-                and (c.held_since is not null or exists (select 1 from i)
+                and (c.held_since is not null or exists (select 1 from i) or ps.suspended
                      or r.approval in ('awaiting_plan', 'required')
                      or r.policy = any($2) or r.policy = any($3))
              union all
@@ -360,8 +364,13 @@ pub async fn render(
             gauge!("sweeper_runs", "status" => s).set(n as f64);
         }
         let mut oldest_held: f64 = 0.0;
-        for kind in crate::retry::HoldKind::ALL {
-            let k = kind.as_str();
+        // Every command hold kind, and a suspended policy's (a policy state, not a hold a
+        // command records).
+        let kinds = crate::retry::HoldKind::ALL
+            .map(crate::retry::HoldKind::as_str)
+            .into_iter()
+            .chain(["suspended"]);
+        for k in kinds {
             let row = held_work.iter().find(|(hk, ..)| hk == k);
             gauge!("sweeper_held", "kind" => k).set(row.map_or(0, |r| r.1) as f64);
             gauge!("sweeper_held_overdue", "kind" => k).set(row.map_or(0, |r| r.2) as f64);

@@ -103,7 +103,7 @@ pub(crate) async fn complete_run(
     }
     tx.commit().await?;
     info!(run_id, status, "run completed");
-    if !run_id.contains(":dry-") {
+    if let (false, Some(seconds)) = (run_id.contains(":dry-"), seconds) {
         crate::metrics::run_completed(policy_of(run_id), seconds);
     }
     Ok(Some(status))

@@ -319,7 +319,10 @@ pub struct Failed<'a> {
 }
 
 /// Quarantines the command: its state, the attempt, and a dead letter with its attempt history
-/// (the open one counts one more failure if the command was quarantined before).
+/// (the open one counts one more failure if the command was quarantined before; a redrive's
+/// resolution is cleared, since it resolved nothing). A one-item redrive command of an item
+/// dead letter reopens that dead letter instead (its failure appended to its attempts): the
+/// item has one dead letter, whichever way its redrive failed.
 pub async fn quarantine(conn: &mut PgConnection, f: &Failed<'_>) -> sqlx::Result<()> {
     sqlx::query(&format!(
         "with c as (
@@ -328,7 +331,19 @@ pub async fn quarantine(conn: &mut PgConnection, f: &Failed<'_>) -> sqlx::Result
                     {HOLD_CLEARED},
                     lease_until = null, lease_owner = null, last_error = $3, last_error_class = $4
               where command_id = $1
-          returning due_since),
+          returning due_since, redrive_of),
+         item as (
+             update sweeper.dead_letters d
+                set status = 'open', reason = $3, class = $4, last_failure_at = sweeper.now(),
+                    failures = d.failures + 1,
+                    attempts = d.attempts || jsonb_build_array(jsonb_build_object(
+                        'attempt_no', d.failures + 1, 'started_at', sweeper.now(),
+                        'ended_at', sweeper.now(), 'outcome', 'quarantined', 'class', $4,
+                        'error', $3, 'delay_seconds', null, 'command_id', $1::text)),
+                    resolved_at = null, resolved_by = null, resolution_reason = null
+               from c
+              where d.dead_letter_id = c.redrive_of and d.kind = 'item'
+          returning d.dead_letter_id),
          a as (
              insert into sweeper.attempts
                  (command_id, attempt_no, started_at, ended_at, outcome, class, error)
@@ -348,10 +363,12 @@ pub async fn quarantine(conn: &mut PgConnection, f: &Failed<'_>) -> sqlx::Result
                            where command_id = $1 and outcome <> 'succeeded'), sweeper.now()),
                 sweeper.now()
            from history
+          where not exists (select 1 from item)
          on conflict (command_id) where kind = 'command' and status in ('open', 'redriven')
          do update set status = 'open', reason = excluded.reason, class = excluded.class,
                        attempts = excluded.attempts, last_failure_at = excluded.last_failure_at,
-                       failures = sweeper.dead_letters.failures + 1"
+                       failures = sweeper.dead_letters.failures + 1,
+                       resolved_at = null, resolved_by = null, resolution_reason = null"
     ))
     .bind(f.command_id)
     .bind(f.attempts)

@@ -251,7 +251,9 @@ pub async fn redrive(
                         publish_generation = sweeper.commands.publish_generation + 1,
                         finished_at = null, lease_until = null, lease_owner = null,
                         last_error = null, last_error_class = null, held_kind = null,
-                        held_reason = null, held_since = null, held_seen_at = null
+                        held_reason = null, held_since = null, held_seen_at = null,
+                        quarantined_commands = sweeper.commands.quarantined_commands
+                            - case when sweeper.commands.state = 'quarantined' then 1 else 0 end
                  returning command_id, (xmax = 0) as inserted",
             )
             .bind(&run_id)

@@ -200,11 +200,12 @@ pub async fn record_command(
 /// the UPDATE is guarded by the run's status, so of two concurrent callers one changes it and the
 /// other finds it completed. Callers run it after their own commit (a snapshot that sees their
 /// command terminal): the last command to commit always sees every other one terminal. Returns
-/// the status and the seconds from the window to completion when this call completed the run.
+/// the status when this call completed the run, and the seconds from its window to now — None
+/// when a redrive reopened it (that completion measures the operator, not the run).
 pub async fn complete_if_done(
     conn: &mut PgConnection,
     run_id: &str,
-) -> sqlx::Result<Option<(String, f64)>> {
+) -> sqlx::Result<Option<(String, Option<f64>)>> {
     sqlx::query_as(
         "update sweeper.runs r
             set status = case when exists (select 1 from sweeper.dead_letters d
@@ -215,7 +216,11 @@ pub async fn complete_if_done(
           where r.run_id = $1 and r.status in ('planning', 'running') and r.planning_done
             and not exists (select 1 from sweeper.commands c
                              where c.run_id = r.run_id and c.state in ('pending', 'leased'))
-          returning r.status, extract(epoch from r.completed_at - r.window_at)::float8",
+          returning r.status,
+                    case when not exists (select 1 from sweeper.dead_letters d
+                                           where d.run_id = r.run_id
+                                             and d.status in ('redriven', 'resolved'))
+                         then extract(epoch from r.completed_at - r.window_at)::float8 end",
     )
     .bind(run_id)
     .fetch_optional(conn)

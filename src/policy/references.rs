@@ -35,16 +35,28 @@ pub async fn key_type(pool: &PgPool, target: &Target) -> sqlx::Result<Option<Str
     .await
 }
 
+/// What [`still_referenced`] found.
+#[derive(Debug, Default)]
+pub struct Found {
+    /// Per key still referenced: the constraints and referencing tables.
+    pub referenced: HashMap<String, Vec<Reference>>,
+    /// The names of the constraints checked: the refusing foreign keys that reference the
+    /// target directly. A failure naming another constraint (one further down a cascade, or a
+    /// SET DEFAULT whose default is no key) was not re-checked.
+    pub checked: Vec<String>,
+}
+
 /// For each of `keys` (the target's keys as text) still referenced through a refusing foreign
 /// key: the constraints and referencing tables. One statement per such constraint, all keys at
 /// once, in one read-only transaction with `lock_timeout` set; Err on a lock timeout or any
-/// other failure (the caller answers `unknown`).
+/// other failure (the caller answers `unknown`). A partitioned referencing table counts once
+/// (its partitions' cloned constraints are skipped).
 pub async fn still_referenced(
     pool: &PgPool,
     target: &Target,
     keys: &[String],
-) -> sqlx::Result<HashMap<String, Vec<Reference>>> {
-    let mut out: HashMap<String, Vec<Reference>> = HashMap::new();
+) -> sqlx::Result<Found> {
+    let mut out = Found::default();
     if keys.is_empty() {
         return Ok(out);
     }
@@ -72,6 +84,7 @@ pub async fn still_referenced(
                        order by k.i)
            from pg_constraint c
           where c.contype = 'f' and c.confrelid = to_regclass($1) and c.confdeltype in ('a', 'r')
+            and c.conparentid = 0
           order by c.conname",
     )
     .bind(target.table.quoted())
@@ -79,6 +92,7 @@ pub async fn still_referenced(
     .await?;
     let (table, key) = (target.table.quoted(), target.key.quoted());
     for (name, referencing, from, to) in constraints {
+        out.checked.push(name.clone());
         let on = from
             .iter()
             .zip(&to)
@@ -96,7 +110,7 @@ pub async fn still_referenced(
             .fetch_all(&mut *tx)
             .await?;
         for k in hit {
-            out.entry(k).or_default().push(Reference {
+            out.referenced.entry(k).or_default().push(Reference {
                 constraint: name.clone(),
                 table: referencing.clone(),
             });

@@ -356,3 +356,177 @@ async fn planning_progress_is_estimated_from_the_cursor_against_the_key_range_an
         .unwrap();
     assert!((f - 0.5).abs() < 1e-6, "{f}");
 }
+
+/// Runs the built-in queue's next command (advancing the ledger's clock past any backoff)
+/// until it quarantines one; panics after `tries`.
+async fn until_quarantined(app: &TestApp, tries: usize) {
+    for _ in 0..tries {
+        if let WorkerStep::Ran(ConsumeOutcome::Quarantined { .. }) =
+            run_one_command(&app.state).await.unwrap()
+        {
+            return;
+        }
+        advance_clock(&app.pool, 5).await;
+    }
+    panic!("nothing was quarantined in {tries} tries");
+}
+
+#[tokio::test]
+async fn a_redrive_that_is_quarantined_reopens_its_dead_letter_cleared_and_nothing_stays_redriven()
+{
+    let app = app(
+        r#"retry = { max_attempts = 2, base = "1s", cap = "1s", max_age = "1d" }"#,
+        "[consume]\nlock_timeout = \"1s\"",
+        TICKETS_WITH_CHILD,
+    )
+    .await;
+    let eligible = seed_mixed(&app.pool, 20, at(WINDOW)).await;
+    let blocked = eligible[1];
+    sqlx::query("insert into demo.attachments values (1, $1)")
+        .bind(blocked)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let (run_id, _) = app.planned_run().await;
+    app.drain().await;
+    app.wait_terminal(&run_id).await;
+    let id = app.get_json("/dead-letters").await["dead_letters"][0]["dead_letter_id"]
+        .as_i64()
+        .unwrap();
+
+    // The item's redrive command cannot lock its row: it is quarantined, and that reopens the
+    // item's own dead letter (no second one), its redrive's resolution cleared.
+    sqlx::query("delete from demo.attachments")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let lock = lock_ticket(&app.db.url, blocked).await;
+    app.api.redrive(id, "references removed").await;
+    until_quarantined(&app, 6).await;
+    let dls = app.get_json("/dead-letters").await["dead_letters"].clone();
+    assert_eq!(dls.as_array().unwrap().len(), 1, "{dls}");
+    let dl = &dls[0];
+    assert_eq!(
+        (
+            dl["dead_letter_id"].as_i64(),
+            dl["status"].as_str(),
+            dl["resolved_by"].is_null(),
+            dl["failures"].as_i64()
+        ),
+        (Some(id), Some("open"), true, Some(2)),
+        "{dl}"
+    );
+    let last = dl["attempts"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["outcome"], "quarantined", "{dl}");
+    assert!(last["error"].as_str().unwrap().contains("55P03"), "{dl}");
+    // Its cause is a lock, not a reference: not re-checked.
+    assert_eq!(dl["replay_safe"]["will_fail_again"], "unknown");
+    let run = app.get_json(&format!("/runs/{run_id}")).await;
+    assert_eq!(run["status"], "completed_with_dead_letters", "{run}");
+    assert_eq!(run["dead_letters"]["redriven"], 0);
+
+    // The lock goes; the same dead letter is redriven again and resolves; the run completes
+    // with nothing counted quarantined.
+    release_ticket(lock).await;
+    app.api.redrive(id, "lock released").await;
+    app.drain().await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(
+        (run["status"].as_str(), run["quarantined_commands"].as_i64()),
+        (Some("completed"), Some(0)),
+        "{run}"
+    );
+    assert_eq!(
+        app.get_json(&format!("/dead-letters/{id}")).await["status"],
+        "resolved"
+    );
+}
+
+#[tokio::test]
+async fn a_command_dead_letter_whose_redrive_fails_again_is_open_without_the_redrives_resolution() {
+    let app = app(
+        r#"retry = { max_attempts = 1, base = "1s", cap = "1s", max_age = "1d" }"#,
+        "[consume]\nlock_timeout = \"1s\"",
+        TICKETS,
+    )
+    .await;
+    let eligible = seed_mixed(&app.pool, 12, at(WINDOW)).await;
+    let (run_id, _) = app.planned_run().await;
+    let lock = lock_ticket(&app.db.url, eligible[0]).await;
+    until_quarantined(&app, 3).await;
+    let dl = app.get_json("/dead-letters").await["dead_letters"][0].clone();
+    let id = dl["dead_letter_id"].as_i64().unwrap();
+    assert_eq!(dl["kind"], "command");
+    app.api.redrive(id, "try while locked").await;
+    until_quarantined(&app, 3).await;
+    let dl = app.get_json(&format!("/dead-letters/{id}")).await;
+    assert_eq!(
+        (
+            dl["status"].as_str(),
+            dl["resolved_at"].is_null(),
+            dl["resolved_by"].is_null(),
+            dl["resolution_reason"].is_null(),
+            dl["failures"].as_i64()
+        ),
+        (Some("open"), true, true, true, Some(2)),
+        "{dl}"
+    );
+    release_ticket(lock).await;
+    app.api.redrive(id, "lock released").await;
+    app.drain().await;
+    assert_eq!(app.wait_terminal(&run_id).await["status"], "completed");
+}
+
+#[tokio::test]
+async fn a_failure_further_down_a_cascade_is_not_called_gone_and_suspended_work_shows_in_the_held_metrics()
+ {
+    const CASCADE: &str = "
+create schema demo;
+create table demo.tickets (id bigint primary key, status text, legal_hold boolean, closed_at timestamptz);
+create index on demo.tickets (closed_at);
+create table demo.child (id bigint primary key, ticket_id bigint references demo.tickets (id) on delete cascade);
+create table demo.grandchild (id bigint primary key, child_id bigint references demo.child (id))
+";
+    let app = app("", "", CASCADE).await;
+    let eligible = seed_mixed(&app.pool, 20, at(WINDOW)).await;
+    sqlx::query("insert into demo.child values (1, $1)")
+        .bind(eligible[0])
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    sqlx::query("insert into demo.grandchild values (1, 1)")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let (run_id, _) = app.planned_run().await;
+    app.drain().await;
+    app.wait_terminal(&run_id).await;
+    let dl = app.get_json("/dead-letters").await["dead_letters"][0].clone();
+    assert!(
+        dl["reason"].as_str().unwrap().contains("grandchild"),
+        "{dl}"
+    );
+    // The target's own reference (demo.child, CASCADE) refuses nothing: the refusing one is
+    // further down, so the answer is unknown, not "gone".
+    assert_eq!(dl["replay_safe"]["will_fail_again"], "unknown", "{dl}");
+    assert!(
+        dl["replay_safe"]["cause"]
+            .as_str()
+            .unwrap()
+            .contains("grandchild_child_id_fkey")
+    );
+
+    // A suspended policy's pending commands count as held, kind suspended.
+    // The next day: the young rows of the first day are old enough now.
+    set_clock(&app.pool, at("2026-09-02T02:01:00Z")).await;
+    let (second, _) = app.planned_run().await;
+    app.api.suspend("ticket-retention", "INC-1").await;
+    let pending = app.get_json(&format!("/runs/{second}")).await["commands"]["pending"].clone();
+    let metrics = app.api.metrics().await;
+    for series in [
+        format!("sweeper_held{{kind=\"suspended\"}} {pending}"),
+        "sweeper_held_runs{kind=\"suspended\"} 1".to_string(),
+    ] {
+        assert!(metrics.contains(&series), "{series}\n{metrics}");
+    }
+}

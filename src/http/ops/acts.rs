@@ -117,9 +117,15 @@ pub async fn suspend_policy(
     caller.require("ops:write")?;
     require_policy(&state, &policy)?;
     let b: ReasonBody = reason_of(&body)?;
+    let was = crate::ledger::control::policy_state(&state.pool, &policy)
+        .await?
+        .is_some_and(|s| s.suspended);
     let ps =
         crate::ledger::control::suspend(&state.pool, &policy, &caller.0.subject, b.reason.trim())
             .await?;
+    if !was {
+        crate::metrics::hold_started("suspended");
+    }
     Ok(Json(ps).into_response())
 }
 

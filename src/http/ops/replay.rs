@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use super::*;
 use crate::ledger::dead_letter::DeadLetter;
+use crate::policy::references::{Found, Reference};
 
 /// Whether replaying the run's commands is safe, and why: the effect is idempotent (one
 /// transaction per command for `delete_rows`), the cutoff is fixed on the run, and the pinned
@@ -52,8 +53,6 @@ const FOREIGN_KEY_VIOLATION: &str = "SQLSTATE 23503";
 /// none does; `"unknown"` for any other failure, or when the check itself could not run (a
 /// lock held longer than its `lock_timeout`, a table gone). One run verdict per run and one
 /// check per policy, whatever the number of dead letters.
-// Over 80 lines: the run verdicts, the per-policy foreign-key checks, then each dead letter's
-// answer (true, false or unknown, each with its own words).
 pub(super) async fn with_verdicts(
     state: &AppState,
     dead_letters: &[DeadLetter],
@@ -71,7 +70,7 @@ pub(super) async fn with_verdicts(
             fk.entry(p).or_default().push(k.clone());
         }
     }
-    let mut referenced: HashMap<&str, Option<HashMap<String, Vec<Reference>>>> = HashMap::new();
+    let mut referenced: HashMap<&str, Option<Found>> = HashMap::new();
     for (policy, keys) in &fk {
         let found = match state.config.policy(policy) {
             Some(p) => {
@@ -97,53 +96,83 @@ pub(super) async fn with_verdicts(
                 return Ok(v);
             };
             let mut verdict = runs.get(run_id).cloned().unwrap_or_default();
-            let found = d
+            let checked = d
                 .policy
                 .as_deref()
                 .and_then(|p| referenced.get(p))
                 .filter(|_| is_foreign_key_failure(d));
-            match (found, d.item_key.as_ref()) {
-                (Some(Some(m)), Some(k)) => match m.get(k) {
-                    Some(refs) => {
-                        verdict["will_fail_again"] = json!(true);
-                        verdict["references"] = json!(refs);
-                        verdict["cause"] = json!(format!(
-                            "still referenced by {}: remove or re-point those rows before \
-                             redriving, or abandon",
-                            refs.iter()
-                                .map(|r| format!("{} ({})", r.table, r.constraint))
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ));
-                    }
-                    None => {
-                        verdict["will_fail_again"] = json!(false);
-                        verdict["references"] = json!([]);
-                        verdict["cause"] =
-                            json!("no row references the item any more: a redrive can succeed");
-                    }
-                },
-                (Some(None), _) => {
-                    verdict["will_fail_again"] = json!("unknown");
-                    verdict["cause"] = json!(
-                        "the foreign-key re-check did not finish (a lock held, or the table \
-                         changed): ask again"
-                    );
-                }
-                _ => {
-                    verdict["will_fail_again"] = json!("unknown");
-                    verdict["cause"] = json!(
-                        "only a foreign-key failure is re-checked; read the reason and attempts"
-                    );
-                }
+            let (again, refs, cause) = cause_of(d, checked);
+            verdict["will_fail_again"] = again;
+            if let Some(refs) = refs {
+                verdict["references"] = json!(refs);
             }
+            verdict["cause"] = json!(cause);
             v["replay_safe"] = verdict;
             Ok(v)
         })
         .collect()
 }
 
-use crate::policy::references::Reference;
+/// `(will_fail_again, references, cause)` of one dead letter, given its policy's re-check
+/// (`None`: not a foreign-key failure; `Some(None)`: the check did not finish).
+fn cause_of(
+    d: &DeadLetter,
+    checked: Option<&Option<Found>>,
+) -> (serde_json::Value, Option<Vec<Reference>>, String) {
+    let unknown = |why: String| (json!("unknown"), None, why);
+    let found = match checked {
+        None => {
+            return unknown(
+                "only a foreign-key failure is re-checked; read the reason and attempts".into(),
+            );
+        }
+        Some(None) => {
+            return unknown(
+                "the foreign-key re-check did not finish (a lock held, or the table changed): \
+                 ask again"
+                    .into(),
+            );
+        }
+        Some(Some(f)) => f,
+    };
+    // Only the refusing references of the target itself were checked.
+    if let Some(n) = constraint_named(&d.reason)
+        && !found.checked.iter().any(|c| c == n)
+    {
+        return unknown(format!(
+            "the failure names constraint {n}, which does not reference the target directly (a \
+             cascade further down, or ON DELETE SET DEFAULT): not re-checked; look at its table"
+        ));
+    }
+    match d.item_key.as_ref().and_then(|k| found.referenced.get(k)) {
+        Some(refs) => {
+            let by = refs
+                .iter()
+                .map(|r| format!("{} ({})", r.table, r.constraint))
+                .collect::<Vec<_>>()
+                .join(", ");
+            (
+                json!(true),
+                Some(refs.clone()),
+                format!(
+                    "still referenced by {by}: remove or re-point those rows before redriving, \
+                     or abandon"
+                ),
+            )
+        }
+        None => (
+            json!(false),
+            Some(Vec::new()),
+            "no row references the item any more: a redrive can succeed".into(),
+        ),
+    }
+}
+
+/// The constraint a foreign-key violation names (`... violates foreign key constraint "x" ...`).
+fn constraint_named(reason: &str) -> Option<&str> {
+    let rest = reason.split_once("violates foreign key constraint \"")?.1;
+    Some(rest.split_once('"')?.0)
+}
 
 fn is_foreign_key_failure(d: &DeadLetter) -> bool {
     d.kind == "item" && d.reason.contains(FOREIGN_KEY_VIOLATION)

@@ -312,6 +312,14 @@ pub async fn run_items(
     if !(1..=1000).contains(&limit) {
         return Err(bad_query("limit must be between 1 and 1000"));
     }
+    if let Some(o) = &q.outcome
+        && !ledger::Outcome::ALL.iter().any(|k| k.as_str() == o)
+    {
+        return Err(bad_query(format!(
+            "outcome must be one of {}",
+            ledger::Outcome::ALL.map(ledger::Outcome::as_str).join(", ")
+        )));
+    }
     let mut conn = state.pool.acquire().await?;
     if ledger::get_run(&mut conn, &run_id).await?.is_none() {
         return Err(unknown_run(&run_id));
