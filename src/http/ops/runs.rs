@@ -211,25 +211,7 @@ pub async fn get_run(
         .await?
         .remove(&run_id)
         .unwrap_or_default();
-    let mut progress = ledger::attention::progress(&state.pool, &run).await?;
-    if let (false, Some(p), Some(policy)) = (
-        run.planning_done,
-        planning.as_ref(),
-        state.config.policy(&run.policy),
-    ) {
-        let cursor = crate::plan::estimate::Cursor {
-            path: p.path.as_deref(),
-            key: p.cursor_key.as_deref(),
-            timestamp: p.cursor_timestamp,
-        };
-        progress.planned_fraction = crate::plan::estimate::planned_fraction(
-            &state.pool,
-            &policy.spec.target,
-            &cursor,
-            run.cutoff,
-        )
-        .await;
-    }
+    let progress = progress(&state, &run, planning.as_ref()).await?;
     let open = crate::ledger::dead_letter::list(
         &state.pool,
         &crate::ledger::dead_letter::Filter {
@@ -271,6 +253,34 @@ pub async fn get_run(
     body["retrying_commands"] = json!(retrying);
     body["progress"] = json!(progress);
     Ok(Json(body).into_response())
+}
+
+/// The run's progress; while it plans, `planned_fraction` estimated from its cursor.
+async fn progress(
+    state: &AppState,
+    run: &ledger::Run,
+    planning: Option<&PlanningState>,
+) -> Result<ledger::attention::Progress, Problem> {
+    let mut progress = ledger::attention::progress(&state.pool, run).await?;
+    if let (false, Some(p), Some(policy)) = (
+        run.planning_done,
+        planning,
+        state.config.policy(&run.policy),
+    ) {
+        let cursor = crate::plan::estimate::Cursor {
+            path: p.path.as_deref(),
+            key: p.cursor_key.as_deref(),
+            timestamp: p.cursor_timestamp,
+        };
+        progress.planned_fraction = crate::plan::estimate::planned_fraction(
+            &state.pool,
+            &policy.spec.target,
+            &cursor,
+            run.cutoff,
+        )
+        .await;
+    }
+    Ok(progress)
 }
 
 pub(super) fn unknown_run(run_id: &str) -> Problem {
