@@ -29,6 +29,15 @@ create table demo.tickets (
 create index on demo.tickets (closed_at);
 ";
 
+/// [`TICKETS`] with `demo.attachments`, whose foreign key (NO ACTION) refuses the delete of a
+/// ticket it references: an item that fails alone, SQLSTATE 23503.
+pub const TICKETS_WITH_CHILD: &str = "
+create schema demo;
+create table demo.tickets (id bigint primary key, status text, legal_hold boolean, closed_at timestamptz);
+create index on demo.tickets (closed_at);
+create table demo.attachments (id bigint primary key, ticket_id bigint references demo.tickets (id))
+";
+
 /// A policy over `demo.tickets`, daily at 02:00 UTC, 90 days, excluding legal hold and open or
 /// pending-export tickets.
 pub fn ticket_policy(batch_size: usize) -> String {

@@ -183,13 +183,6 @@ async fn duplicate_and_concurrent_deliveries_delete_once_and_audit_once() {
     );
 }
 
-const TICKETS_WITH_CHILD: &str = "
-create schema demo;
-create table demo.tickets (id bigint primary key, status text, legal_hold boolean, closed_at timestamptz);
-create index on demo.tickets (closed_at);
-create table demo.attachments (id bigint primary key, ticket_id bigint references demo.tickets (id))
-";
-
 #[tokio::test]
 async fn a_row_blocked_by_a_foreign_key_fails_alone() {
     let app = planned_app(10, TICKETS_WITH_CHILD).await;

@@ -229,13 +229,6 @@ async fn a_command_snoozed_past_max_age_is_quarantined_as_throttled_without_spen
     assert_eq!(app.ticket_ids().await.len(), 5, "nothing ran");
 }
 
-const TICKETS_WITH_CHILD: &str = "
-create schema demo;
-create table demo.tickets (id bigint primary key, status text, legal_hold boolean, closed_at timestamptz);
-create index on demo.tickets (closed_at);
-create table demo.attachments (id bigint primary key, ticket_id bigint references demo.tickets (id))
-";
-
 #[tokio::test]
 async fn a_failed_item_is_an_item_dead_letter_and_its_redrive_reexecutes_only_it() {
     let app = app_with("", "", TICKETS_WITH_CHILD).await;

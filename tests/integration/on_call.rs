@@ -10,13 +10,6 @@ use sweeper::execute::ConsumeOutcome;
 
 const WINDOW: &str = "2026-09-01T02:00:00Z";
 
-const TICKETS_WITH_CHILD: &str = "
-create schema demo;
-create table demo.tickets (id bigint primary key, status text, legal_hold boolean, closed_at timestamptz);
-create index on demo.tickets (closed_at);
-create table demo.attachments (id bigint primary key, ticket_id bigint references demo.tickets (id))
-";
-
 async fn app(policy_extra: &str, extra_toml: &str, setup_sql: &'static str) -> TestApp {
     TestApp::spawn(Spawn {
         now: Some(at("2026-09-01T02:01:00Z")),

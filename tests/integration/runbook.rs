@@ -4,13 +4,6 @@
 
 use crate::common::*;
 
-const TICKETS_WITH_CHILD: &str = "
-create schema demo;
-create table demo.tickets (id bigint primary key, status text, legal_hold boolean, closed_at timestamptz);
-create index on demo.tickets (closed_at);
-create table demo.attachments (id bigint primary key, ticket_id bigint references demo.tickets (id))
-";
-
 /// The commands of the fenced block after the README's `<!-- runbook: -->` marker: comment
 /// lines dropped, each remaining line one command (the block has no continuations).
 fn runbook_commands() -> Vec<String> {

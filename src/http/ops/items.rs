@@ -30,18 +30,7 @@ pub async fn item_history(
     caller.require("ops:read")?;
     let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
     let p = require_policy(&state, &policy)?;
-    let after = match &q.cursor {
-        None => 0,
-        Some(c) => c
-            .parse::<i64>()
-            .ok()
-            .filter(|v| *v >= 0)
-            .ok_or_else(|| bad_query("cursor must be a value returned as next_cursor"))?,
-    };
-    let limit = q.limit.unwrap_or(100);
-    if !(1..=1000).contains(&limit) {
-        return Err(bad_query("limit must be between 1 and 1000"));
-    }
+    let (after, limit) = audit_page(q.cursor.as_deref(), q.limit)?;
     let key_type = crate::policy::references::key_type(&state.pool, &p.spec.target)
         .await?
         .ok_or_else(|| {

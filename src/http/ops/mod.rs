@@ -44,4 +44,4 @@ use dead_letters::{CLASSES, act_problem, unknown_dead_letter};
 #[allow(unused_imports)]
 use replay::{replay_verdict, with_verdicts};
 #[allow(unused_imports)]
-use runs::{PlanningState, StoppedCommand, bad_query, policy_filter, unknown_run};
+use runs::{PlanningState, StoppedCommand, audit_page, bad_query, policy_filter, unknown_run};

@@ -283,6 +283,24 @@ async fn progress(
     Ok(progress)
 }
 
+/// A page of audit rows: `(after, limit)` from `?cursor=` (an `audit_id` returned as
+/// `next_cursor`; 0 when absent) and `?limit=` (default 100, 1-1000).
+pub(super) fn audit_page(cursor: Option<&str>, limit: Option<i64>) -> Result<(i64, i64), Problem> {
+    let after = match cursor {
+        None => 0,
+        Some(c) => c
+            .parse::<i64>()
+            .ok()
+            .filter(|v| *v >= 0)
+            .ok_or_else(|| bad_query("cursor must be a value returned as next_cursor"))?,
+    };
+    let limit = limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(bad_query("limit must be between 1 and 1000"));
+    }
+    Ok((after, limit))
+}
+
 pub(super) fn unknown_run(run_id: &str) -> Problem {
     Problem::new(
         StatusCode::NOT_FOUND,
@@ -310,18 +328,7 @@ pub async fn run_items(
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
     let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
-    let after = match &q.cursor {
-        None => 0,
-        Some(c) => c
-            .parse::<i64>()
-            .ok()
-            .filter(|v| *v >= 0)
-            .ok_or_else(|| bad_query("cursor must be a value returned as next_cursor"))?,
-    };
-    let limit = q.limit.unwrap_or(100);
-    if !(1..=1000).contains(&limit) {
-        return Err(bad_query("limit must be between 1 and 1000"));
-    }
+    let (after, limit) = audit_page(q.cursor.as_deref(), q.limit)?;
     if let Some(o) = &q.outcome
         && !ledger::Outcome::ALL.iter().any(|k| k.as_str() == o)
     {
