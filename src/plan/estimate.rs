@@ -14,8 +14,9 @@ pub struct Cursor<'a> {
     pub path: Option<&'a str>,
     /// The last key planned (as text).
     pub key: Option<&'a str>,
-    /// The timestamp walk's last timestamp.
-    pub timestamp: Option<DateTime<Utc>>,
+    /// The timestamp walk's last timestamp, as seconds since the epoch (a float, so an
+    /// `-infinity` cursor is `-inf` rather than a value chrono cannot hold).
+    pub timestamp: Option<f64>,
 }
 
 /// The walked fraction (0-1): 0 before the first page; for key order over a `bigint` or
@@ -43,14 +44,18 @@ pub async fn planned_fraction(
                 return Some(0.0);
             };
             let ts = target.timestamp.quoted();
-            let oldest: Option<DateTime<Utc>> =
-                sqlx::query_scalar(&format!("select min({ts})::timestamptz from {table}"))
-                    .fetch_one(&mut *tx)
-                    .await
-                    .ok()?;
+            // Epoch seconds, finite rows only: `-infinity` is a valid timestamptz (planned like
+            // any old row) that a chrono value cannot hold.
+            let oldest: Option<f64> = sqlx::query_scalar(&format!(
+                "select extract(epoch from min({ts}))::float8 from {table}
+                  where {ts} > '-infinity'::timestamptz"
+            ))
+            .fetch_one(&mut *tx)
+            .await
+            .ok()?;
             let oldest = oldest?;
-            let span = (cutoff - oldest).as_seconds_f64();
-            (span > 0.0).then(|| (at - oldest).as_seconds_f64() / span)
+            let span = cutoff.timestamp() as f64 - oldest;
+            (span > 0.0 && at.is_finite()).then(|| (at - oldest) / span)
         }
         "key_order" => {
             let key_type = crate::policy::references::key_type(pool, target)

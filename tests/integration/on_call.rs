@@ -342,12 +342,30 @@ async fn planning_progress_is_estimated_from_the_cursor_against_the_key_range_an
     let by_time = Cursor {
         path: Some("timestamp_index"),
         key: None,
-        timestamp: Some(half),
+        timestamp: Some(half.timestamp() as f64 + f64::from(half.timestamp_subsec_micros()) / 1e6),
     };
     let f = planned_fraction(&app.pool, target, &by_time, cutoff)
         .await
         .unwrap();
     assert!((f - 0.5).abs() < 1e-6, "{f}");
+    // An `-infinity` timestamp (planned like any old row) neither moves the estimate nor
+    // breaks it, as the oldest row or as the cursor.
+    sqlx::query("insert into demo.tickets values (1000, 'closed', false, '-infinity')")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let f = planned_fraction(&app.pool, target, &by_time, cutoff)
+        .await
+        .unwrap();
+    assert!((f - 0.5).abs() < 1e-6, "{f}");
+    let at_infinity = Cursor {
+        timestamp: Some(f64::NEG_INFINITY),
+        ..by_time
+    };
+    assert_eq!(
+        planned_fraction(&app.pool, target, &at_infinity, cutoff).await,
+        None
+    );
 }
 
 /// Runs the built-in queue's next command (advancing the ledger's clock past any backoff)

@@ -77,7 +77,8 @@ pub(super) struct PlanningState {
     path: Option<String>,
     path_reason: Option<String>,
     cursor_key: Option<String>,
-    cursor_timestamp: Option<chrono::DateTime<chrono::Utc>>,
+    /// Epoch seconds (the cursor may be `-infinity`, which chrono cannot hold).
+    cursor_epoch: Option<f64>,
 }
 
 pub(super) use ledger::StoppedCommand;
@@ -198,7 +199,7 @@ pub async fn get_run(
     let stopped = ledger::stopped_commands(&state.pool, &run_id).await?;
     let planning: Option<PlanningState> = sqlx::query_as(
         "select pages_done, done, failures, last_error, last_error_at, path, path_reason,
-                cursor_key, cursor_timestamp
+                cursor_key, extract(epoch from cursor_timestamp)::float8 as cursor_epoch
                from sweeper.planning_jobs where run_id = $1",
     )
     .bind(&run_id)
@@ -270,7 +271,7 @@ async fn progress(
         let cursor = crate::plan::estimate::Cursor {
             path: p.path.as_deref(),
             key: p.cursor_key.as_deref(),
-            timestamp: p.cursor_timestamp,
+            timestamp: p.cursor_epoch,
         };
         progress.planned_fraction = crate::plan::estimate::planned_fraction(
             &state.pool,
