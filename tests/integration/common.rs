@@ -38,6 +38,34 @@ create index on demo.tickets (closed_at);
 create table demo.attachments (id bigint primary key, ticket_id bigint references demo.tickets (id))
 ";
 
+/// A server at 2026-09-01T02:01Z (a minute after the ticket policy's 02:00 window) with the
+/// ticket policy (batch 10) plus `policy_extra`, `extra_toml` and the tables of `setup_sql`.
+pub async fn ticket_app(policy_extra: &str, extra_toml: &str, setup_sql: &'static str) -> TestApp {
+    TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: format!("{}{policy_extra}\n", ticket_policy(10)),
+        extra_toml: extra_toml.into(),
+        setup_sql,
+        ..Default::default()
+    })
+    .await
+}
+
+/// On a [`TICKETS_WITH_CHILD`] app: references ticket `blocked` from `demo.attachments`, runs
+/// the current window to its end (the blocked item fails alone, an item dead letter) and returns
+/// the run id and the terminal run.
+pub async fn run_with_blocked_item(app: &TestApp, blocked: i64) -> (String, Value) {
+    sqlx::query("insert into demo.attachments values (1, $1)")
+        .bind(blocked)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let (run_id, _) = app.planned_run().await;
+    app.drain().await;
+    let run = app.wait_terminal(&run_id).await;
+    (run_id, run)
+}
+
 /// A policy over `demo.tickets`, daily at 02:00 UTC, 90 days, excluding legal hold and open or
 /// pending-export tickets.
 pub fn ticket_policy(batch_size: usize) -> String {

@@ -15,17 +15,6 @@ use sweeper::execute::{ConsumeOutcome, Executor};
 
 const WINDOW: &str = "2026-09-01T02:00:00Z";
 
-async fn app_with(policy_extra: &str, extra_toml: &str, setup_sql: &'static str) -> TestApp {
-    TestApp::spawn(Spawn {
-        now: Some(at("2026-09-01T02:01:00Z")),
-        policies: format!("{}{policy_extra}\n", ticket_policy(10)),
-        extra_toml: extra_toml.into(),
-        setup_sql,
-        ..Default::default()
-    })
-    .await
-}
-
 async fn planned_run(app: &TestApp) -> String {
     let (status, run) = app.trigger("ticket-retention", "").await;
     assert_eq!(status, 202, "{run}");
@@ -61,7 +50,7 @@ async fn advance(app: &TestApp, seconds: i64) {
 #[tokio::test]
 async fn a_command_failing_transiently_is_quarantined_once_after_max_attempts_and_redrive_completes_it()
  {
-    let app = app_with(
+    let app = ticket_app(
         r#"retry = { max_attempts = 3, base = "1s", cap = "2s", max_age = "1d" }"#,
         "[consume]\nlock_timeout = \"1s\"",
         TICKETS,
@@ -178,7 +167,7 @@ async fn a_command_failing_transiently_is_quarantined_once_after_max_attempts_an
 
 #[tokio::test]
 async fn a_command_snoozed_past_max_age_is_quarantined_as_throttled_without_spending_attempts() {
-    let app = app_with(
+    let app = ticket_app(
         "max_concurrent_commands = 1\nretry = { max_attempts = 2, max_age = \"5m\" }",
         "",
         TICKETS,
@@ -231,7 +220,7 @@ async fn a_command_snoozed_past_max_age_is_quarantined_as_throttled_without_spen
 
 #[tokio::test]
 async fn a_failed_item_is_an_item_dead_letter_and_its_redrive_reexecutes_only_it() {
-    let app = app_with("", "", TICKETS_WITH_CHILD).await;
+    let app = ticket_app("", "", TICKETS_WITH_CHILD).await;
     let eligible = seed_mixed(&app.pool, 20, at(WINDOW)).await;
     let blocked = eligible[1];
     sqlx::query("insert into demo.attachments values (1, $1)")
@@ -323,7 +312,7 @@ async fn a_failed_item_is_an_item_dead_letter_and_its_redrive_reexecutes_only_it
 
 #[tokio::test]
 async fn an_unparseable_envelope_is_quarantined_once_and_acknowledged() {
-    let app = app_with("", "", TICKETS).await;
+    let app = ticket_app("", "", TICKETS).await;
     for _ in 0..2 {
         let r = app
             .client
@@ -379,7 +368,7 @@ async fn an_unparseable_envelope_is_quarantined_once_and_acknowledged() {
 
 #[tokio::test]
 async fn a_suspended_policy_claims_nothing_until_resumed() {
-    let app = app_with("", "", TICKETS).await;
+    let app = ticket_app("", "", TICKETS).await;
     let eligible = seed_mixed(&app.pool, 30, at(WINDOW)).await;
     let run_id = planned_run(&app).await;
     let (status, body) = post_json(
@@ -431,7 +420,7 @@ async fn a_suspended_policy_claims_nothing_until_resumed() {
 
 #[tokio::test]
 async fn a_cancelled_run_stops_and_deletes_nothing_more() {
-    let app = app_with("", "", TICKETS).await;
+    let app = ticket_app("", "", TICKETS).await;
     seed_mixed(&app.pool, 40, at(WINDOW)).await;
     let run_id = planned_run(&app).await;
     let commands = app.command_ids(&run_id).await;
@@ -485,7 +474,7 @@ async fn a_cancelled_run_stops_and_deletes_nothing_more() {
 
 #[tokio::test]
 async fn a_stale_worker_cannot_overwrite_a_newer_attempt_and_leases_are_reclaimed() {
-    let app = app_with("", "lease = \"2m\"\nclaim_batch = 1", TICKETS).await;
+    let app = ticket_app("", "lease = \"2m\"\nclaim_batch = 1", TICKETS).await;
     let eligible = seed_mixed(&app.pool, 5, at(WINDOW)).await;
     let run_id = planned_run(&app).await;
     let command = app.command_ids(&run_id).await.remove(0);
@@ -531,7 +520,7 @@ async fn a_stale_worker_cannot_overwrite_a_newer_attempt_and_leases_are_reclaime
 
 #[tokio::test]
 async fn shutdown_releases_this_replicas_leases() {
-    let app = app_with("", "", TICKETS).await;
+    let app = ticket_app("", "", TICKETS).await;
     seed_mixed(&app.pool, 5, at(WINDOW)).await;
     let run_id = planned_run(&app).await;
     let command = app.command_ids(&run_id).await.remove(0);
@@ -549,7 +538,7 @@ async fn shutdown_releases_this_replicas_leases() {
 
 #[tokio::test]
 async fn old_terminal_commands_are_purged_and_their_redelivery_is_acknowledged() {
-    let app = app_with("", "", TICKETS_WITH_CHILD).await;
+    let app = ticket_app("", "", TICKETS_WITH_CHILD).await;
     let eligible = seed_mixed(&app.pool, 40, at(WINDOW)).await;
     // One command will be quarantined: keep its dead letter open.
     let run_id = planned_run(&app).await;
@@ -595,7 +584,7 @@ async fn old_terminal_commands_are_purged_and_their_redelivery_is_acknowledged()
 
 #[tokio::test]
 async fn metrics_expose_dead_letter_age_and_a_monotonic_quarantine_counter() {
-    let app = app_with("", "", TICKETS).await;
+    let app = ticket_app("", "", TICKETS).await;
     let metric = |text: &str, name: &str| -> f64 {
         text.lines()
             .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
@@ -681,7 +670,7 @@ async fn killing_the_servers_connections_mid_run_does_not_stop_the_run() {
 
 #[tokio::test]
 async fn a_command_that_keeps_killing_its_workers_is_quarantined_after_max_attempts() {
-    let app = app_with(
+    let app = ticket_app(
         r#"retry = { max_attempts = 3 }"#,
         "lease = \"2m\"\nclaim_batch = 1",
         TICKETS,
@@ -708,7 +697,7 @@ async fn a_command_that_keeps_killing_its_workers_is_quarantined_after_max_attem
 
 #[tokio::test]
 async fn hostile_inputs_get_problem_json_never_a_5xx() {
-    let app = app_with("", "", TICKETS).await;
+    let app = ticket_app("", "", TICKETS).await;
     let token = app.ops_token();
     // A NUL in a command id is a poison envelope: quarantined and acknowledged.
     let r = app
@@ -765,7 +754,7 @@ async fn hostile_inputs_get_problem_json_never_a_5xx() {
 async fn a_failing_planning_page_is_visible_on_the_run_and_in_metrics_and_resumes() {
     // Another session locks the whole table: every planning page fails on lock_timeout (a
     // schema error, by contrast, holds planning: see schema_blip.rs).
-    let app = app_with(
+    let app = ticket_app(
         "",
         "[database]\nmax_connections = 8\nlock_timeout = \"1s\"",
         TICKETS,
@@ -816,7 +805,7 @@ async fn a_failing_planning_page_is_visible_on_the_run_and_in_metrics_and_resume
 /// with a 503 the caller may retry, never a 500.
 #[tokio::test]
 async fn an_ops_read_blocked_by_a_lock_is_a_503_with_retry_after() {
-    let app = app_with(
+    let app = ticket_app(
         "",
         "[database]\nmax_connections = 8\nlock_timeout = \"1s\"",
         TICKETS,

@@ -10,17 +10,6 @@ use sweeper::execute::ConsumeOutcome;
 
 const WINDOW: &str = "2026-09-01T02:00:00Z";
 
-async fn app(policy_extra: &str, extra_toml: &str, setup_sql: &'static str) -> TestApp {
-    TestApp::spawn(Spawn {
-        now: Some(at("2026-09-01T02:01:00Z")),
-        policies: format!("{}{policy_extra}\n", ticket_policy(10)),
-        extra_toml: extra_toml.into(),
-        setup_sql,
-        ..Default::default()
-    })
-    .await
-}
-
 fn attention_entry(list: &Value, run_id: &str) -> Option<Value> {
     list["runs"]
         .as_array()
@@ -33,20 +22,11 @@ fn attention_entry(list: &Value, run_id: &str) -> Option<Value> {
 #[tokio::test]
 async fn a_foreign_key_dead_letter_is_listed_for_attention_says_it_will_fail_again_and_leaves_when_abandoned()
  {
-    let app = app("", "", TICKETS_WITH_CHILD).await;
+    let app = ticket_app("", "", TICKETS_WITH_CHILD).await;
     let eligible = seed_mixed(&app.pool, 20, at(WINDOW)).await;
     let blocked = eligible[1];
-    sqlx::query("insert into demo.attachments values (1, $1)")
-        .bind(blocked)
-        .execute(&app.pool)
-        .await
-        .unwrap();
-    let (run_id, _) = app.planned_run().await;
-    app.drain().await;
-    assert_eq!(
-        app.wait_terminal(&run_id).await["status"],
-        "completed_with_dead_letters"
-    );
+    let (run_id, run) = run_with_blocked_item(&app, blocked).await;
+    assert_eq!(run["status"], "completed_with_dead_letters");
 
     // 1. Which runs need a look, and why: one call.
     let list = app.get_json("/runs?status=attention").await;
@@ -228,7 +208,7 @@ async fn a_foreign_key_dead_letter_is_listed_for_attention_says_it_will_fail_aga
 
 #[tokio::test]
 async fn a_retrying_command_shows_its_last_error_on_the_run_and_in_the_attention_list() {
-    let app = app(
+    let app = ticket_app(
         r#"retry = { max_attempts = 5, base = "1s", cap = "2s", max_age = "1d" }"#,
         "[consume]\nlock_timeout = \"1s\"",
         TICKETS,
@@ -301,7 +281,7 @@ async fn a_retrying_command_shows_its_last_error_on_the_run_and_in_the_attention
 #[tokio::test]
 async fn planning_progress_is_estimated_from_the_cursor_against_the_key_range_and_the_oldest_row() {
     use sweeper::plan::estimate::{Cursor, planned_fraction};
-    let app = app("", "", TICKETS).await;
+    let app = ticket_app("", "", TICKETS).await;
     // Keys 1..=20, closed from a year before the window onwards.
     seed_mixed(&app.pool, 20, at(WINDOW)).await;
     let target = &app
@@ -385,7 +365,7 @@ async fn until_quarantined(app: &TestApp, tries: usize) {
 #[tokio::test]
 async fn a_redrive_that_is_quarantined_reopens_its_dead_letter_cleared_and_nothing_stays_redriven()
 {
-    let app = app(
+    let app = ticket_app(
         r#"retry = { max_attempts = 2, base = "1s", cap = "1s", max_age = "1d" }"#,
         "[consume]\nlock_timeout = \"1s\"",
         TICKETS_WITH_CHILD,
@@ -393,14 +373,7 @@ async fn a_redrive_that_is_quarantined_reopens_its_dead_letter_cleared_and_nothi
     .await;
     let eligible = seed_mixed(&app.pool, 20, at(WINDOW)).await;
     let blocked = eligible[1];
-    sqlx::query("insert into demo.attachments values (1, $1)")
-        .bind(blocked)
-        .execute(&app.pool)
-        .await
-        .unwrap();
-    let (run_id, _) = app.planned_run().await;
-    app.drain().await;
-    app.wait_terminal(&run_id).await;
+    let (run_id, _) = run_with_blocked_item(&app, blocked).await;
     let id = app.get_json("/dead-letters").await["dead_letters"][0]["dead_letter_id"]
         .as_i64()
         .unwrap();
@@ -455,7 +428,7 @@ async fn a_redrive_that_is_quarantined_reopens_its_dead_letter_cleared_and_nothi
 
 #[tokio::test]
 async fn a_command_dead_letter_whose_redrive_fails_again_is_open_without_the_redrives_resolution() {
-    let app = app(
+    let app = ticket_app(
         r#"retry = { max_attempts = 1, base = "1s", cap = "1s", max_age = "1d" }"#,
         "[consume]\nlock_timeout = \"1s\"",
         TICKETS,
@@ -498,7 +471,7 @@ create index on demo.tickets (closed_at);
 create table demo.child (id bigint primary key, ticket_id bigint references demo.tickets (id) on delete cascade);
 create table demo.grandchild (id bigint primary key, child_id bigint references demo.child (id))
 ";
-    let app = app("", "", CASCADE).await;
+    let app = ticket_app("", "", CASCADE).await;
     let eligible = seed_mixed(&app.pool, 20, at(WINDOW)).await;
     sqlx::query("insert into demo.child values (1, $1)")
         .bind(eligible[0])

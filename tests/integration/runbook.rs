@@ -38,22 +38,9 @@ async fn the_readme_runbook_answers_which_run_why_whether_replay_is_safe_and_red
         "only SWEEPER_URL, SWEEPER_TOKEN and RUN: {commands:#?}"
     );
 
-    let app = TestApp::spawn(Spawn {
-        now: Some(at("2026-09-01T02:01:00Z")),
-        policies: ticket_policy(10),
-        setup_sql: TICKETS_WITH_CHILD,
-        ..Default::default()
-    })
-    .await;
+    let app = ticket_app("", "", TICKETS_WITH_CHILD).await;
     let eligible = seed_mixed(&app.pool, 20, at("2026-09-01T02:00:00Z")).await;
-    sqlx::query("insert into demo.attachments values (1, $1)")
-        .bind(eligible[0])
-        .execute(&app.pool)
-        .await
-        .unwrap();
-    let (run_id, _) = app.planned_run().await;
-    app.drain().await;
-    app.wait_terminal(&run_id).await;
+    let (run_id, _) = run_with_blocked_item(&app, eligible[0]).await;
 
     // One shell for the whole block (KEY carries from one command to the next), a marker
     // after each command so each answer is checked on its own.
