@@ -15,33 +15,53 @@ pub(super) async fn replay_verdict(
     state: &AppState,
     run_id: &str,
 ) -> Result<serde_json::Value, Problem> {
-    let row: Option<(String, String, Option<String>)> = sqlx::query_as(
-        "select r.policy, r.policy_version,
+    let mut all = replay_verdicts(state, &[run_id]).await?;
+    Ok(all.remove(run_id).unwrap_or_default())
+}
+
+/// [`replay_verdict`] of each of `run_ids`, in one statement.
+async fn replay_verdicts(
+    state: &AppState,
+    run_ids: &[&str],
+) -> Result<HashMap<String, serde_json::Value>, Problem> {
+    let rows: Vec<(String, String, Option<String>)> = sqlx::query_as(
+        "select r.run_id, r.policy_version,
                 (select version from sweeper.policy_versions v where v.policy = r.policy
                   order by seq desc limit 1)
-           from sweeper.runs r where r.run_id = $1",
+           from sweeper.runs r where r.run_id = any($1)",
     )
-    .bind(run_id)
-    .fetch_optional(&state.pool)
+    .bind(run_ids)
+    .fetch_all(&state.pool)
     .await?;
-    let Some((_policy, pinned, current)) = row else {
-        return Ok(json!({"safe": false, "reasons": ["the run no longer exists"]}));
-    };
-    let version_current = current.as_deref() == Some(pinned.as_str());
-    let mut reasons = vec![
-        "effect idempotent: a command's deletes, audit rows and state commit in one transaction"
-            .to_string(),
-        "cutoff fixed: stored on the run and bound into every query".to_string(),
-    ];
-    if version_current {
-        reasons.push(format!("pinned policy version {pinned} is still current"));
-    } else {
-        reasons.push(format!(
-            "pinned policy version {pinned} is no longer current ({}): a replay applies the stricter of both",
-            current.as_deref().unwrap_or("none")
-        ));
+    let mut out: HashMap<String, serde_json::Value> = run_ids
+        .iter()
+        .map(|r| {
+            let gone = json!({"safe": false, "reasons": ["the run no longer exists"]});
+            (r.to_string(), gone)
+        })
+        .collect();
+    for (run_id, pinned, current) in rows {
+        let version_current = current.as_deref() == Some(pinned.as_str());
+        let mut reasons = vec![
+            "effect idempotent: a command's deletes, audit rows and state commit in one \
+             transaction"
+                .to_string(),
+            "cutoff fixed: stored on the run and bound into every query".to_string(),
+        ];
+        if version_current {
+            reasons.push(format!("pinned policy version {pinned} is still current"));
+        } else {
+            reasons.push(format!(
+                "pinned policy version {pinned} is no longer current ({}): a replay applies the stricter of both",
+                current.as_deref().unwrap_or("none")
+            ));
+        }
+        out.insert(
+            run_id,
+            json!({ "safe": version_current, "reasons": reasons }),
+        );
     }
-    Ok(json!({ "safe": version_current, "reasons": reasons }))
+    Ok(out)
 }
 
 /// SQLSTATE of a foreign-key violation (PostgreSQL, Appendix A): the item is still referenced.
@@ -51,18 +71,19 @@ const FOREIGN_KEY_VIOLATION: &str = "SQLSTATE 23503";
 /// `will_fail_again` — for an item that failed on a foreign key, `true` with the constraints
 /// and referencing tables (`references`) while a referencing row still exists, `false` once
 /// none does; `"unknown"` for any other failure, or when the check itself could not run (a
-/// lock held longer than its `lock_timeout`, a table gone). One run verdict per run and one
-/// check per policy, whatever the number of dead letters.
+/// lock held longer than its `lock_timeout`, a table gone). One statement for the runs'
+/// verdicts and one check per policy, whatever the number of dead letters.
 pub(super) async fn with_verdicts(
     state: &AppState,
     dead_letters: &[DeadLetter],
 ) -> Result<Vec<serde_json::Value>, Problem> {
-    let mut runs: HashMap<&str, serde_json::Value> = HashMap::new();
-    for run_id in dead_letters.iter().filter_map(|d| d.run_id.as_deref()) {
-        if !runs.contains_key(run_id) {
-            runs.insert(run_id, replay_verdict(state, run_id).await?);
-        }
-    }
+    let mut ids: Vec<&str> = dead_letters
+        .iter()
+        .filter_map(|d| d.run_id.as_deref())
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let runs = replay_verdicts(state, &ids).await?;
     // Foreign-key failures per policy: their keys, checked in one call per policy.
     let mut fk: HashMap<&str, Vec<String>> = HashMap::new();
     for d in dead_letters.iter().filter(|d| is_foreign_key_failure(d)) {
