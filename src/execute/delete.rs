@@ -8,8 +8,7 @@ use super::*;
 
 /// One attempt of a delete-rows command (or the lease of an external-effect one): `per_item`
 /// reruns it item by item with savepoints after a bulk failure; `pace_wait` is the seconds to
-/// the start its pace reserved (> 0: the gate holds it until then); `seen` carries the attempt
-/// count a delivery found, for the failure fences.
+/// the start its pace reserved (> 0: the gate holds it until then); `seen`: as in `load::load`.
 // Over 80 lines: the steps of one transaction in order (load, classify, delete, audit, finish,
 // commit); splitting further would hand the transaction and its locals around.
 pub(super) async fn attempt(
@@ -25,6 +24,7 @@ pub(super) async fn attempt(
     let loaded =
         match super::load::load(state, &mut tx, command_id, executor, seen, pace_wait).await? {
             Step::Done(outcome) => {
+                crate::pause_point!("gate_turned_away", command_id);
                 tx.rollback().await?;
                 return Ok(Attempted::Done(outcome));
             }

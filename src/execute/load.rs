@@ -13,11 +13,17 @@ pub(super) async fn load(
     seen: &mut Option<i32>,
     pace_wait: f64,
 ) -> Result<Step, AttemptError> {
+    // `seen` is set only while this try may run (or the gate counts it as a failed try): a
+    // delivery turned away (not due, held, a duplicate) tried nothing, so its deadline passing
+    // or an error while it rolls back or commits the hold must not be recorded as a failure of
+    // the attempt it saw (that spent an attempt of a command that was not even due).
+    *seen = None;
     let Some(c) = lock_command(state, tx, command_id).await? else {
         return unknown_command(tx, command_id).await;
     };
     *seen = Some(c.attempts);
     if let Some(step) = gate(state, &c, command_id, executor)? {
+        *seen = None;
         return Ok(step);
     }
     let after = if c.dry_run {
@@ -26,6 +32,7 @@ pub(super) async fn load(
         holds::after_hold(state, tx, &c.policy, c.window_at).await?
     };
     if let Some(step) = held(state, &c, executor, pace_wait, after) {
+        *seen = None;
         return Ok(step);
     }
     let rules = rules_for(state, tx, &c).await?;
