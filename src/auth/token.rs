@@ -9,6 +9,10 @@
 //!   `nbf` (§4.1.5) or `iat` (§4.1.6) is more than the leeway in the future. Each is a
 //!   NumericDate (§2): a JSON number of seconds since the epoch, fractions allowed, between 0 and
 //!   the end of year 9999; anything else makes the claim *unusable*.
+//! - **One reading of every name.** A header or claims object (at any depth) that names a member
+//!   twice is malformed: JSON parsers disagree on which copy wins (RFC 8259 §4), so a token whose
+//!   meaning depends on the parser is refused before its signature is looked at (RFC 7515 §5.2,
+//!   RFC 7519 §7.2: reject or use a parser that returns only the lexically last; we reject).
 //! - **Refusals in sweeper's words.** [`Refusal`] is what the caller sees: a stable `reason` code
 //!   and a short detail. The library's own error text goes to the log only.
 
@@ -143,6 +147,9 @@ pub fn read_header(token: &str, max_bytes: usize) -> Result<RawHeader, Refusal> 
         return Err(Refusal::Malformed);
     }
     let header = decode_json_object(segments[0])?;
+    // The claims are read here only for their shape; the library decodes them after the
+    // signature, so a repeated name must be refused before it reads them.
+    decode_json_object(segments[1])?;
     let alg = match header.get("alg") {
         Some(Value::String(a)) => a.clone(),
         _ => return Err(Refusal::Malformed),
@@ -159,9 +166,66 @@ fn decode_json_object(segment: &str) -> Result<Map<String, Value>, Refusal> {
     let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(segment)
         .map_err(|_| Refusal::Malformed)?;
+    if serde_json::from_slice::<UniqueNames>(&bytes).is_err() {
+        return Err(Refusal::Malformed);
+    }
     match serde_json::from_slice::<Value>(&bytes) {
         Ok(Value::Object(m)) => Ok(m),
         _ => Err(Refusal::Malformed),
+    }
+}
+
+/// A JSON value read only to prove that no object in it names a member twice.
+struct UniqueNames;
+
+impl<'de> serde::Deserialize<'de> for UniqueNames {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(UniqueNamesVisitor)
+    }
+}
+
+struct UniqueNamesVisitor;
+
+impl<'de> serde::de::Visitor<'de> for UniqueNamesVisitor {
+    type Value = UniqueNames;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value without repeated member names")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<UniqueNames, A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(name) = map.next_key::<String>()? {
+            if !seen.insert(name) {
+                return Err(serde::de::Error::custom("a member name is repeated"));
+            }
+            map.next_value::<UniqueNames>()?;
+        }
+        Ok(UniqueNames)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<UniqueNames, A::Error> {
+        while seq.next_element::<UniqueNames>()?.is_some() {}
+        Ok(UniqueNames)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<UniqueNames, E> {
+        Ok(UniqueNames)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<UniqueNames, E> {
+        Ok(UniqueNames)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<UniqueNames, E> {
+        Ok(UniqueNames)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<UniqueNames, E> {
+        Ok(UniqueNames)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<UniqueNames, E> {
+        Ok(UniqueNames)
+    }
+    fn visit_unit<E>(self) -> Result<UniqueNames, E> {
+        Ok(UniqueNames)
     }
 }
 
@@ -388,6 +452,33 @@ mod tests {
             assert_eq!(read_header(&bad, 8192), Err(Refusal::Malformed), "{bad}");
         }
         assert_eq!(read_header(&good, 10), Err(Refusal::Malformed));
+    }
+
+    #[test]
+    fn a_name_written_twice_in_the_header_or_the_claims_is_malformed() {
+        let b = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+        let header = b(r#"{"alg":"HS256","kid":"k"}"#);
+        let ok = format!("{header}.{}.c2ln", b(r#"{"scope":"ops:read","a":{"b":1}}"#));
+        assert!(read_header(&ok, 8192).is_ok());
+        for (h, c) in [
+            (
+                r#"{"alg":"HS256","kid":"k"}"#,
+                r#"{"scope":"ops:read","scope":"consume"}"#,
+            ),
+            (r#"{"alg":"HS256","alg":"HS256","kid":"k"}"#, r#"{}"#),
+            (r#"{"alg":"HS256","kid":"k"}"#, r#"{"a":[{"b":1,"b":2}]}"#),
+            (
+                r#"{"alg":"HS256","kid":"k"}"#,
+                r#"{"scope":"x","\u0073cope":"y"}"#,
+            ),
+        ] {
+            let token = format!("{}.{}.c2ln", b(h), b(c));
+            assert_eq!(
+                read_header(&token, 8192),
+                Err(Refusal::Malformed),
+                "{h} {c}"
+            );
+        }
     }
 
     #[test]

@@ -103,10 +103,44 @@ pub struct Dependency {
     pub retry_after_cap: Duration,
     /// Pauses shorter than this are waited out in the request.
     pub pause_wait: Duration,
-    /// A reset header read like `Retry-After`.
-    pub reset_header: Option<reqwest::header::HeaderName>,
+    /// A rate-limit reset header and how its value is written.
+    pub reset_header: Option<(reqwest::header::HeaderName, crate::retry::ResetFormat)>,
     /// Retry overrides for the policies that call it.
     pub retry: Option<RetryConfig>,
+}
+
+/// Validates `reset_header`: a header name, and a format among those [`crate::retry::ResetFormat`]
+/// reads (a plain name means `auto`).
+fn reset_header(
+    c: &written::ResetHeaderConfig,
+    errors: &mut Vec<String>,
+) -> Option<(reqwest::header::HeaderName, crate::retry::ResetFormat)> {
+    use crate::retry::ResetFormat;
+    let (name, format) = match c {
+        written::ResetHeaderConfig::Name(n) => (n, None),
+        written::ResetHeaderConfig::Spec(s) => (&s.name, s.format.as_deref()),
+    };
+    let format = match format {
+        None | Some("auto") => Some(ResetFormat::Auto),
+        Some("delta") => Some(ResetFormat::Delta),
+        Some("epoch") => Some(ResetFormat::Epoch),
+        Some("epoch_ms") => Some(ResetFormat::EpochMs),
+        Some("http_date") => Some(ResetFormat::HttpDate),
+        Some(other) => {
+            errors.push(format!(
+                "reset_header.format: `{other}` is not one of delta, epoch, epoch_ms, http_date, auto"
+            ));
+            None
+        }
+    };
+    let name = match reqwest::header::HeaderName::from_bytes(name.as_bytes()) {
+        Ok(h) => Some(h),
+        Err(_) => {
+            errors.push(format!("reset_header: `{name}` is not a header name"));
+            None
+        }
+    };
+    Some((name?, format?))
 }
 
 fn env_secret(var: &str, field: &str, errors: &mut Vec<String>) -> Option<SecretString> {
@@ -271,16 +305,10 @@ impl Dependency {
         if pause_wait.seconds() > 30 {
             errors.push("pause_wait: at most 30s (longer waits snooze the command)".into());
         }
-        let reset_header = match &c.reset_header {
-            None => None,
-            Some(h) => match reqwest::header::HeaderName::from_bytes(h.as_bytes()) {
-                Ok(h) => Some(h),
-                Err(_) => {
-                    errors.push(format!("reset_header: `{h}` is not a header name"));
-                    None
-                }
-            },
-        };
+        let reset_header = c
+            .reset_header
+            .as_ref()
+            .and_then(|h| reset_header(h, &mut errors));
         if !errors.is_empty() {
             return Err(errors);
         }

@@ -64,14 +64,35 @@ pub struct DependencyConfig {
     /// (default `1s`; `0s` turns it off). Never inside a transaction.
     #[serde(default)]
     pub pause_wait: Option<DurationSpec>,
-    /// A documented rate-limit reset header read like `Retry-After` when a 429 lacks one
-    /// (delta-seconds or an HTTP-date), e.g. `X-RateLimit-Reset-After`.
+    /// A documented rate-limit reset header read when a 429 lacks a usable `Retry-After`:
+    /// `"X-RateLimit-Reset"` (format `auto`) or `{ name = "X-RateLimit-Reset", format = "epoch" }`.
     #[serde(default)]
-    pub reset_header: Option<String>,
+    pub reset_header: Option<ResetHeaderConfig>,
     /// Retry settings for the commands of policies that call this dependency, where the policy
     /// sets none itself.
     #[serde(default)]
     pub retry: Option<RetryConfig>,
+}
+
+/// `reset_header = "name"` or `reset_header = { name = "name", format = "epoch" }`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum ResetHeaderConfig {
+    /// Only the name: the value's format is told by the value (`auto`).
+    Name(String),
+    /// The name and how its value is written.
+    Spec(ResetHeaderSpec),
+}
+
+/// `{ name = "X-RateLimit-Reset", format = "epoch" }`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResetHeaderSpec {
+    /// The header's name.
+    pub name: String,
+    /// `delta`, `epoch`, `epoch_ms`, `http_date` or `auto` (the default).
+    #[serde(default)]
+    pub format: Option<String>,
 }
 
 /// `rate_limit = { per_second = 20, burst = 5 }` (per replica), or with `scope = "global"`

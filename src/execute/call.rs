@@ -10,7 +10,7 @@ use secrecy::ExposeSecret;
 use super::Outcome;
 use crate::dependency::{DependencyKind, Refused, Runtime};
 use crate::policy::action::{HttpAction, OncePer, Then, pieces, placeholders};
-use crate::retry::{Failure, parse_retry_after};
+use crate::retry::{Failure, parse_reset, parse_retry_after};
 
 /// How one call ended.
 #[derive(Debug)]
@@ -93,16 +93,18 @@ fn refused(e: &(dyn std::error::Error + 'static)) -> Option<String> {
     None
 }
 
-/// The pause a throttling answer asks for: `Retry-After`, else the dependency's reset header,
-/// each parsed as untrusted (see [`parse_retry_after`]).
+/// The pause a throttling answer asks for: `Retry-After`, else the dependency's reset header in
+/// its format, each parsed as untrusted (see [`parse_retry_after`], [`parse_reset`]).
 fn pause_of(rt: &Runtime, headers: &reqwest::header::HeaderMap) -> Option<Duration> {
-    let read = |name: &reqwest::header::HeaderName| {
-        headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| parse_retry_after(v, SystemTime::now(), rt.spec.retry_after_cap))
-    };
-    read(&reqwest::header::RETRY_AFTER).or_else(|| rt.spec.reset_header.as_ref().and_then(read))
+    let now = SystemTime::now();
+    let cap = rt.spec.retry_after_cap;
+    let text = |name: &reqwest::header::HeaderName| headers.get(name)?.to_str().ok();
+    text(&reqwest::header::RETRY_AFTER)
+        .and_then(|v| parse_retry_after(v, now, cap))
+        .or_else(|| {
+            let (name, format) = rt.spec.reset_header.as_ref()?;
+            parse_reset(text(name)?, *format, now, cap)
+        })
 }
 
 /// Calls `action` for one item whose columns are `fields` (the row as JSON), sending

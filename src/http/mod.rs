@@ -6,18 +6,20 @@ pub mod answer;
 mod caller;
 mod consume;
 pub mod ops;
+mod params;
 mod problem;
 pub mod tls;
 mod trigger_handler;
 
 pub use caller::Caller;
 pub use consume::PUSH_BODY_HARD_CAP;
+pub use params::{Params, QueryParams, Segments};
 pub use problem::{Problem, problem_for_plain_errors};
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{DefaultBodyLimit, FromRequestParts, Path, Query, State};
+use axum::extract::{DefaultBodyLimit, FromRequestParts, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
@@ -187,7 +189,10 @@ pub fn router(state: AppState) -> Router {
             .map(|s| s.chars().take(64).collect::<String>())
             .unwrap_or_default();
         tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id)
-    }))
+    })
+    // Logged by class, not by status: a documented "not now" 503 is not a failure.
+    .on_failure(())
+    .on_response(problem::log_response))
     .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
 }
 

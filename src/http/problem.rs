@@ -40,6 +40,10 @@ impl Problem {
         Self::new(StatusCode::UNAUTHORIZED, "unauthenticated", detail)
             .member("reason", refusal.code())
     }
+    /// The human detail.
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
     /// Adds `Retry-After: {seconds}` (RFC 9110 §10.2.3, delta-seconds form).
     pub fn retry_after(mut self, seconds: u64) -> Self {
         self.retry_after = Some(seconds.max(1));
@@ -80,6 +84,7 @@ impl IntoResponse for Problem {
         body.insert("status".into(), self.status.as_u16().into());
         body.insert("detail".into(), self.detail.into());
         let mut resp = (self.status, Json(body)).into_response();
+        resp.extensions_mut().insert(ProblemType(self.slug));
         let headers = resp.headers_mut();
         headers.insert(
             header::CONTENT_TYPE,
@@ -115,6 +120,47 @@ impl From<sqlx::Error> for Problem {
             FailureClass::Transient | FailureClass::Throttled { .. } => Problem::unavailable(e, 5),
             FailureClass::Permanent | FailureClass::Held(_) => Problem::internal(e),
         }
+    }
+}
+
+/// The problem type of a response, for its log line ([`log_response`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ProblemType(pub &'static str);
+
+/// How a response is logged: its class decides, not its status alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogClass {
+    /// Served as asked, or a refusal of the caller's input: DEBUG.
+    Served,
+    /// A documented "not now" (the command is held, backing off, or this replica is at its
+    /// limit): INFO; the sender retries as told.
+    NotNow,
+    /// The ledger is unreachable or a request timed out: WARN; it cures itself or pages.
+    Unavailable,
+    /// A fault of ours: ERROR.
+    Failed,
+}
+
+/// The class of a response of `status` whose problem type (if any) is `problem`.
+pub fn log_class(status: StatusCode, problem: Option<&str>) -> LogClass {
+    match (status.as_u16(), problem) {
+        (503, Some("not-now" | "overloaded")) => LogClass::NotNow,
+        (503, Some("unavailable" | "timeout")) | (504, _) => LogClass::Unavailable,
+        (s, _) if s >= 500 => LogClass::Failed,
+        _ => LogClass::Served,
+    }
+}
+
+/// The one log line of every response, at the level of its [`LogClass`].
+pub fn log_response(resp: &Response, latency: std::time::Duration, _: &tracing::Span) {
+    let problem = resp.extensions().get::<ProblemType>().map(|p| p.0);
+    let status = resp.status().as_u16();
+    let ms = latency.as_millis() as u64;
+    match log_class(resp.status(), problem) {
+        LogClass::Served => tracing::debug!(status, problem, latency_ms = ms, "response"),
+        LogClass::NotNow => tracing::info!(status, problem, latency_ms = ms, "not now"),
+        LogClass::Unavailable => tracing::warn!(status, problem, latency_ms = ms, "unavailable"),
+        LogClass::Failed => tracing::error!(status, problem, latency_ms = ms, "response failed"),
     }
 }
 
@@ -155,4 +201,31 @@ pub async fn problem_for_plain_errors(resp: Response) -> Response {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn responses_are_logged_by_class_not_by_status() {
+        let c = |status: u16, problem| log_class(StatusCode::from_u16(status).unwrap(), problem);
+        assert_eq!(c(503, Some("not-now")), LogClass::NotNow);
+        assert_eq!(c(503, Some("overloaded")), LogClass::NotNow);
+        assert_eq!(c(503, Some("unavailable")), LogClass::Unavailable);
+        assert_eq!(c(503, Some("timeout")), LogClass::Unavailable);
+        assert_eq!(c(500, Some("internal")), LogClass::Failed);
+        assert_eq!(c(503, None), LogClass::Failed);
+        assert_eq!(c(404, Some("unknown-command")), LogClass::Served);
+        assert_eq!(c(200, None), LogClass::Served);
+    }
+
+    #[test]
+    fn a_problem_response_carries_its_type_for_the_log() {
+        let resp = Problem::new(StatusCode::SERVICE_UNAVAILABLE, "not-now", "held").into_response();
+        assert_eq!(
+            resp.extensions().get::<ProblemType>().map(|p| p.0),
+            Some("not-now")
+        );
+    }
 }

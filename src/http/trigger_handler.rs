@@ -10,18 +10,24 @@ pub struct TriggerQuery {
     dry_run: bool,
 }
 
+impl QueryParams for TriggerQuery {
+    const ACCEPTS: &'static [(&'static str, &'static str)] = &[
+        ("window", "the tick as an RFC 3339 instant"),
+        ("dry_run", "`true` or `false`"),
+    ];
+}
+
 pub(super) async fn trigger_handler(
     State(state): State<AppState>,
-    Path(policy): Path<String>,
+    Segments(policy): Segments<String>,
     caller: Caller,
-    query: Result<Query<TriggerQuery>, axum::extract::rejection::QueryRejection>,
+    query: Result<Params<TriggerQuery>, Problem>,
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.verify_body(&body)?;
     caller.require(&format!("trigger:{policy}"))?;
-    let Query(query) =
-        query.map_err(|e| Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.body_text()))?;
+    let Params(query) = query?;
     let policy = state.config.policy(&policy).ok_or_else(|| {
         Problem::new(
             StatusCode::NOT_FOUND,

@@ -49,14 +49,22 @@ pub async fn policy_states(
 }
 
 /// Suspends `policy`: triggers create no run, and no command of it is claimed or executed until
-/// it is resumed. Suspending a suspended policy changes nothing (still logged).
+/// it is resumed. Suspending a suspended policy changes nothing (still logged, `changed: false`).
+/// Returns the state and whether this call suspended it.
 pub async fn suspend(
     pool: &PgPool,
     policy: &str,
     subject: &str,
     reason: &str,
-) -> sqlx::Result<PolicyState> {
+) -> sqlx::Result<(PolicyState, bool)> {
     let mut tx = pool.begin().await?;
+    let was_suspended: bool = sqlx::query_scalar(
+        "select coalesce((select suspended from sweeper.policy_state where policy = $1
+                           for update), false)",
+    )
+    .bind(policy)
+    .fetch_one(&mut *tx)
+    .await?;
     let state: PolicyState = sqlx::query_as(
         "insert into sweeper.policy_state (policy, suspended, suspended_at, changed_by, reason)
          values ($1, true, sweeper.now(), $2, $3)
@@ -78,11 +86,12 @@ pub async fn suspend(
         "suspend",
         &format!("policy:{policy}"),
         reason,
+        !was_suspended,
         serde_json::json!({}),
     )
     .await?;
     tx.commit().await?;
-    Ok(state)
+    Ok((state, !was_suspended))
 }
 
 /// Resumes `policy`. The time it spent suspended is credited to its unfinished commands, so it
@@ -133,6 +142,7 @@ pub async fn resume(
         "resume",
         &format!("policy:{policy}"),
         reason,
+        suspended_for.is_some(),
         serde_json::json!({ "suspended_seconds": suspended_for }),
     )
     .await?;
@@ -210,13 +220,16 @@ pub async fn cancel(
     .execute(&mut *tx)
     .await?
     .rows_affected();
-    let status: String = sqlx::query_scalar(
-        "update sweeper.runs
-            set status = case when status in ('planning', 'running') then 'cancelled' else status end,
-                completed_at = case when status in ('planning', 'running') then sweeper.now()
-                                    else completed_at end
-          where run_id = $1
-          returning status",
+    let (status, changed): (String, bool) = sqlx::query_as(
+        "with old as (select status from sweeper.runs where run_id = $1 for update)
+         update sweeper.runs r
+            set status = case when r.status in ('planning', 'running') then 'cancelled'
+                              else r.status end,
+                completed_at = case when r.status in ('planning', 'running') then sweeper.now()
+                                    else r.completed_at end
+           from old
+          where r.run_id = $1
+          returning r.status, old.status in ('planning', 'running')",
     )
     .bind(run_id)
     .fetch_one(&mut *tx)
@@ -230,6 +243,7 @@ pub async fn cancel(
         "cancel",
         &format!("run:{run_id}"),
         reason,
+        changed,
         serde_json::json!({ "commands_cancelled": n }),
     )
     .await?;
@@ -321,6 +335,7 @@ pub async fn approve(
                 "approve",
                 &format!("run:{run_id}"),
                 reason,
+                false,
                 detail,
             )
             .await?;
@@ -360,6 +375,7 @@ pub async fn approve(
         "approve",
         &format!("run:{run_id}"),
         reason,
+        true,
         serde_json::json!({ "guard_verdict": verdict, "held_commands_released": released }),
     )
     .await?;

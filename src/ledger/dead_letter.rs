@@ -149,8 +149,12 @@ pub async fn log_operator_act(
     action: &str,
     target: &str,
     reason: &str,
-    detail: serde_json::Value,
+    changed: bool,
+    mut detail: serde_json::Value,
 ) -> sqlx::Result<()> {
+    if let Some(d) = detail.as_object_mut() {
+        d.insert("changed".into(), changed.into());
+    }
     sqlx::query(
         "insert into sweeper.operator_log (subject, action, target, reason, detail)
          values ($1, $2, $3, $4, $5)",
@@ -288,6 +292,7 @@ pub async fn redrive(
         "redrive",
         &format!("dead_letter:{id}"),
         reason,
+        true,
         serde_json::json!({ "command_id": queued, "run_id": run_id, "kind": kind }),
     )
     .await?;
@@ -391,6 +396,7 @@ pub async fn abandon(
         "abandon",
         &format!("dead_letter:{id}"),
         reason,
+        true,
         serde_json::json!({ "effects_closed": effects_closed }),
     )
     .await?;

@@ -268,6 +268,13 @@ pub async fn accept(pool: &PgPool, subject: &str, reason: &str) -> sqlx::Result<
         "accept_identity",
         "guard",
         reason,
+        // A second accept of the same identity (two operators at once) changes nothing.
+        before.as_ref().is_none_or(|(s, o, t, d)| {
+            d.is_some()
+                || *s != now.system_identifier
+                || *o != now.database_oid
+                || *t != now.timeline
+        }),
         serde_json::json!({
             "before": before.as_ref().map(|(s, o, t, d)| serde_json::json!({
                 "system_identifier": s, "database_oid": o, "timeline": t, "held_detail": d})),

@@ -33,6 +33,11 @@ pub struct Entry {
     pub target: String,
     /// The reason they gave.
     pub reason: String,
+    /// Whether the act changed anything: a second approval of an approved run, a suspend of a
+    /// suspended policy, a second accept of the same identity are logged with `false` (the log
+    /// keeps every call; this tells the one that acted). Entries written before this field
+    /// existed read `true`.
+    pub changed: bool,
     /// What the act did (ids queued, effects closed, ...).
     pub detail: sqlx::types::Json<serde_json::Value>,
 }
@@ -58,7 +63,9 @@ pub async fn list(
     limit: i64,
 ) -> sqlx::Result<Vec<Entry>> {
     sqlx::query_as(
-        "select entry_id, at, subject, action, target, reason, detail from sweeper.operator_log
+        "select entry_id, at, subject, action, target, reason,
+                coalesce((detail->>'changed')::boolean, true) as changed, detail
+           from sweeper.operator_log
           where ($1::text is null or action = $1) and ($2::text is null or subject = $2)
             and ($3::text is null or starts_with(target, $3))
             and ($4::timestamptz is null or at >= $4)

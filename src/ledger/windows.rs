@@ -98,6 +98,7 @@ pub async fn log_backfill(
         "backfill",
         &format!("policy:{policy}"),
         reason,
+        !windows.is_empty(),
         serde_json::json!({ "windows": windows }),
     )
     .await?;

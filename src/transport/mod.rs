@@ -155,7 +155,7 @@ pub fn delivered_envelope(
 fn parse_delivered(push: Option<&pubsub::PushDelivery>, body: &[u8]) -> Result<Envelope, String> {
     match push {
         Some(p) => p.envelope.clone(),
-        None => serde_json::from_slice::<Envelope>(body).map_err(|e| e.to_string()),
+        None => read_envelope(body),
     }
     .and_then(|e| match e.schema_version.unwrap_or(1) {
         1 => Ok(e),
@@ -168,6 +168,61 @@ fn parse_delivered(push: Option<&pubsub::PushDelivery>, body: &[u8]) -> Result<E
         } else {
             Ok(e)
         }
+    })
+}
+
+/// Reads the built-in envelope from `bytes`, saying in sweeper's words what is wrong: not JSON
+/// (and where), not an object, a member missing, of the wrong type, or unknown.
+pub fn read_envelope(bytes: &[u8]) -> Result<Envelope, String> {
+    const MEMBERS: &str = "command_id (text), run_id (text), schema_version (integer), \
+                           publish_generation (integer)";
+    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| {
+        use serde_json::error::Category;
+        match e.classify() {
+            _ if bytes.iter().all(u8::is_ascii_whitespace) => "the body is empty, not JSON".into(),
+            Category::Eof => "the body is not JSON: it ends before its value does".into(),
+            _ => format!(
+                "the body is not JSON: unexpected input at line {}, column {}",
+                e.line(),
+                e.column()
+            ),
+        }
+    })?;
+    let serde_json::Value::Object(members) = value else {
+        return Err(format!(
+            "the body is JSON but not an object; an envelope is an object with {MEMBERS}"
+        ));
+    };
+    if let Some(name) = members.keys().find(|k| {
+        !matches!(
+            k.as_str(),
+            "command_id" | "run_id" | "schema_version" | "publish_generation"
+        )
+    }) {
+        return Err(format!(
+            "unknown member `{}`; an envelope has {MEMBERS}",
+            crate::ledger::printable(name, 64)
+        ));
+    }
+    let text = |name: &str| match members.get(name) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(format!("`{name}` must be text")),
+    };
+    let integer = |name: &str, min: i64, max: i64| match members.get(name) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => v
+            .as_i64()
+            .filter(|n| (min..=max).contains(n))
+            .map(Some)
+            .ok_or_else(|| format!("`{name}` must be an integer from {min} to {max}")),
+    };
+    Ok(Envelope {
+        command_id: text("command_id")?.ok_or("the member `command_id` is missing")?,
+        run_id: text("run_id")?,
+        schema_version: integer("schema_version", 0, u32::MAX.into())?.map(|n| n as u32),
+        publish_generation: integer("publish_generation", i32::MIN.into(), i32::MAX.into())?
+            .map(|n| n as i32),
     })
 }
 

@@ -204,7 +204,7 @@ struct Message {
 pub fn parse_push(headers: &axum::http::HeaderMap, body: &[u8]) -> Option<PushDelivery> {
     if let Some(id) = headers.get("x-goog-pubsub-message-id") {
         return Some(PushDelivery {
-            envelope: parse_envelope(body),
+            envelope: crate::transport::read_envelope(body),
             delivery_attempt: None,
             message_id: id.to_str().ok().map(String::from),
         });
@@ -213,9 +213,13 @@ pub fn parse_push(headers: &axum::http::HeaderMap, body: &[u8]) -> Option<PushDe
     v.get("message")?.as_object()?;
     let wrapped: Wrapped = match serde_json::from_value(v) {
         Ok(w) => w,
-        Err(e) => {
+        Err(_) => {
             return Some(PushDelivery {
-                envelope: Err(format!("a Pub/Sub push of the wrong shape: {e}")),
+                envelope: Err(
+                    "a Pub/Sub push whose `message` is not of the documented shape \
+                               (data: base64 text, attributes: text values, messageId: text)"
+                        .into(),
+                ),
                 delivery_attempt: None,
                 message_id: None,
             });
@@ -224,8 +228,8 @@ pub fn parse_push(headers: &axum::http::HeaderMap, body: &[u8]) -> Option<PushDe
     let m = wrapped.message;
     let envelope = match m.data.as_deref().filter(|d| !d.is_empty()) {
         Some(d) => decode_data(d)
-            .map_err(|e| format!("message.data is not base64: {e}"))
-            .and_then(|bytes| parse_envelope(&bytes)),
+            .map_err(|_| "message.data is not base64".to_string())
+            .and_then(|bytes| crate::transport::read_envelope(&bytes)),
         None => match m.attributes.as_ref().and_then(|a| a.get("command_id")) {
             Some(id) => Ok(Envelope {
                 command_id: id.clone(),
@@ -260,10 +264,6 @@ fn decode_data(d: &str) -> Result<Vec<u8>, base64::DecodeError> {
                 .decode(d)
                 .map_err(|_| e)
         })
-}
-
-fn parse_envelope(bytes: &[u8]) -> Result<Envelope, String> {
-    serde_json::from_slice::<Envelope>(bytes).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

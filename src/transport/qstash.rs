@@ -17,7 +17,7 @@
 //! 429 is waited out by `Retry-After` or the `RateLimit-Reset`/`Burst-RateLimit-Reset` headers
 //! (unix timestamps, `qstash/api/api-ratelimiting.mdx`).
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use base64::Engine;
 use jsonwebtoken::{Algorithm, DecodingKey};
@@ -30,7 +30,7 @@ use serde_json::{Map, Value};
 use crate::auth::Principal;
 use crate::auth::token::Refusal;
 use crate::config::DurationSpec;
-use crate::retry::parse_retry_after;
+use crate::retry::{ResetFormat, parse_reset, parse_retry_after};
 use crate::transport::{Outbound, PublishError};
 
 /// The `iss` of every QStash signature.
@@ -397,13 +397,11 @@ async fn send(request: reqwest::RequestBuilder) -> Result<(), PublishError> {
     let retry_after = header("retry-after")
         .and_then(|v| parse_retry_after(&v, now, PUBLISH_PAUSE_CAP))
         .or_else(|| {
-            // The rate-limit resets are unix timestamps (seconds), not deltas.
+            // The rate-limit resets are Unix timestamps (seconds), not deltas.
             ["burst-ratelimit-reset", "ratelimit-reset"]
                 .iter()
-                .filter_map(|h| header(h)?.trim().parse::<u64>().ok())
-                .map(|reset| {
-                    let now = now.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
-                    Duration::from_secs(reset.saturating_sub(now).max(1)).min(PUBLISH_PAUSE_CAP)
+                .filter_map(|h| {
+                    parse_reset(&header(h)?, ResetFormat::Epoch, now, PUBLISH_PAUSE_CAP)
                 })
                 .max()
         })

@@ -759,6 +759,57 @@ async fn short_pauses_are_waited_out_and_timeouts_are_transient() {
 }
 
 #[tokio::test]
+async fn a_reset_header_in_unix_time_pauses_until_that_instant_not_for_the_cap() {
+    // A provider whose reset header is a Unix time (GitHub's `X-RateLimit-Reset`): seconds for
+    // item 1, milliseconds for item 2, each 2 s ahead. Read as delta-seconds either would pause
+    // the dependency for retry_after_cap (1 h) and the run would not finish.
+    let epoch = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+    };
+    for (written, header, value) in [
+        (
+            "reset_header = \"X-RateLimit-Reset\"",
+            "x-ratelimit-reset",
+            (|d: Duration| (d.as_secs() + 2).to_string()) as fn(Duration) -> String,
+        ),
+        (
+            "reset_header = { name = \"X-Reset-Ms\", format = \"epoch_ms\" }",
+            "x-reset-ms",
+            |d: Duration| (d.as_millis() + 2_000).to_string(),
+        ),
+    ] {
+        let provider = StandIn::start(Duration::ZERO, move |c: &Call, earlier: &[Call]| -> Reply {
+            let seen = earlier.iter().filter(|e| e.path == c.path).count();
+            match (item_of(c), seen) {
+                (1, 0) => (429, vec![(header.into(), value(epoch()))], String::new()),
+                _ => ok(),
+            }
+        })
+        .await;
+        let config = dependency(
+            "payments",
+            &provider.url(),
+            &format!("pause_wait = \"5s\"\n{written}"),
+        ) + &payments_policy("reconcile", "payments", 5, "", "");
+        let app = spawn(1, config).await;
+        seed_payments(&app, 2).await;
+        let r = run(&app, "reconcile", "2026-09-01").await;
+        let done = app.wait_terminal(&r).await;
+        assert_eq!(done["status"], "completed", "{written}: {done}");
+        let calls = provider.calls();
+        let item1: Vec<&Call> = calls.iter().filter(|c| item_of(c) == 1).collect();
+        assert_eq!(item1.len(), 2, "{written}");
+        let gap = item1[1].at - item1[0].at;
+        assert!(
+            gap >= Duration::from_millis(900) && gap < Duration::from_secs(5),
+            "{written}: called again after {gap:?}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn unusable_item_values_fail_only_their_item_and_nothing_is_sent_for_them() {
     let provider = StandIn::start(Duration::ZERO, |_, _| ok()).await;
     let config = dependency("payments", &provider.url(), "")

@@ -311,6 +311,43 @@ async fn a_failed_item_is_an_item_dead_letter_and_its_redrive_reexecutes_only_it
 }
 
 #[tokio::test]
+async fn an_envelope_refusal_says_what_is_wrong_in_our_words() {
+    let app = ticket_app("", "", TICKETS).await;
+    // Each refusal in our words, naming what an envelope is.
+    for (bytes, says) in [
+        ("", "the body is empty, not JSON"),
+        ("{\"command_id\": \"x\"", "it ends before its value does"),
+        (
+            "[1]",
+            "not an object; an envelope is an object with command_id (text)",
+        ),
+        ("{}", "the member `command_id` is missing"),
+        ("{\"command_id\": 7}", "`command_id` must be text"),
+        (
+            "{\"command_id\": \"x\", \"schema_version\": -1}",
+            "`schema_version` must be an integer from 0 to 4294967295",
+        ),
+    ] {
+        let r = app
+            .client
+            .post(format!("{}/consume", app.base))
+            .bearer_auth(app.token(&["consume"]))
+            .body(bytes)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["result"], "quarantined_envelope", "{bytes}: {body}");
+        let error = body["error"].as_str().unwrap();
+        assert!(error.contains(says), "{bytes}: {error}");
+        for library in ["EOF", "invalid type", "expected", "missing field"] {
+            assert!(!error.contains(library), "{bytes}: {error}");
+        }
+    }
+}
+
+#[tokio::test]
 async fn an_unparseable_envelope_is_quarantined_once_and_acknowledged() {
     let app = ticket_app("", "", TICKETS).await;
     for _ in 0..2 {
@@ -325,6 +362,13 @@ async fn an_unparseable_envelope_is_quarantined_once_and_acknowledged() {
         assert_eq!(r.status(), 200);
         let body: Value = r.json().await.unwrap();
         assert_eq!(body["result"], "quarantined_envelope");
+        assert!(
+            body["error"]
+                .as_str()
+                .unwrap()
+                .contains("the body is not JSON: unexpected input at line 1, column "),
+            "{body}"
+        );
     }
     let dls = dead_letters(&app).await;
     assert_eq!(dls.len(), 1);

@@ -367,7 +367,7 @@ async fn hostile_text_in_bodies_and_subjects_is_answered_not_retried_for_ever() 
                 .fetch_one(&app.pool)
                 .await
                 .unwrap();
-        assert!(reason.contains("unknown field"), "{reason}");
+        assert!(reason.contains("unknown member"), "{reason}");
     }
     let nul_subject = sweeper::auth::mint(&app.issuer, "a\0b", &["consume".into()], 600).unwrap();
     let r = app

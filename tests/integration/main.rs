@@ -22,6 +22,7 @@ mod planning_paths;
 mod pubsub;
 mod push_bodies;
 mod qstash;
+mod refusals;
 mod runbook;
 mod safety;
 mod scenarios;

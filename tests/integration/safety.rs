@@ -165,16 +165,34 @@ async fn a_run_over_the_guard_waits_for_approval_and_approve_releases_it() {
         .send(reqwest::Method::POST, &path, Some(json!({})))
         .await;
     assert_eq!(a.status, 400, "{:?}", a.body);
-    let a = app
-        .api
-        .expect(
+    // Two operators approve at once: both answered 200, both logged, one of them acted.
+    let (a, b) = tokio::join!(
+        app.api.expect(
             200,
             reqwest::Method::POST,
             &path,
             Some(json!({"reason": "the backlog after the outage is expected"})),
+        ),
+        app.api.expect(
+            200,
+            reqwest::Method::POST,
+            &path,
+            Some(json!({"reason": "a second operator agrees"})),
         )
-        .await;
+    );
     assert_eq!(a["approval"], "approved", "{a}");
+    assert_eq!(b["approval"], "approved", "{b}");
+    let log = app
+        .get_json(&format!("/operator-log?action=approve&target=run:{run_id}"))
+        .await;
+    let changed: Vec<bool> = log["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["changed"].as_bool().unwrap())
+        .collect();
+    assert_eq!(changed.len(), 2, "{log}");
+    assert_eq!(changed.iter().filter(|c| **c).count(), 1, "{log}");
     // Approving again changes nothing; its reason is logged like every act's.
     let again = app
         .api
@@ -207,7 +225,7 @@ async fn a_run_over_the_guard_waits_for_approval_and_approve_releases_it() {
     .fetch_one(&app.pool)
     .await
     .unwrap();
-    assert_eq!(acts, 2);
+    assert_eq!(acts, 3);
     // A completed run is not waiting for approval.
     let a = app
         .api

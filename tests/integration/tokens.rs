@@ -293,3 +293,56 @@ async fn refusals_are_in_our_own_words_with_a_stable_reason() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_token_that_names_a_claim_twice_is_refused_whichever_copy_a_parser_would_keep() {
+    let app = TestApp::spawn(Spawn::default()).await;
+    let b64 = |s: &str| {
+        use base64::Engine;
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s)
+    };
+    let exp = now() as i64 + 600;
+    let sign = |header: &str, claims: String| {
+        let input = format!("{}.{}", b64(header), b64(&claims));
+        let key = EncodingKey::from_secret(SECRET.as_bytes()).unwrap();
+        let sig = jsonwebtoken::crypto::sign(input.as_bytes(), &key, Algorithm::HS256).unwrap();
+        format!("{input}.{sig}")
+    };
+    let header = r#"{"alg":"HS256","typ":"JWT","kid":"k2"}"#;
+    let base = format!(r#""sub":"probe","iss":"sweeper-test","aud":"sweeper","exp":{exp}"#);
+    // The same claims written once: the token is good, and ops:read alone may not trigger.
+    let once = sign(header, format!(r#"{{{base},"scope":"ops:read"}}"#));
+    assert_eq!(get_runs(&app, &format!("Bearer {once}")).await.0, 200);
+    let (status, _) = trigger_with(&app, &once).await;
+    assert_eq!(status, 403);
+    let twice = [
+        sign(
+            header,
+            format!(
+                r#"{{{base},"scope":"ops:read","scope":"trigger:ticket-retention consume ops:read ops:write"}}"#
+            ),
+        ),
+        sign(
+            r#"{"alg":"HS256","typ":"JWT","kid":"k2","kid":"k2"}"#,
+            format!(r#"{{{base},"scope":"trigger:ticket-retention"}}"#),
+        ),
+    ];
+    for token in twice {
+        let (status, body) = trigger_with(&app, &token).await;
+        assert_eq!(status, 401, "{body}");
+        assert_eq!(body["reason"], "malformed-token", "{body}");
+    }
+    let runs = app.get_json("/runs").await;
+    assert_eq!(runs["runs"].as_array().map(Vec::len), Some(0), "{runs}");
+}
+
+async fn trigger_with(app: &TestApp, token: &str) -> (u16, Value) {
+    let r = app
+        .post(
+            "/trigger/ticket-retention?window=2026-11-01T02:00:00Z",
+            Some(token),
+        )
+        .await;
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}

@@ -111,19 +111,16 @@ pub(super) fn require_policy<'a>(
 pub async fn suspend_policy(
     State(state): State<AppState>,
     caller: Caller,
-    Path(policy): Path<String>,
+    Segments(policy): Segments<String>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
     require_policy(&state, &policy)?;
     let b: ReasonBody = reason_of(&body)?;
-    let was = crate::ledger::control::policy_state(&state.pool, &policy)
-        .await?
-        .is_some_and(|s| s.suspended);
-    let ps =
+    let (ps, changed) =
         crate::ledger::control::suspend(&state.pool, &policy, &caller.0.subject, b.reason.trim())
             .await?;
-    if !was {
+    if changed {
         crate::metrics::hold_started("suspended");
     }
     Ok(Json(ps).into_response())
@@ -133,7 +130,7 @@ pub async fn suspend_policy(
 pub async fn resume_policy(
     State(state): State<AppState>,
     caller: Caller,
-    Path(policy): Path<String>,
+    Segments(policy): Segments<String>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
@@ -150,7 +147,7 @@ pub async fn resume_policy(
 pub async fn cancel_run(
     State(state): State<AppState>,
     caller: Caller,
-    Path(run_id): Path<String>,
+    Segments(run_id): Segments<String>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
@@ -173,7 +170,7 @@ pub async fn cancel_run(
 pub async fn approve_run(
     State(state): State<AppState>,
     caller: Caller,
-    Path(run_id): Path<String>,
+    Segments(run_id): Segments<String>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;

@@ -19,6 +19,21 @@ pub struct DeadLettersQuery {
     limit: Option<i64>,
 }
 
+impl QueryParams for DeadLettersQuery {
+    const ACCEPTS: &'static [(&'static str, &'static str)] = &[
+        ("run_id", "a run id"),
+        ("policy", "a policy name"),
+        ("class", "transient, throttled or permanent"),
+        ("status", "open, resolved, redriven or abandoned"),
+        (
+            "state",
+            "open, resolved, redriven or abandoned (the older name of `status`)",
+        ),
+        ("before", "a value returned as `next_before`, an integer"),
+        ("limit", "an integer from 1 to 1000"),
+    ];
+}
+
 pub(super) const CLASSES: &[&str] = &["transient", "throttled", "permanent"];
 
 /// `GET /dead-letters?run_id=&policy=&class=&status=&before=&limit=` (scope `ops:read`): newest
@@ -26,10 +41,10 @@ pub(super) const CLASSES: &[&str] = &["transient", "throttled", "permanent"];
 pub async fn list_dead_letters(
     State(state): State<AppState>,
     caller: Caller,
-    query: Result<Query<DeadLettersQuery>, axum::extract::rejection::QueryRejection>,
+    query: Result<Params<DeadLettersQuery>, Problem>,
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
-    let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
+    let Params(q) = query?;
     policy_filter(q.policy.as_deref())?;
     if let Some(c) = &q.class
         && !CLASSES.contains(&c.as_str())
@@ -85,7 +100,7 @@ pub(super) fn unknown_dead_letter(id: i64) -> Problem {
 pub async fn get_dead_letter(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<i64>,
+    Segments(id): Segments<i64>,
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
     let dl = crate::ledger::dead_letter::get(&state.pool, id)
@@ -112,7 +127,7 @@ pub(super) fn act_problem(e: crate::ledger::dead_letter::ActError) -> Problem {
 pub async fn redrive_dead_letter(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<i64>,
+    Segments(id): Segments<i64>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
@@ -142,7 +157,7 @@ pub async fn redrive_dead_letter(
 pub async fn abandon_dead_letter(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<i64>,
+    Segments(id): Segments<i64>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;

@@ -4,12 +4,23 @@
 
 use super::*;
 
+/// Longest key looked up, in bytes after percent-decoding (a request line over 64 KiB is refused
+/// by the HTTP server before any handler, with a bare 414).
+pub const MAX_KEY_BYTES: usize = 4_096;
+
 /// Query of `GET /policies/{policy}/items/{key}`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ItemQuery {
     cursor: Option<String>,
     limit: Option<i64>,
+}
+
+impl QueryParams for ItemQuery {
+    const ACCEPTS: &'static [(&'static str, &'static str)] = &[
+        ("cursor", "a value returned as `next_cursor`"),
+        ("limit", "an integer from 1 to 1000"),
+    ];
 }
 
 /// `GET /policies/{policy}/items/{key}?cursor=&limit=` (scope `ops:read`): the record's audit
@@ -24,11 +35,22 @@ pub struct ItemQuery {
 pub async fn item_history(
     State(state): State<AppState>,
     caller: Caller,
-    Path((policy, key)): Path<(String, String)>,
-    query: Result<Query<ItemQuery>, axum::extract::rejection::QueryRejection>,
+    Segments((policy, key)): Segments<(String, String)>,
+    query: Result<Params<ItemQuery>, Problem>,
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
-    let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
+    if key.len() > MAX_KEY_BYTES {
+        return Err(Problem::new(
+            StatusCode::URI_TOO_LONG,
+            "key-too-long",
+            format!(
+                "the key is {} bytes after percent-decoding; a key sweeper can look up is at \
+                 most {MAX_KEY_BYTES}",
+                key.len()
+            ),
+        ));
+    }
+    let Params(q) = query?;
     let p = require_policy(&state, &policy)?;
     let (after, limit) = audit_page(q.cursor.as_deref(), q.limit)?;
     let key_type = crate::policy::references::key_type(&state.pool, &p.spec.target)
@@ -73,8 +95,6 @@ pub async fn item_history(
 /// The key as the ledger writes it: cast to the key column's type and back to text. A value the
 /// type does not accept is a 400 naming the type.
 async fn canonical_key(state: &AppState, key: &str, key_type: &str) -> Result<String, Problem> {
-    // Any length the ledger can hold: a key sweeper audited can always be looked up (the
-    // server's URI limit bounds it).
     if key.is_empty() {
         return Err(Problem::new(
             StatusCode::BAD_REQUEST,

@@ -2,13 +2,13 @@
 //! [`crate::ledger`] and [`crate::audit`].
 
 use axum::Json;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::http::{Caller, Problem};
+use crate::http::{Caller, Params, Problem, QueryParams, Segments};
 use crate::ledger;
 use crate::ledger::audit;
 use crate::state::AppState;

@@ -15,6 +15,17 @@ pub struct OperatorLogQuery {
     limit: Option<i64>,
 }
 
+impl QueryParams for OperatorLogQuery {
+    const ACCEPTS: &'static [(&'static str, &'static str)] = &[
+        ("action", "an operator action"),
+        ("subject", "a caller's subject"),
+        ("target", "a target prefix such as `policy:orders`"),
+        ("since", "an RFC 3339 instant"),
+        ("before", "a value returned as `next_before`, an integer"),
+        ("limit", "an integer from 1 to 1000"),
+    ];
+}
+
 /// `GET /operator-log?action=&subject=&target=&since=&before=&limit=` (scope `ops:read`):
 /// entries newest first, `limit` per page (default 100, at most 1000); `next_before` pages on.
 /// `target` matches a prefix (`policy:orders`, `run:orders:2026-`, `dead_letter:12`); `since`
@@ -22,10 +33,10 @@ pub struct OperatorLogQuery {
 pub async fn list_operator_log(
     State(state): State<AppState>,
     caller: Caller,
-    query: Result<Query<OperatorLogQuery>, axum::extract::rejection::QueryRejection>,
+    query: Result<Params<OperatorLogQuery>, Problem>,
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
-    let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
+    let Params(q) = query?;
     if let Some(a) = &q.action
         && !operator_log::ACTIONS.contains(&a.as_str())
     {

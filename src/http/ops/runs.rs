@@ -12,6 +12,14 @@ pub struct RunsQuery {
     limit: Option<i64>,
 }
 
+impl QueryParams for RunsQuery {
+    const ACCEPTS: &'static [(&'static str, &'static str)] = &[
+        ("policy", "a policy name"),
+        ("status", "a run status or `attention`"),
+        ("limit", "an integer from 1 to 500"),
+    ];
+}
+
 pub(super) fn bad_query(e: impl std::fmt::Display) -> Problem {
     Problem::new(StatusCode::BAD_REQUEST, "bad-query", e.to_string())
 }
@@ -37,10 +45,10 @@ const ATTENTION: &str = "attention";
 pub async fn list_runs(
     State(state): State<AppState>,
     caller: Caller,
-    query: Result<Query<RunsQuery>, axum::extract::rejection::QueryRejection>,
+    query: Result<Params<RunsQuery>, Problem>,
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
-    let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
+    let Params(q) = query?;
     policy_filter(q.policy.as_deref())?;
     if let Some(s) = &q.status
         && s != ATTENTION
@@ -187,7 +195,7 @@ const RETRYING_SHOWN: i64 = 20;
 pub async fn get_run(
     State(state): State<AppState>,
     caller: Caller,
-    Path(run_id): Path<String>,
+    Segments(run_id): Segments<String>,
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
     let mut conn = state.pool.acquire().await?;
@@ -319,16 +327,24 @@ pub struct ItemsQuery {
     outcome: Option<String>,
 }
 
+impl QueryParams for ItemsQuery {
+    const ACCEPTS: &'static [(&'static str, &'static str)] = &[
+        ("cursor", "a value returned as `next_cursor`"),
+        ("limit", "an integer from 1 to 1000"),
+        ("outcome", "an audit outcome"),
+    ];
+}
+
 /// `GET /runs/{run_id}/items?cursor=&limit=&outcome=` (scope `ops:read`): the run's audit rows in
 /// log order, `limit` per page (default 100, at most 1000). `next_cursor` is null on the last page.
 pub async fn run_items(
     State(state): State<AppState>,
     caller: Caller,
-    Path(run_id): Path<String>,
-    query: Result<Query<ItemsQuery>, axum::extract::rejection::QueryRejection>,
+    Segments(run_id): Segments<String>,
+    query: Result<Params<ItemsQuery>, Problem>,
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
-    let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
+    let Params(q) = query?;
     let (after, limit) = audit_page(q.cursor.as_deref(), q.limit)?;
     if let Some(o) = &q.outcome
         && !ledger::Outcome::ALL.iter().any(|k| k.as_str() == o)

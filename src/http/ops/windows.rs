@@ -15,6 +15,14 @@ pub struct WindowsQuery {
     limit: Option<i64>,
 }
 
+impl QueryParams for WindowsQuery {
+    const ACCEPTS: &'static [(&'static str, &'static str)] = &[
+        ("from", "an RFC 3339 instant"),
+        ("to", "an RFC 3339 instant"),
+        ("limit", "an integer from 1 to 1000"),
+    ];
+}
+
 /// The body of `POST /policies/{policy}/backfill`: a reason, and either `from` and `to` (their
 /// missed windows) or `windows` (each named window that is missed or suspended).
 #[derive(Debug, Deserialize)]
@@ -48,12 +56,12 @@ use crate::window;
 pub async fn policy_windows(
     State(state): State<AppState>,
     caller: Caller,
-    Path(policy): Path<String>,
-    query: Result<Query<WindowsQuery>, axum::extract::rejection::QueryRejection>,
+    Segments(policy): Segments<String>,
+    query: Result<Params<WindowsQuery>, Problem>,
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
     let p = require_policy(&state, &policy)?;
-    let Query(q) = query.map_err(|e| bad_query(e.body_text()))?;
+    let Params(q) = query?;
     let from = q.from.as_deref().map(|s| instant("from", s)).transpose();
     let to = q.to.as_deref().map(|s| instant("to", s)).transpose();
     let (from, to) = (from.map_err(bad_query)?, to.map_err(bad_query)?);
@@ -75,7 +83,7 @@ pub async fn policy_windows(
 pub async fn backfill(
     State(state): State<AppState>,
     caller: Caller,
-    Path(policy): Path<String>,
+    Segments(policy): Segments<String>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;

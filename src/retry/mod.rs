@@ -1,6 +1,10 @@
 //! The one failure classification (DESIGN §2.7), decided near the source of an error and read by
 //! the retry logic only, and the retry delay.
 
+mod reset;
+
+pub use reset::{ResetFormat, parse_reset, parse_retry_after};
+
 use chrono::{DateTime, Utc};
 use rand::Rng;
 
@@ -308,35 +312,6 @@ impl Backoff {
     }
 }
 
-/// Parses a `Retry-After` value (RFC 9110 §10.2.3): delta-seconds (`120`) or an HTTP-date in any
-/// of its three grammars (IMF-fixdate, obsolete RFC 850, asctime; parsed by `httpdate`).
-///
-/// The value is untrusted: the wait is clamped to `cap`; a huge delta saturates to `cap` instead
-/// of overflowing; a date in the past, a negative or fractional number, an empty value or garbage
-/// give `None`, and the caller falls back to jittered backoff. `now` is the wall clock the date is
-/// measured against.
-pub fn parse_retry_after(
-    value: &str,
-    now: std::time::SystemTime,
-    cap: std::time::Duration,
-) -> Option<std::time::Duration> {
-    let v = value.trim();
-    if v.is_empty() {
-        return None;
-    }
-    if v.bytes().all(|b| b.is_ascii_digit()) {
-        // All digits: delta-seconds. Too many digits for u64 is simply "very long".
-        let secs = v.parse::<u64>().unwrap_or(u64::MAX);
-        return Some(std::time::Duration::from_secs(secs).min(cap));
-    }
-    let at = httpdate::parse_http_date(v).ok()?;
-    let wait = at.duration_since(now).ok()?;
-    if wait.is_zero() {
-        return None;
-    }
-    Some(wait.min(cap))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -447,48 +422,6 @@ mod tests {
         let n = 10_000;
         let mean = (0..n).map(|_| b.delay_seconds(3, &mut rng)).sum::<f64>() / n as f64;
         assert!((3.8..=4.2).contains(&mean), "{mean}");
-    }
-
-    #[test]
-    fn retry_after_reads_both_forms_and_distrusts_them() {
-        use std::time::{Duration, UNIX_EPOCH};
-        // Sun, 06 Nov 1994 08:49:37 GMT, RFC 9110's own example instant.
-        let example = UNIX_EPOCH + Duration::from_secs(784_111_777);
-        let now = example - Duration::from_secs(30);
-        let cap = Duration::from_secs(3_600);
-        let p = |v: &str| parse_retry_after(v, now, cap);
-        assert_eq!(p("120"), Some(Duration::from_secs(120)));
-        assert_eq!(p(" 2 "), Some(Duration::from_secs(2)));
-        assert_eq!(p("0"), Some(Duration::ZERO));
-        assert_eq!(p("86400"), Some(cap), "capped");
-        assert_eq!(p("99999999999999999999999999"), Some(cap), "no overflow");
-        for date in [
-            "Sun, 06 Nov 1994 08:49:37 GMT",
-            "Sunday, 06-Nov-94 08:49:37 GMT",
-            "Sun Nov  6 08:49:37 1994",
-        ] {
-            assert_eq!(p(date), Some(Duration::from_secs(30)), "{date}");
-        }
-        let far = "Fri, 31 Dec 9999 23:59:59 GMT";
-        assert_eq!(p(far), Some(cap), "a far date is capped");
-        // Past dates and garbage fall back to backoff.
-        let past = parse_retry_after(
-            "Sun, 06 Nov 1994 08:49:37 GMT",
-            example + Duration::from_secs(5),
-            cap,
-        );
-        assert_eq!(past, None);
-        for bad in [
-            "",
-            "-1",
-            "1.5",
-            "soon",
-            "0x10",
-            "Sun, 06 Nov 1994 08:49:37 PST",
-            "+5",
-        ] {
-            assert_eq!(p(bad), None, "{bad:?}");
-        }
     }
 
     #[test]
