@@ -79,7 +79,7 @@ pub async fn migrate(config: &Config) -> anyhow::Result<()> {
     let mut conn = sqlx::PgConnection::connect_with(&connect_options(config)?)
         .await
         .context("cannot connect to the database (database_url)")?;
-    ledger::MIGRATOR
+    ledger::migrator()
         .run(&mut conn)
         .await
         .context("applying migrations")?;

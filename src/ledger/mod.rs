@@ -32,6 +32,16 @@ pub use states::{CommandState, RunStatus};
 /// The ledger's migrations, embedded in the binary (`migrations/`).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
+/// The migrator a replica applies at start or with `sweeper migrate`: this binary's migrations,
+/// ignoring any the database holds that the binary does not know. During a rolling upgrade a
+/// newer replica may have migrated already; every migration is additive, so an older replica
+/// keeps working against the newer schema instead of refusing to start.
+pub fn migrator() -> sqlx::migrate::Migrator {
+    let mut m = sqlx::migrate!("./migrations");
+    m.set_ignore_missing(true);
+    m
+}
+
 /// Registers each policy's version as this replica starts. The current version of a policy is
 /// the newest registration by any replica (DESIGN §2.10): a new version, or an old one
 /// registered again after a revert.

@@ -33,5 +33,6 @@ mod standby;
 mod standin;
 mod tokens;
 mod trigger;
+mod upgrade;
 mod visibility;
 mod windows;
