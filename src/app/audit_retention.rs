@@ -19,6 +19,7 @@ use flate2::write::GzEncoder;
 use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
+use super::job_lease::HeldJob;
 use crate::ledger;
 use crate::ledger::audit::{Export, Partition};
 use crate::state::AppState;
@@ -28,7 +29,7 @@ pub const PAGE_ROWS: i64 = 10_000;
 
 /// One pass: every expired month, oldest first, exported, verified, detached and dropped.
 /// Returns how many months were dropped. Nothing happens when `ledger.audit_retention` is unset.
-pub async fn audit_retention_pass(state: &AppState) -> anyhow::Result<u64> {
+pub async fn audit_retention_pass(state: &AppState, lease: &HeldJob) -> anyhow::Result<u64> {
     let (Some(retention), Some(dir)) = (
         state.config.ledger.audit_retention,
         state.config.ledger.audit_export_dir.as_deref(),
@@ -63,6 +64,12 @@ pub async fn audit_retention_pass(state: &AppState) -> anyhow::Result<u64> {
             );
         }
         crate::crash_point!("audit_after_export");
+        if !lease.held() {
+            bail!(
+                "another replica took over audit retention; {} is left to it",
+                p.partition
+            );
+        }
         ledger::audit::detach(&state.pool, &p)
             .await
             .with_context(|| format!("detaching audit partition {}", p.partition))?;

@@ -6,29 +6,32 @@
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::job_lease::HeldJob;
 use crate::ledger;
 use crate::state::AppState;
 
-/// Periodic ledger work, done by the replica holding the `housekeeping` job lease (renewed every
-/// round, twice the interval long): republishing stale push commands and purging old terminal
-/// commands in bounded batches.
+/// Periodic ledger work, done by the replica holding the `housekeeping` job lease (see
+/// [`HeldJob`]: held between rounds and renewed every 20 s): republishing stale push commands
+/// and purging old terminal commands in bounded batches.
 pub async fn housekeeping_loop(state: AppState, shutdown: CancellationToken) {
     let interval = state.config.ledger.housekeeping_interval;
+    let mut lease: Option<HeldJob> = None;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(interval.std()) => {}
         }
-        let lease = (interval.seconds() * 2 + 10) as f64;
-        match crate::ledger::take_job_lease(&state.pool, "housekeeping", state.replica_id, lease)
-            .await
-        {
-            Ok(true) => {}
-            Ok(false) => continue,
-            Err(e) => {
-                warn!(error = %e, "housekeeping could not take its lease; retrying next round");
-                continue;
-            }
+        if !lease.as_ref().is_some_and(HeldJob::held) {
+            lease = match HeldJob::take(&state, "housekeeping").await {
+                Ok(l) => l,
+                Err(e) => {
+                    warn!(error = %e, "housekeeping could not take its lease; retrying next round");
+                    None
+                }
+            };
+        }
+        if lease.is_none() {
+            continue;
         }
         if let Err(e) = housekeeping_once(&state).await {
             warn!(error = %e, "housekeeping failed; retrying next round");
@@ -54,12 +57,14 @@ pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
     if partitions > 0 {
         info!(partitions, "created audit partitions ahead of the clock");
     }
-    if state.config.ledger.audit_retention.is_some()
-        && ledger::take_job_lease(&state.pool, "audit_retention", state.replica_id, 3_600.0).await?
-    {
-        // Its own lease (an hour, renewed every round): exporting a month may outlast the
-        // housekeeping lease, and two replicas must not export the same month at once.
-        match super::audit_retention::audit_retention_pass(state).await {
+    // Its own lease, renewed while a month is exported: two replicas must not export the same
+    // month at once, and a replica killed mid-export is replaced within a minute.
+    let retention_lease = match state.config.ledger.audit_retention {
+        Some(_) => HeldJob::take(state, "audit_retention").await?,
+        None => None,
+    };
+    if let Some(lease) = retention_lease {
+        match super::audit_retention::audit_retention_pass(state, &lease).await {
             Ok(0) => {}
             Ok(n) => info!(months = n, "audit months exported and dropped"),
             Err(e) => {

@@ -17,6 +17,7 @@ pub use crate::state::{AppState, connect, migrate};
 
 pub mod audit_retention;
 pub mod housekeeping;
+pub mod job_lease;
 pub mod relay;
 pub mod worker;
 

@@ -16,9 +16,10 @@ use crate::transport::{Outbound, PublishError, Publisher};
 
 /// Most commands one relay round reads and publishes.
 pub const RELAY_BATCH: i64 = 100;
-/// The relay's job lease, in seconds: one replica publishes per transport; another takes over
-/// this long after the holder stopped renewing (a crash), or at once after a clean shutdown.
-pub const RELAY_LEASE_SECONDS: f64 = 60.0;
+/// The relay's job lease, in seconds, renewed every round (every `relay_interval`): one replica
+/// publishes per transport; another takes over this long after the holder stopped renewing (a
+/// crash), or at once after a clean shutdown.
+pub const RELAY_LEASE_SECONDS: f64 = super::job_lease::JOB_LEASE.as_secs_f64();
 
 /// What one relay round did.
 #[derive(Debug, PartialEq, Eq)]

@@ -326,7 +326,11 @@ async fn an_expired_month_is_exported_verified_and_dropped_and_an_open_runs_mont
     sweeper::ledger::audit::ensure_partitions(&app.pool)
         .await
         .unwrap();
-    let dropped = sweeper::app::audit_retention::audit_retention_pass(&app.state)
+    let lease = sweeper::app::job_lease::HeldJob::take(&app.state, "audit_retention")
+        .await
+        .unwrap()
+        .unwrap();
+    let dropped = sweeper::app::audit_retention::audit_retention_pass(&app.state, &lease)
         .await
         .unwrap();
     assert!(dropped >= 1, "{dropped}");
@@ -387,7 +391,7 @@ async fn an_expired_month_is_exported_verified_and_dropped_and_an_open_runs_mont
 
     // Again: nothing more to drop while February's run is open; the export is untouched.
     assert_eq!(
-        sweeper::app::audit_retention::audit_retention_pass(&app.state)
+        sweeper::app::audit_retention::audit_retention_pass(&app.state, &lease)
             .await
             .unwrap(),
         0

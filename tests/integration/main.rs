@@ -16,6 +16,7 @@ mod jwks;
 #[allow(dead_code)]
 #[path = "../kit/mod.rs"]
 mod kit;
+mod leases;
 mod on_call;
 mod planning;
 mod planning_paths;
