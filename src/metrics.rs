@@ -297,13 +297,13 @@ pub async fn render(
     // Held work: non-terminal commands and planning jobs, by the kind their run shows (the
     // identity guard and the approval hold every command of their runs; active hours and the
     // governor every command of their policies, recorded or not).
-    let held_work: Vec<(String, i64, i64, Option<f64>, i64)> = sqlx::query_as(
+    let held_work_sql = format!(
         "with i as (select held_since from sweeper.database_identity where held_since is not null),
               h as (
              select c.run_id, case when exists (select 1 from i) then 'identity'
                          when ps.suspended then 'suspended'
                          when r.approval in ('awaiting_plan', 'required') then 'approval'
-                         when c.held_kind is not null then c.held_kind
+                         when c.held_kind not in {live} then c.held_kind
                          when r.policy = any($2) then 'active_hours'
                          else 'governor' end as held_kind,
                     case when exists (select 1 from i) then (select held_since from i)
@@ -314,24 +314,29 @@ pub async fn render(
                from sweeper.commands c join sweeper.runs r using (run_id)
                left join sweeper.policy_state ps on ps.policy = r.policy and ps.suspended
               where c.state in ('pending', 'leased')
-                and (c.held_since is not null or exists (select 1 from i) or ps.suspended
+                and ((c.held_since is not null and c.held_kind not in {live})
+                     or exists (select 1 from i) or ps.suspended
                      or r.approval in ('awaiting_plan', 'required')
                      or r.policy = any($2) or r.policy = any($3))
              union all
-             select run_id, held_kind, held_since from sweeper.planning_jobs
-              where held_since is not null and not done)
+             select p.run_id, p.held_kind, p.held_since
+               from sweeper.planning_jobs p join sweeper.runs r using (run_id)
+              where p.held_since is not null and not p.done
+                and (p.held_kind not in {live} or r.policy = any($2) or r.policy = any($3)))
          select held_kind, count(*),
                 count(*) filter (where held_since < sweeper.now() - make_interval(secs => $1)
                                    and held_kind not in ('active_hours', 'pace')),
                 extract(epoch from sweeper.now() - min(held_since))::float8,
                 count(distinct run_id)
            from h group by held_kind",
-    )
-    .bind(hold_alert_after as f64)
-    .bind(held_policies.0)
-    .bind(held_policies.1)
-    .fetch_all(pool)
-    .await?;
+        live = crate::ledger::LIVE_HOLD_KINDS
+    );
+    let held_work: Vec<(String, i64, i64, Option<f64>, i64)> = sqlx::query_as(&held_work_sql)
+        .bind(hold_alert_after as f64)
+        .bind(held_policies.0)
+        .bind(held_policies.1)
+        .fetch_all(pool)
+        .await?;
     let last: Vec<(String, f64)> = sqlx::query_as(
         "select policy, extract(epoch from max(completed_at))::float8 from sweeper.runs
           where status = 'completed' and not dry_run group by policy",

@@ -103,7 +103,7 @@ pub async fn facts(
     pool: &PgPool,
     run_ids: &[&str],
 ) -> sqlx::Result<std::collections::HashMap<String, Facts>> {
-    let rows: Vec<Facts> = sqlx::query_as(
+    let sql = format!(
         "select r.run_id,
                 coalesce(d.open, 0) as open_dead_letters,
                 coalesce(d.redriven, 0) as redriven_dead_letters,
@@ -118,9 +118,10 @@ pub async fn facts(
                 rc.last_error as retry_error, rc.last_error_class as retry_class,
                 rc.attempts as retry_attempts, rc.next_attempt_at as retry_next_at,
                 coalesce(rc.state = 'leased', false) as retry_trying_now,
-                coalesce(hc.held_kind, case when not p.done then p.held_kind end) as held_kind,
-                coalesce(hc.held_reason, case when not p.done then p.held_reason end)
-                    as held_reason,
+                coalesce(hc.held_kind, case when not p.done and p.held_kind not in {live}
+                                            then p.held_kind end) as held_kind,
+                coalesce(hc.held_reason, case when not p.done and p.held_kind not in {live}
+                                              then p.held_reason end) as held_reason,
                 coalesce(case when not p.done then p.failures end, 0) as planning_failures,
                 case when not p.done then p.last_error end as planning_error,
                 r.approval,
@@ -143,14 +144,13 @@ pub async fn facts(
            left join lateral (
                select c.held_kind, c.held_reason from sweeper.commands c
                 where c.run_id = r.run_id and c.held_since is not null
-                  and c.state in ('pending', 'leased')
+                  and c.state in ('pending', 'leased') and c.held_kind not in {live}
                 order by c.held_since limit 1) hc on true
            left join sweeper.planning_jobs p on p.run_id = r.run_id
           where r.run_id = any($1)",
-    )
-    .bind(run_ids)
-    .fetch_all(pool)
-    .await?;
+        live = super::LIVE_HOLD_KINDS
+    );
+    let rows: Vec<Facts> = sqlx::query_as(&sql).bind(run_ids).fetch_all(pool).await?;
     Ok(rows.into_iter().map(|f| (f.run_id.clone(), f)).collect())
 }
 

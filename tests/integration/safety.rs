@@ -651,3 +651,58 @@ batch_size = 10
     let run = app.wait_terminal(&run_id).await;
     assert_eq!(run["deleted"], 20, "{run}");
 }
+
+#[tokio::test]
+async fn a_governor_or_hours_marker_left_on_commands_is_not_a_hold_once_released() {
+    // Commands a governor hold reached keep its marker until they run; the governor has since
+    // released. The run, the attention list and the gauges describe the present: not held.
+    let app = TestApp::spawn(Spawn::default()).await;
+    seed_mixed(&app.pool, 30, at("2026-09-01T02:00:00Z")).await;
+    let (run_id, commands) = app.planned_run().await;
+    assert!(commands.len() >= 2);
+    sqlx::query(
+        "update sweeper.commands
+            set held_kind = case when batch_no = 0 then 'governor' else 'active_hours' end,
+                held_reason = 'the database-health governor: replay_lag_seconds 10.19 > high mark 10',
+                held_since = sweeper.now() - interval '1 minute'
+          where run_id = $1",
+    )
+    .bind(&run_id)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let run = app.api.run(&run_id).await;
+    assert!(run["held"].is_null(), "{run}");
+    let list = app.get_json("/runs?status=attention").await;
+    let entry = list["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["run_id"] == run_id.as_str())
+        .cloned()
+        .unwrap_or_default();
+    assert!(entry["held_kind"].is_null(), "{list}");
+    let metrics = app.api.metrics().await;
+    for kind in ["governor", "active_hours"] {
+        assert!(
+            metrics.contains(&format!("sweeper_held{{kind=\"{kind}\"}} 0")),
+            "{kind}: {}",
+            metrics
+                .lines()
+                .filter(|l| l.starts_with("sweeper_held"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+    // A recorded hold of another kind (the schema) still holds: it is the ledger's to say.
+    sqlx::query(
+        "update sweeper.commands set held_kind = 'schema', held_reason = 'column gone'
+          where run_id = $1 and batch_no = 0",
+    )
+    .bind(&run_id)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let run = app.api.run(&run_id).await;
+    assert_eq!(run["held"]["kind"], "schema", "{run}");
+}
