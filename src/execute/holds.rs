@@ -1,9 +1,11 @@
 //! Holds that come from a policy's configuration and this replica's view of the database, not
 //! from the ledger (DESIGN §14 "Holds"): active hours and the governor. The built-in queue's
 //! claim and the push relay skip the policies they hold; the gate re-checks them for a delivery
-//! that arrives anyway.
+//! that arrives anyway. [`run_held`] composes a run's `held` object from every hold, in one
+//! precedence, for each answer that shows it (the trigger's, `GET /runs/{id}`).
 
 use chrono::{DateTime, Utc};
+use serde_json::json;
 
 use crate::policy::safety::Hours;
 use crate::retry::HoldKind;
@@ -100,4 +102,99 @@ pub async fn after_hold(
     let ids: Vec<String> = upstream.iter().filter_map(|(_, r)| r.clone()).collect();
     let status = crate::ledger::runs::statuses(tx, &ids).await?;
     Ok(crate::policy::stages::waits_for(p, &upstream, &status))
+}
+
+/// The run's `held` object (DESIGN §14): the first hold that applies, in precedence order —
+/// the identity guard, the policy's suspension, the blast-radius guard's approval, a stage's
+/// upstream runs (`after`), then what its
+/// commands or planning job recorded (schema, policy change, active hours, governor, pace), then
+/// what this replica sees now (active hours, the governor) — or null; and its `approval` object
+/// (null when its policy has no guard).
+// Over 80 lines: the run's holds in DESIGN §14's precedence, each an early return that shares
+// the one `held` shape.
+pub async fn run_held(
+    state: &AppState,
+    run: &crate::ledger::Run,
+) -> sqlx::Result<(Option<serde_json::Value>, serde_json::Value)> {
+    let (run_id, policy, status) = (
+        run.run_id.as_str(),
+        run.policy.as_str(),
+        run.status.as_str(),
+    );
+    let a = crate::ledger::runs::approval(&state.pool, run_id).await?;
+    let (approval, verdict, changed_at) =
+        (a.approval.clone(), a.guard_verdict.clone(), a.changed_at);
+    let approval_body = match (&approval, &verdict) {
+        (None, None) => serde_json::Value::Null,
+        _ => json!({"state": approval, "guard_verdict": verdict, "changed_at": changed_at,
+                    "approved_by": a.approved_by, "reason": a.reason}),
+    };
+    if crate::ledger::is_terminal_run_status(status) {
+        return Ok((None, approval_body));
+    }
+    // The same shape as a recorded hold's; a run-wide hold holds every unfinished command. An
+    // expected wait (active hours) is never overdue.
+    let alert = chrono::TimeDelta::seconds(state.config.ledger.hold_alert_after.seconds());
+    let (unfinished, now) = crate::ledger::runs::unfinished_commands(&state.pool, run_id).await?;
+    let held = |kind: &str, detail: String, since: Option<chrono::DateTime<chrono::Utc>>| {
+        let overdue = kind != "active_hours" && since.is_some_and(|s| s < now - alert);
+        // The governor holds planning pages too.
+        let planning = kind == "governor" && status == "planning";
+        Some(json!({"kind": kind, "detail": detail, "since": since,
+                    "held_commands": unfinished, "planning_held": planning, "overdue": overdue}))
+    };
+    if let Some((since, why)) = crate::ledger::identity::held(&state.pool).await? {
+        return Ok((held("identity", why, Some(since)), approval_body));
+    }
+    if let Some(ps) = crate::ledger::control::policy_state(&state.pool, policy).await?
+        && ps.suspended
+    {
+        let detail = format!(
+            "policy {policy} is suspended by {}: {}",
+            ps.changed_by, ps.reason
+        );
+        return Ok((held("suspended", detail, ps.suspended_at), approval_body));
+    }
+    match approval.as_deref() {
+        Some("awaiting_plan") => {
+            let detail = "the blast-radius guard decides when planning is done".to_string();
+            return Ok((held("approval", detail, Some(a.created_at)), approval_body));
+        }
+        Some("required") => {
+            let why = verdict
+                .as_ref()
+                .and_then(|v| v["reason"].as_str())
+                .unwrap_or("over the blast-radius guard");
+            let detail = format!("{why}; approve with POST /runs/{{id}}/approve, or cancel");
+            return Ok((held("approval", detail, changed_at), approval_body));
+        }
+        _ => {}
+    }
+    if !run.dry_run {
+        let mut conn = state.pool.acquire().await?;
+        if let Some(why) =
+            crate::execute::holds::after_hold(state, &mut conn, policy, run.window_at).await?
+        {
+            return Ok((held("after", why, Some(a.created_at)), approval_body));
+        }
+    }
+    let recorded = crate::ledger::run_hold(
+        &state.pool,
+        run_id,
+        state.config.ledger.hold_alert_after.seconds(),
+    )
+    .await?;
+    // A schema or policy-change hold comes before this replica's view; a recorded hours,
+    // governor or pace hold after it (so the object keeps its shape and `until`).
+    let configuration =
+        |r: &serde_json::Value| matches!(r["kind"].as_str(), Some("schema" | "policy_changed"));
+    if let Some(r) = recorded.as_ref().filter(|r| configuration(r)) {
+        return Ok((Some(r.clone()), approval_body));
+    }
+    let now = crate::execute::holds::policy_hold(state, policy).and_then(|h| {
+        let mut v = held(h.kind.as_str(), h.detail, Some(h.since.max(a.created_at)))?;
+        v["until"] = json!(h.until);
+        Some(v)
+    });
+    Ok((now.or(recorded), approval_body))
 }

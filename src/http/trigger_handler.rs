@@ -67,7 +67,12 @@ pub(super) async fn trigger_handler(
         }
     };
     let location = format!("/runs/{}", run.run_id);
-    let mut resp = (status, Json(run)).into_response();
+    // What holds the run already (a restored database, a suspension, an approval, a stage, the
+    // governor): a cron's log only ever sees this answer.
+    let (held, _) = crate::execute::holds::run_held(&state, &run).await?;
+    let mut body = serde_json::to_value(&run).map_err(Problem::internal)?;
+    body["held"] = held.unwrap_or(serde_json::Value::Null);
+    let mut resp = (status, Json(body)).into_response();
     if let Ok(v) = HeaderValue::from_str(&location) {
         resp.headers_mut().insert(header::LOCATION, v);
     }

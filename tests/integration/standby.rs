@@ -298,6 +298,11 @@ async fn a_dump_restored_into_another_cluster_holds_every_policy_until_accepted(
     let r = Served::start(&other.url("restored"), &ticket_policy(10)).await;
     let run = r.api.trigger("ticket-retention", "").await;
     assert_eq!(run.status, 202, "{:?}", run.body);
+    // The trigger's own answer says the run is held: a cron's log sees only this answer.
+    assert_eq!(run.body["held"]["kind"], "identity", "{:?}", run.body);
+    let again = r.api.trigger("ticket-retention", "").await;
+    assert_eq!(again.status, 200, "{:?}", again.body);
+    assert_eq!(again.body["held"]["kind"], "identity", "{:?}", again.body);
     let run_id = run.body["run_id"].as_str().unwrap().to_string();
     r.api
         .wait_run(&run_id, "planned", |r| r["planning_done"] == true)

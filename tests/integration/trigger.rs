@@ -38,6 +38,7 @@ async fn concurrent_triggers_for_one_window_create_one_run_planned_once() {
     for c in calls {
         let (status, location, body) = c.await.unwrap();
         assert_eq!(body["run_id"], "ticket-retention:2026-09-01T02:00:00Z");
+        assert!(body.get("held").is_some_and(Value::is_null), "{body}");
         assert_eq!(body["cutoff"], "2026-06-03T02:00:00Z");
         match status {
             202 => {
