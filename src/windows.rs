@@ -1,11 +1,14 @@
 //! Missed windows (DESIGN §14): every tick a policy's schedule expected, what became of it, and
 //! the backfill that creates the runs the scheduler never asked for.
 //!
-//! A policy's windows begin at the earlier of its first registration (`policy_versions`) and its
-//! first run's window (a backfill can name a window before the service knew the policy), and end
-//! at the ledger's now. The current version's schedule defines the ticks. Each tick is, in this
-//! order of precedence:
+//! The schedule expects ticks from the policy's first registration (`policy_versions`) to the
+//! ledger's now; the current version's schedule defines them. A backfill may name a window
+//! before the registration: such a window is listed too, as what it is (its run's status), but
+//! it never makes the ticks before the registration expected, so they are never `missed`. Each
+//! tick is, in this order of precedence:
 //! - its run's status, when it has a live run (dry runs do not count);
+//! - `not_expected`: before the first registration (only a backfill that names it sees it, and
+//!   may create it);
 //! - `suspended`: the policy was suspended at the tick (the trigger created nothing);
 //! - `superseded`: a retention policy whose later window has a `completed` run (that run's later
 //!   cutoff removed everything the tick's run would have; a selection policy is never superseded:
@@ -88,7 +91,29 @@ pub async fn list(
         (None, None) => bounds.now,
     };
     let end = to.map_or(bounds.now, |t| t.min(bounds.now));
-    let mut ats = ticks_between(policy, begin, end, limit + 1);
+    let expected_from = bounds.first_registered.unwrap_or(bounds.now);
+    let mut ats = if clamp {
+        let mut ats = Vec::new();
+        let before =
+            expected_from.min(end + TimeDelta::microseconds(1)) - TimeDelta::microseconds(1);
+        if begin <= before {
+            // Before the registration only the windows that have runs (a backfill's) are listed.
+            let (runs, _) = crate::ledger::windows::runs_and_suspensions(
+                &state.pool,
+                policy.name.as_str(),
+                begin,
+                before,
+            )
+            .await?;
+            ats.extend(runs.iter().map(|r| r.window_at).take(limit + 1));
+        }
+        let room = limit + 1 - ats.len();
+        ats.extend(ticks_between(policy, begin.max(expected_from), end, room));
+        ats
+    } else {
+        // A backfill that names windows walks every tick from the first it names.
+        ticks_between(policy, begin, end, limit + 1)
+    };
     let next_from = (ats.len() > limit).then(|| window::format(ats[limit]));
     ats.truncate(limit);
     let (runs, suspensions) = match (ats.first(), ats.last()) {
@@ -175,6 +200,9 @@ fn classify(
     };
     if let Some(run) = runs.iter().find(|r| r.window_at == at) {
         return tick(&run.status, Some(run));
+    }
+    if bounds.first_registered.is_some_and(|r| at < r) {
+        return tick("not_expected", None);
     }
     let suspended = suspensions
         .iter()
@@ -339,7 +367,10 @@ async fn choose(
         .windows
         .into_iter()
         .filter(|t| named.as_ref().is_none_or(|ws| ws.contains(&t.at)))
-        .partition(|t| t.status == "missed" || (named.is_some() && t.status == "suspended"));
+        .partition(|t| {
+            t.status == "missed"
+                || (named.is_some() && matches!(t.status.as_str(), "suspended" | "not_expected"))
+        });
     if wanted.len() > MAX_BACKFILL {
         return Err(BackfillError::Bad(format!(
             "the range holds {} missed windows; a backfill creates at most {MAX_BACKFILL}: narrow `to`",

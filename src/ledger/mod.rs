@@ -56,10 +56,11 @@ pub async fn register_policy_versions<'a, S: Serialize + 'a>(
         // A version registered again while another is current (a configuration change was
         // reverted) becomes current again: the newest registration wins.
         sqlx::query(
-            "insert into sweeper.policy_versions (policy, version, spec) values ($1, $2, $3)
+            "insert into sweeper.policy_versions (policy, version, spec, registered_at)
+             values ($1, $2, $3, sweeper.now())
              on conflict (policy, version) do update
                 set seq = nextval(pg_get_serial_sequence('sweeper.policy_versions', 'seq')),
-                    registered_at = clock_timestamp()
+                    registered_at = sweeper.now()
               where sweeper.policy_versions.seq
                     < (select max(seq) from sweeper.policy_versions where policy = $1)",
         )

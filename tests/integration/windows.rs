@@ -294,3 +294,45 @@ async fn a_week_skipped_while_suspended_is_backfilled_only_when_named() {
         pairs(&[(W1, "completed"), (W2, "completed"), (W3, "completed")])
     );
 }
+
+#[tokio::test]
+async fn a_backfill_before_the_first_registration_is_listed_and_never_makes_earlier_ticks_missed() {
+    let (_api, app) = week_one_done().await;
+    // Long before the service knew the policy (registered at 2026-09-07T09:01:00Z).
+    let early = "2025-03-03T09:00:00Z";
+    let a = app
+        .api
+        .backfill("support-digest-cleanup", json!({ "windows": [early] }))
+        .await;
+    assert_eq!(a.status, 202, "{}", a.body);
+    app.wait_terminal(&format!("support-digest-cleanup:{early}"))
+        .await;
+    // A range over the time before the registration creates nothing: those ticks were never
+    // expected.
+    let a = app
+        .api
+        .backfill(
+            "support-digest-cleanup",
+            json!({ "from": "2025-01-06T09:00:00Z", "to": W1 }),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(a.body["created"], json!([]), "{}", a.body);
+    let page = app.api.windows("support-digest-cleanup", "").await;
+    assert_eq!(
+        statuses(&page),
+        pairs(&[(early, "completed"), (W1, "completed")]),
+        "{page}"
+    );
+    assert_eq!(page["missed"], 0, "{page}");
+    let metrics = app.api.metrics().await;
+    assert_eq!(missed_metric(&metrics, "support-digest-cleanup"), "0");
+    // A week after registration with no run is missed, as before.
+    set_clock(&app.pool, at("2026-09-14T11:00:00Z")).await;
+    let page = app.api.windows("support-digest-cleanup", "").await;
+    assert_eq!(
+        statuses(&page),
+        pairs(&[(early, "completed"), (W1, "completed"), (W2, "missed")]),
+        "{page}"
+    );
+}
