@@ -202,8 +202,8 @@ fn push_items(rules: &RuleSet, keys: &[String]) -> QueryBuilder<'static, Postgre
     q.push(" as old_enough, ");
     rules.push_excluded_reason(&mut q);
     q.push(" as reason, ");
-    rules.push_unselected_reason(&mut q);
-    q.push(" as unselected from ");
+    rules.push_not_eligible_reason(&mut q);
+    q.push(" as not_eligible_reason from ");
     q.push(rules.table_sql());
     q.push(" where ");
     rules.push_key_in(&mut q, keys.to_vec());
@@ -225,7 +225,7 @@ fn push_items(rules: &RuleSet, keys: &[String]) -> QueryBuilder<'static, Postgre
                          when c.item_key is null then 'already_absent'
                          when c.reason is not null then 'excluded'
                          else 'not_eligible' end as outcome,
-                    case when d.item_key is null then coalesce(c.reason, c.unselected) end
+                    case when d.item_key is null then coalesce(c.reason, c.not_eligible_reason) end
                         as reason
                from unnest(",
         rules.key_sql()
@@ -330,7 +330,7 @@ async fn classify(
         let reason: Option<String> = r.get("reason");
         let o = match (reason, old_enough) {
             (Some(reason), _) => (Outcome::Excluded, Some(reason)),
-            (None, false) => (Outcome::NotEligible, r.get("unselected")),
+            (None, false) => (Outcome::NotEligible, r.get("not_eligible_reason")),
             (None, true) => {
                 eligible.push(key.clone());
                 let o = if loaded.dry_run && rules.action.once_per_window() {

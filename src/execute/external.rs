@@ -109,7 +109,7 @@ async fn begin(
         }
         return Ok(match reason {
             Some(r) => Decision::Final(Outcome::Excluded, Some(r)),
-            None => Decision::Final(Outcome::NotEligible, row.get("unselected")),
+            None => Decision::Final(Outcome::NotEligible, row.get("not_eligible_reason")),
         });
     }
     match row.get::<Option<i32>, _>("opened_n") {

@@ -346,7 +346,7 @@ async fn rules_for(
         .map_err(AttemptError::Failed)?;
     Ok(RuleSet::effective(
         &pinned,
-        current.as_deref(),
+        current.as_deref().map(|s| (c.current_version.as_str(), s)),
         c.cutoff,
         c.window_at,
         &table,

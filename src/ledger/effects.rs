@@ -9,7 +9,7 @@ use sqlx::{PgConnection, PgPool, Postgres, QueryBuilder};
 
 /// The target's side of [`open`], built by the policy layer: pushes
 /// `select <old enough> as old_enough, <first exclusion> as reason, <first failed select> as
-/// unselected, to_jsonb(t.*) as fields, md5(t.*::text) as row_digest from <table> t where
+/// not_eligible_reason, to_jsonb(t.*) as fields, md5(t.*::text) as row_digest from <table> t where
 /// <key> = cast($key as <key type>)`, every value a bound parameter.
 pub trait ItemQuery {
     /// Pushes the item's select for `key`.
@@ -35,7 +35,7 @@ pub struct Opening<'a> {
 /// [`ItemQuery`] reads it, the effect's prior state, and — when the row qualifies and no effect
 /// of this run was already `called` — the effect `calling` (a new one, a closed one reopened with
 /// the next `n`, or this run's own `calling` one again). Returns the row `found, old_enough,
-/// reason, unselected, fields, prior_state, prior_run, prior_outcome, opened_n`.
+/// reason, not_eligible_reason, fields, prior_state, prior_run, prior_outcome, opened_n`.
 pub async fn open(pool: &PgPool, item: &impl ItemQuery, o: &Opening<'_>) -> sqlx::Result<PgRow> {
     let mut q: QueryBuilder<Postgres> = QueryBuilder::new("with item as (");
     item.push_item(&mut q, o.item_key);
@@ -78,7 +78,7 @@ pub async fn open(pool: &PgPool, item: &impl ItemQuery, o: &Opening<'_>) -> sqlx
                 or (sweeper.effects.state = 'calling' and sweeper.effects.run_id = excluded.run_id)
             returning n)
          select exists (select 1 from item) as found, item.old_enough, item.reason,
-                item.unselected, item.fields,
+                item.not_eligible_reason, item.fields,
                 prior.state as prior_state, prior.run_id as prior_run,
                 prior.outcome as prior_outcome, (select n from opened) as opened_n
            from (select 1) one left join item on true left join prior on true",

@@ -27,14 +27,14 @@ pub async fn run_rules(
     conn: &mut sqlx::PgConnection,
     run: &RunRef<'_>,
 ) -> Result<RuleSet, Failure> {
-    let (pinned, _current_version, current) =
+    let (pinned, current_version, current) =
         ledger::run_specs::<crate::policy::PolicySpec>(conn, run.policy, run.pinned_version)
             .await
             .map_err(|e| Failure::from_db(&e))?;
     let table = state.catalog.get(&state.pool, &pinned.target.table).await?;
     Ok(RuleSet::effective(
         &pinned,
-        current.as_ref(),
+        current.as_ref().map(|c| (current_version.as_str(), c)),
         run.cutoff,
         run.window,
         &table,

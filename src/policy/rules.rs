@@ -17,12 +17,43 @@ pub struct RuleSet {
     pub select: Vec<crate::policy::select::Selection>,
     /// The run's window (what `older_than` / `newer_than` count back from).
     pub window: chrono::DateTime<chrono::Utc>,
+    /// Whose cutoff [`RuleSet::cutoff`] is: the run's (`None`), or the current version's when
+    /// its `retain_for` is longer (stricter) than the pinned one's.
+    pub stricter_cutoff: Option<StricterCutoff>,
     /// The pinned action.
     pub action: ActionSpec,
     /// `(policy, run_id)`: hold items whose effect is open in another run of the policy.
     effects: Option<(String, String)>,
     key_type: String,
     column_types: HashMap<String, String>,
+}
+
+/// The current version's cutoff, when it is earlier than the run's: what a run reports as its
+/// effective cutoff, and what every row it keeps for being younger names.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct StricterCutoff {
+    /// The current version.
+    pub version: String,
+    /// `window − its retain_for`.
+    pub cutoff: chrono::DateTime<chrono::Utc>,
+}
+
+impl StricterCutoff {
+    /// The current version's cutoff for a run of `window` whose own cutoff is `run_cutoff`, when
+    /// it is earlier (a longer `retain_for` since the run was pinned); `None` otherwise. The one
+    /// place that decides which cutoff a run acts under.
+    pub fn of(
+        current_version: &str,
+        current: &PolicySpec,
+        run_cutoff: chrono::DateTime<chrono::Utc>,
+        window: chrono::DateTime<chrono::Utc>,
+    ) -> Option<StricterCutoff> {
+        let cutoff = window - chrono::TimeDelta::seconds(current.retain_for_seconds);
+        (cutoff < run_cutoff).then(|| StricterCutoff {
+            version: current_version.to_string(),
+            cutoff,
+        })
+    }
 }
 
 /// Why a rule set could not be built: the work waits (is *held*) until the database or the
@@ -60,7 +91,7 @@ impl RuleSet {
     /// version that changes the target, timestamp or action holds the command.
     pub fn effective(
         pinned: &PolicySpec,
-        current: Option<&PolicySpec>,
+        current: Option<(&str, &PolicySpec)>,
         run_cutoff: chrono::DateTime<chrono::Utc>,
         window: chrono::DateTime<chrono::Utc>,
         table: &TableInfo,
@@ -69,7 +100,8 @@ impl RuleSet {
         let mut exclude = pinned.exclude.clone();
         let mut select = pinned.select.clone();
         let mut cutoff = run_cutoff;
-        if let Some(cur) = current {
+        let mut stricter_cutoff = None;
+        if let Some((current_version, cur)) = current {
             if cur.target != pinned.target || cur.action != pinned.action {
                 return Err(Held {
                     kind: HoldKind::PolicyChanged,
@@ -80,8 +112,10 @@ impl RuleSet {
             }
             union(&mut exclude, &cur.exclude);
             union(&mut select, &cur.select);
-            let current_cutoff = window - chrono::TimeDelta::seconds(cur.retain_for_seconds);
-            cutoff = cutoff.min(current_cutoff);
+            stricter_cutoff = StricterCutoff::of(current_version, cur, run_cutoff, window);
+            if let Some(s) = &stricter_cutoff {
+                cutoff = s.cutoff;
+            }
         }
         // Every column the rules use must exist, with the type this replica checked the policy
         // against: a retyped column can change what a value matches (`'true'` cast to text
@@ -125,6 +159,7 @@ impl RuleSet {
             exclude,
             select,
             window,
+            stricter_cutoff,
             action: pinned.action.clone(),
             effects: None,
             key_type,
@@ -189,14 +224,35 @@ impl RuleSet {
         q.push(")");
     }
 
-    /// Pushes the reason a row is not selected — the first `select` predicate it fails,
-    /// `not_selected:{column}` — or NULL (selected, or a retention policy).
-    pub fn push_unselected_reason(&self, q: &mut QueryBuilder<'_, Postgres>) {
-        if self.select.is_empty() {
-            q.push("null::text");
-            return;
-        }
-        q.push("(case");
+    /// Why a row younger than the cutoff is kept: the predicate, the cutoff, and whose cutoff it
+    /// is (`younger_than_cutoff: closed_at >= 2026-06-05T02:00:00Z, the cutoff of version v2`).
+    pub fn younger_reason(&self) -> String {
+        let whose = match &self.stricter_cutoff {
+            Some(s) => format!(
+                "the cutoff of the current version {}, stricter than the run's",
+                s.version
+            ),
+            None => "the run's cutoff".to_string(),
+        };
+        format!(
+            "younger_than_cutoff: {} >= {}, {whose}",
+            self.target.timestamp.as_str(),
+            crate::window::format(self.cutoff)
+        )
+    }
+
+    /// Pushes why a row is not eligible — a NULL timestamp (`null_timestamp`), younger than the
+    /// cutoff ([`RuleSet::younger_reason`]), or the first `select` predicate it fails
+    /// (`not_selected:{column}`) — or NULL when it is eligible by all of them.
+    pub fn push_not_eligible_reason(&self, q: &mut QueryBuilder<'_, Postgres>) {
+        q.push("(case when ");
+        self.push_timestamp(q);
+        q.push(" is null then 'null_timestamp' when not (");
+        self.push_timestamp(q);
+        q.push(" < ");
+        q.push_bind(self.cutoff);
+        q.push(") then ");
+        q.push_bind(self.younger_reason());
         for s in &self.select {
             q.push(" when not ");
             s.push(q, &self.column_types[s.column.as_str()], self.window);
@@ -292,8 +348,8 @@ impl RuleSet {
         q.push(" is null as null_timestamp, ");
         self.push_excluded_reason(q);
         q.push(" as reason, ");
-        self.push_unselected_reason(q);
-        q.push(" as unselected");
+        self.push_not_eligible_reason(q);
+        q.push(" as not_eligible_reason");
     }
 
     /// Pushes the full eligibility predicate: old enough and held by no exclusion.
@@ -402,9 +458,9 @@ impl crate::ledger::effects::ItemQuery for RuleSet {
         q.push(" as old_enough, ");
         self.push_excluded_reason(q);
         q.push(" as reason, ");
-        self.push_unselected_reason(q);
+        self.push_not_eligible_reason(q);
         q.push(format!(
-            " as unselected, to_jsonb({table}.*) as fields, {} as row_digest \
+            " as not_eligible_reason, to_jsonb({table}.*) as fields, {} as row_digest \
              from {table} where {} = cast(",
             self.row_digest_sql(),
             self.key_sql()

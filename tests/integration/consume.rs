@@ -90,7 +90,11 @@ async fn rows_that_change_after_planning_are_rechecked_at_delete_time() {
     };
     expect("1", "deleted", None);
     expect("2", "excluded", Some("legal_hold"));
-    expect("3", "not_eligible", None);
+    expect(
+        "3",
+        "not_eligible",
+        Some("younger_than_cutoff: closed_at >= 2026-06-03T02:00:00Z, the run's cutoff"),
+    );
     expect("5", "excluded", Some("unknown:legal_hold"));
     expect("9", "deleted", None);
     expect("10", "already_absent", None);
@@ -338,8 +342,30 @@ async fn a_stricter_configuration_mid_run_wins_and_older_replicas_wait() {
         .collect();
     assert_eq!(audit["1"].0, "deleted");
     assert_eq!(audit["2"], ("excluded".into(), Some("status".into())));
-    assert_eq!(audit["3"].0, "not_eligible");
+    // Kept for being younger than the stricter cutoff, and the audit row says so.
+    let (outcome, reason) = &audit["3"];
+    assert_eq!(outcome, "not_eligible");
+    let version: String =
+        sqlx::query_scalar("select version from sweeper.policy_versions order by seq desc limit 1")
+            .fetch_one(&new.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        reason.as_deref(),
+        Some(
+            format!(
+                "younger_than_cutoff: closed_at >= 2026-05-24T02:00:00Z, the cutoff of the \
+                 current version {version}, stricter than the run's"
+            )
+            .as_str()
+        )
+    );
     assert_eq!(new.ticket_ids().await, vec![2, 3]);
+    // The run shows the cutoff it acts under, and whose it is.
+    let run = new.api.run(&run_id).await;
+    assert_eq!(run["cutoff"], "2026-06-03T02:00:00Z", "{run}");
+    assert_eq!(run["effective_cutoff"], "2026-05-24T02:00:00Z", "{run}");
+    assert_eq!(run["stricter_cutoff"]["version"], version.as_str(), "{run}");
 }
 
 const DEFERRED_CHILD: &str = "

@@ -91,6 +91,20 @@ pub(super) struct PlanningState {
 
 pub(super) use ledger::StoppedCommand;
 
+/// The current version's cutoff when it is stricter than the run's (a longer `retain_for` since
+/// the run was pinned): the run acts under it, and says so.
+async fn stricter_cutoff(
+    state: &AppState,
+    run: &ledger::Run,
+) -> Result<Option<crate::policy::StricterCutoff>, Problem> {
+    let mut conn = state.pool.acquire().await?;
+    let (_, version, current) =
+        ledger::run_specs::<crate::policy::PolicySpec>(&mut conn, &run.policy, &run.policy_version)
+            .await?;
+    Ok(current
+        .and_then(|c| crate::policy::StricterCutoff::of(&version, &c, run.cutoff, run.window_at)))
+}
+
 /// Retrying commands `GET /runs/{id}` lists (`retrying` counts them all).
 const RETRYING_SHOWN: i64 = 20;
 
@@ -119,6 +133,7 @@ pub async fn get_run(
     .fetch_optional(&state.pool)
     .await?;
     let (held, approval) = crate::execute::holds::run_held(&state, &run).await?;
+    let stricter = stricter_cutoff(&state, &run).await?;
     let verdict = replay_verdict(&state, &run_id).await?;
     let retrying = ledger::attention::retrying(&state.pool, &run_id, RETRYING_SHOWN).await?;
     let facts = ledger::attention::facts(&state.pool, &[run_id.as_str()])
@@ -141,6 +156,8 @@ pub async fn get_run(
     body["commands"] = json!(commands);
     body["held"] = held.unwrap_or(serde_json::Value::Null);
     body["approval"] = approval;
+    body["effective_cutoff"] = json!(stricter.as_ref().map_or(run.cutoff, |s| s.cutoff));
+    body["stricter_cutoff"] = json!(stricter);
     body["planning"] = match planning {
         Some(p) => json!({
             "pages_done": p.pages_done, "done": p.done, "consecutive_failures": p.failures,
