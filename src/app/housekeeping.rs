@@ -72,6 +72,17 @@ pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
             }
         }
     }
+    // Runs a stage holds that a later completed window covers (normally superseded when that
+    // run completed; a failure there, or a run planned later, is caught here).
+    let mut tx = state.pool.begin().await?;
+    let superseded = crate::execute::supersede_covered(state, &mut tx, None).await;
+    tx.commit().await?;
+    if !superseded.is_empty() {
+        info!(
+            runs = superseded.len(),
+            "superseded held runs a later completed window covers"
+        );
+    }
     let completed = complete_done_runs(state).await?;
     if completed > 0 {
         info!(

@@ -88,6 +88,9 @@ pub(crate) async fn complete_run(
         tx.rollback().await?;
         return Ok(None);
     };
+    if status == ledger::RunStatus::Completed.as_str() {
+        super::supersede::supersede_covered(state, &mut tx, Some(run_id)).await;
+    }
     if let Some(rules) = rules {
         // The count must never keep the run from completing: on a table where it outlasts the
         // statement timeout, the run completes without it (`remaining_eligible` stays null).

@@ -16,6 +16,7 @@ mod finish;
 pub mod holds;
 mod load;
 mod store;
+mod supersede;
 
 pub use envelope::{RAW_BODY_LIMIT, quarantine_envelope};
 pub(crate) use finish::{
@@ -23,6 +24,7 @@ pub(crate) use finish::{
 };
 pub use finish::{hold_recheck_seconds, record_closure_check};
 pub use load::slot_lock_key;
+pub(crate) use supersede::supersede_covered;
 
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;

@@ -152,9 +152,10 @@ impl Run {
     }
 }
 
-/// Whether a run status is final.
+/// Whether a run status is final. A status this release does not know (a later release's) is
+/// final too: a replica never executes or completes a run it cannot read.
 pub fn is_terminal_run_status(status: &str) -> bool {
-    RunStatus::parse(status).is_some_and(RunStatus::is_terminal)
+    RunStatus::parse(status).is_none_or(RunStatus::is_terminal)
 }
 
 const RUN_COLUMNS: &str = "run_id, policy, policy_version, window_at, cutoff, dry_run, status,

@@ -16,6 +16,7 @@ pub const ACTIONS: &[&str] = &[
     "approve",
     "backfill",
     "accept_identity",
+    "supersede",
 ];
 
 /// One entry.

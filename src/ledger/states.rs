@@ -64,16 +64,20 @@ pub enum RunStatus {
     CompletedWithDeadLetters,
     /// Stopped by an operator.
     Cancelled,
+    /// Executed nothing while a stage held it, and a later window's completed run of its policy
+    /// covers its window (its later cutoff removed everything this one would have).
+    Superseded,
 }
 
 impl RunStatus {
     /// Every status, in the order metrics and views list them.
-    pub const ALL: [RunStatus; 5] = [
+    pub const ALL: [RunStatus; 6] = [
         RunStatus::Planning,
         RunStatus::Running,
         RunStatus::Completed,
         RunStatus::CompletedWithDeadLetters,
         RunStatus::Cancelled,
+        RunStatus::Superseded,
     ];
 
     /// The name stored in `sweeper.runs.status`.
@@ -84,6 +88,7 @@ impl RunStatus {
             RunStatus::Completed => "completed",
             RunStatus::CompletedWithDeadLetters => "completed_with_dead_letters",
             RunStatus::Cancelled => "cancelled",
+            RunStatus::Superseded => "superseded",
         }
     }
 
@@ -92,7 +97,7 @@ impl RunStatus {
         Self::ALL.into_iter().find(|r| r.as_str() == s)
     }
 
-    /// Whether the run is final (completed either way, or cancelled).
+    /// Whether the run is final (completed either way, cancelled or superseded).
     pub fn is_terminal(self) -> bool {
         !matches!(self, RunStatus::Planning | RunStatus::Running)
     }
@@ -126,5 +131,9 @@ mod tests {
         assert_eq!(terminal, ["succeeded", "quarantined", "cancelled"]);
         assert!(RunStatus::Cancelled.is_terminal() && !RunStatus::Cancelled.is_completed());
         assert_eq!(CommandState::parse("done"), None);
+        assert!(RunStatus::Superseded.is_terminal() && !RunStatus::Superseded.is_completed());
+        // A status a later release adds is final to this one: it never executes such a run.
+        assert!(crate::ledger::is_terminal_run_status("archived"));
+        assert!(!crate::ledger::is_terminal_run_status("running"));
     }
 }

@@ -220,3 +220,153 @@ fn after_refuses_unknown_names_itself_and_cycles() {
         "{e}"
     );
 }
+
+/// A second selection policy that waits for the digest (a follow-up mail per window).
+const FOLLOW_UP: &str = r#"
+[[policy]]
+name = "support-follow-up"
+schedule = { cron = "0 9 * * 1", timezone = "UTC" }
+target = { table = "crm.customers", key = "id", timestamp = "created_at" }
+select = [ { column = "status", equals = "active" } ]
+after = ["support-digest"]
+[policy.action]
+kind = "http"
+dependency = "digests"
+method = "POST"
+path = "/follow-ups/{id}"
+once_per = "window"
+then = "nothing"
+"#;
+
+#[tokio::test]
+async fn a_held_cleanup_a_later_completed_week_covers_is_superseded_and_a_selection_never_is() {
+    let api = StandIn::start(Duration::ZERO, |_, _| ok()).await;
+    let app = TestApp::spawn(Spawn {
+        setup_sql: SETUP,
+        now: Some(at(NOW)),
+        policies: policies(&api.url(), "") + FOLLOW_UP,
+        workers: 2,
+        ..Default::default()
+    })
+    .await;
+    const W1: &str = "2026-09-07T09:00:00Z";
+    // Week 1: the digest is cancelled before it runs; the cleanup and the follow-up wait.
+    app.api.suspend("support-digest", "hold the digest").await;
+    app.api.resume("support-digest", "go").await;
+    let digest = app.api.trigger_new("support-digest", "").await;
+    app.api
+        .cancel_run(&digest, "the provider is down this week")
+        .await;
+    let cleanup = app.api.trigger_new("support-digest-cleanup", "").await;
+    let follow_up = app.api.trigger_new("support-follow-up", "").await;
+    for run in [&cleanup, &follow_up] {
+        app.api
+            .wait_run(run, "held after", |r| r["held"]["kind"] == "after")
+            .await;
+    }
+    // Week 2 completes for all three: the cleanup's later cutoff covers week 1's, so week 1's
+    // cleanup is superseded in the transaction that completes week 2's; the follow-up's week 1
+    // has its own mails and stays held.
+    set_clock(&app.pool, at("2026-09-14T09:01:00Z")).await;
+    for p in [
+        "support-digest",
+        "support-digest-cleanup",
+        "support-follow-up",
+    ] {
+        let run = app.api.trigger_new(p, "").await;
+        let done = app.wait_terminal(&run).await;
+        assert_eq!(done["status"], "completed", "{done}");
+    }
+    let run = app.api.run(&cleanup).await;
+    assert_eq!(run["status"], "superseded", "{run}");
+    assert_eq!(run["commands"]["pending"], 0, "{run}");
+    assert_eq!(run["deleted"], 0, "{run}");
+    assert!(run["held"].is_null(), "{run}");
+    let log = app
+        .get_json(&format!(
+            "/operator-log?action=supersede&target=run:{cleanup}"
+        ))
+        .await;
+    let entry = &log["entries"][0];
+    assert_eq!(entry["subject"], "sweeper", "{log}");
+    assert!(
+        entry["reason"]
+            .as_str()
+            .unwrap()
+            .contains("superseded by support-digest-cleanup:2026-09-14T09:00:00Z"),
+        "{log}"
+    );
+    let follow = app.api.run(&follow_up).await;
+    assert_eq!(follow["status"], "running", "{follow}");
+    assert_eq!(follow["held"]["kind"], "after", "{follow}");
+    let attention = app.get_json("/runs?status=attention").await;
+    let listed: Vec<&str> = attention["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["run_id"].as_str().unwrap())
+        .collect();
+    assert!(listed.contains(&follow_up.as_str()), "{attention}");
+    assert!(!listed.contains(&cleanup.as_str()), "{attention}");
+    let windows = app.api.windows("support-digest-cleanup", "").await;
+    assert_eq!(windows["windows"][0]["window"], W1, "{windows}");
+    assert_eq!(windows["windows"][0]["status"], "superseded", "{windows}");
+    let metrics = app.api.metrics().await;
+    assert!(
+        metrics.contains("sweeper_runs{status=\"superseded\"} 1"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn housekeeping_supersedes_a_held_run_created_after_the_later_week_completed() {
+    let api = StandIn::start(Duration::ZERO, |_, _| ok()).await;
+    let app = TestApp::spawn(Spawn {
+        setup_sql: SETUP,
+        now: Some(at(NOW)),
+        policies: policies(&api.url(), ""),
+        workers: 2,
+        ..Default::default()
+    })
+    .await;
+    let digest = app.api.trigger_new("support-digest", "").await;
+    app.api
+        .cancel_run(&digest, "the provider is down this week")
+        .await;
+    set_clock(&app.pool, at("2026-09-14T09:01:00Z")).await;
+    for p in ["support-digest", "support-digest-cleanup"] {
+        let run = app.api.trigger_new(p, "").await;
+        assert_eq!(app.wait_terminal(&run).await["status"], "completed");
+    }
+    // Rows arrive late with old timestamps; week 1's cleanup is created late (a backfill), after
+    // week 2's completed: held by its cancelled digest, and nothing completes after it;
+    // housekeeping supersedes it (week 3's cleanup will take the rows).
+    sqlx::query(
+        "insert into crm.digest_items
+             select 100 + g, 1, timestamptz '2026-08-01' from generate_series(1, 5) g",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let a = app
+        .api
+        .backfill(
+            "support-digest-cleanup",
+            serde_json::json!({ "windows": ["2026-09-07T09:00:00Z"] }),
+        )
+        .await;
+    assert_eq!(a.status, 202, "{}", a.body);
+    let late = "support-digest-cleanup:2026-09-07T09:00:00Z";
+    app.api
+        .wait_run(late, "planned and held", |r| {
+            r["planning_done"] == true && r["held"]["kind"] == "after"
+        })
+        .await;
+    sweeper::app::housekeeping::housekeeping_once(&app.state)
+        .await
+        .unwrap();
+    let run = app.api.run(late).await;
+    assert_eq!(run["status"], "superseded", "{run}");
+    assert!(run["commands"]["cancelled"].as_i64().unwrap() >= 1, "{run}");
+    assert_eq!(items(&app).await, 20 - 13 + 5, "only week 2's cleanup deleted");
+}
