@@ -155,8 +155,22 @@ pub async fn run_held(
         );
         return Ok((held("suspended", detail, ps.suspended_at), approval_body));
     }
+    let recorded = crate::ledger::run_hold(
+        &state.pool,
+        run_id,
+        state.config.ledger.hold_alert_after.seconds(),
+    )
+    .await?;
+    // A schema or policy-change hold comes before this replica's view and before a guard that
+    // waits for the plan (it is what keeps the plan from finishing); a recorded pace hold after
+    // it (so the object keeps its shape and `until`).
+    let configuration =
+        |r: &serde_json::Value| matches!(r["kind"].as_str(), Some("schema" | "policy_changed"));
     match approval.as_deref() {
         Some("awaiting_plan") => {
+            if let Some(r) = recorded.as_ref().filter(|r| configuration(r)) {
+                return Ok((Some(r.clone()), approval_body));
+            }
             let detail = "the blast-radius guard decides when planning is done".to_string();
             return Ok((held("approval", detail, Some(a.created_at)), approval_body));
         }
@@ -178,16 +192,6 @@ pub async fn run_held(
             return Ok((held("after", why, Some(a.created_at)), approval_body));
         }
     }
-    let recorded = crate::ledger::run_hold(
-        &state.pool,
-        run_id,
-        state.config.ledger.hold_alert_after.seconds(),
-    )
-    .await?;
-    // A schema or policy-change hold comes before this replica's view; a recorded hours,
-    // governor or pace hold after it (so the object keeps its shape and `until`).
-    let configuration =
-        |r: &serde_json::Value| matches!(r["kind"].as_str(), Some("schema" | "policy_changed"));
     if let Some(r) = recorded.as_ref().filter(|r| configuration(r)) {
         return Ok((Some(r.clone()), approval_body));
     }

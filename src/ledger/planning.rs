@@ -6,24 +6,61 @@ use std::collections::BTreeMap;
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-/// Claims a due planning job (not done; unleased, or with an expired lease), oldest first,
-/// leasing it to `token` for `lease_seconds`. Returns its run.
-pub async fn claim(pool: &PgPool, token: Uuid, lease_seconds: f64) -> sqlx::Result<Option<String>> {
+/// Claims a due planning job (not done; unleased, or with an expired lease) of one of
+/// `policies` (those in this replica's configuration: a job of another policy is left to a
+/// replica that has it), oldest first, leasing it to `token` for `lease_seconds`. Returns its
+/// run.
+pub async fn claim(
+    pool: &PgPool,
+    token: Uuid,
+    lease_seconds: f64,
+    policies: &[String],
+) -> sqlx::Result<Option<String>> {
     sqlx::query_scalar(
         "update sweeper.planning_jobs
             set lease_token = $1, lease_until = (select sweeper.now()) + make_interval(secs => $2)
-          where run_id = (select run_id from sweeper.planning_jobs
-                           where not done
-                             and (lease_until is null or lease_until < (select sweeper.now()))
-                           order by created_at
+          where run_id = (select j.run_id from sweeper.planning_jobs j
+                            join sweeper.runs r using (run_id)
+                           where not j.done and r.policy = any($3)
+                             and (j.lease_until is null or j.lease_until < (select sweeper.now()))
+                           order by j.created_at
                            limit 1
-                           for update skip locked)
+                           for update of j skip locked)
           returning run_id",
     )
     .bind(token)
     .bind(lease_seconds)
+    .bind(policies)
     .fetch_optional(pool)
     .await
+}
+
+/// Records on each due planning job whose policy is not among `policies` (this replica's
+/// configuration lacks it) that it is held, kind `policy_changed`, naming `replica` and the
+/// time; a job already held keeps its hold. The first page a replica that has the policy plans
+/// clears it. Returns how many jobs were marked.
+pub async fn mark_missing_policies(
+    pool: &PgPool,
+    policies: &[String],
+    replica: Uuid,
+) -> sqlx::Result<u64> {
+    Ok(sqlx::query(
+        "update sweeper.planning_jobs j
+            set held_kind = 'policy_changed',
+                held_reason = 'the policy is missing from the configuration of replica ' || $2
+                              || ' (seen at ' || to_char(sweeper.now() at time zone 'UTC',
+                                                         'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') || ')',
+                held_since = sweeper.now()
+           from sweeper.runs r
+          where r.run_id = j.run_id and not j.done and j.held_kind is null
+            and r.policy <> all($1)
+            and (j.lease_until is null or j.lease_until < sweeper.now())",
+    )
+    .bind(policies)
+    .bind(replica.to_string())
+    .execute(pool)
+    .await?
+    .rows_affected())
 }
 
 /// Gives back the lease `token` holds on a planning job not done (a replica stopping mid-job),

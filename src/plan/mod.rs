@@ -71,10 +71,28 @@ async fn plan_next_job_until(
 ) -> Result<PlanStep, Failure> {
     let lease = state.config.planning.lease.seconds();
     let token = Uuid::new_v4();
-    let claimed = ledger::planning::claim(&state.pool, token, lease as f64)
+    let policies: Vec<String> = state
+        .config
+        .policies
+        .iter()
+        .map(|p| p.name.as_str().to_string())
+        .collect();
+    let claimed = ledger::planning::claim(&state.pool, token, lease as f64, &policies)
         .await
         .map_err(|e| Failure::from_db(&e))?;
     let Some(run_id) = claimed else {
+        // A job no replica with its policy took: say so on the run rather than plan it with
+        // defaults (its batch size, transport and guard are the policy's to decide).
+        let marked =
+            ledger::planning::mark_missing_policies(&state.pool, &policies, state.replica_id)
+                .await
+                .map_err(|e| Failure::from_db(&e))?;
+        if marked > 0 {
+            warn!(
+                jobs = marked,
+                "planning jobs of policies missing from this replica's configuration are held"
+            );
+        }
         return Ok(PlanStep::Idle);
     };
     loop {

@@ -322,3 +322,99 @@ batch_size = 250
     .unwrap();
     assert_eq!(per_key, 0);
 }
+
+#[tokio::test]
+async fn a_replica_without_the_policy_leaves_its_planning_job_and_says_so_on_the_run() {
+    let db = TestDb::create().await;
+    let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+    for stmt in TICKETS.split(';').map(str::trim).filter(|s| !s.is_empty()) {
+        sqlx::query(stmt).execute(&pool).await.unwrap();
+    }
+    seed_mixed(&pool, 40, at("2026-09-01T02:00:00Z")).await;
+    let build = |policies: String| {
+        let url = db.url.clone();
+        async move {
+            sweeper::app::Application::build(
+                sweeper::settings::Config::from_toml(&config_toml(&url, 0, "", &policies)).unwrap(),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    // Replica a has the policy (with a blast-radius guard); replica b's configuration lacks it.
+    let a = build(ticket_policy(10).replace(
+        "batch_size = 10",
+        "batch_size = 10\nguard = { max_items = 1000 }",
+    ))
+    .await;
+    let b = build(
+        ticket_policy(10).replace("name = \"ticket-retention\"", "name = \"other-retention\""),
+    )
+    .await;
+    let (a, b) = (a.state(), b.state());
+    let principal = sweeper::auth::Principal {
+        subject: "test".into(),
+        scopes: ["trigger:*".to_string()].into(),
+        credential: sweeper::auth::Credential::Bearer,
+    };
+    let policy = a.config.policy("ticket-retention").unwrap().clone();
+    let run_id = match sweeper::trigger::trigger(&a, &policy, Default::default(), false, &principal)
+        .await
+        .unwrap()
+    {
+        sweeper::trigger::TriggerOutcome::Created(run) => run.run_id,
+        other => panic!("{other:?}"),
+    };
+    // b leaves the job: nothing planned with defaults, the run held and saying why.
+    let step = sweeper::plan::plan_next_job(&b).await.unwrap();
+    assert!(matches!(step, sweeper::plan::PlanStep::Idle), "{step:?}");
+    let commands: i64 = sqlx::query_scalar("select count(*) from sweeper.commands")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(commands, 0);
+    let mut conn = pool.acquire().await.unwrap();
+    let run = sweeper::ledger::get_run(&mut conn, &run_id)
+        .await
+        .unwrap()
+        .unwrap();
+    drop(conn);
+    let (held, _) = sweeper::execute::holds::run_held(&a, &run).await.unwrap();
+    let held = held.unwrap();
+    assert_eq!(held["kind"], "policy_changed", "{held}");
+    let detail = held["detail"].as_str().unwrap();
+    assert!(
+        detail.contains(&format!(
+            "the policy is missing from the configuration of replica {}",
+            b.replica_id
+        )),
+        "{detail}"
+    );
+    let facts = sweeper::ledger::attention::facts(&pool, &[run_id.as_str()])
+        .await
+        .unwrap();
+    assert_eq!(facts[&run_id].held_kind.as_deref(), Some("policy_changed"));
+    // a, which has the policy, plans it with the policy's batch size and guard; the hold is gone.
+    loop {
+        match sweeper::plan::plan_next_job(&a).await.unwrap() {
+            sweeper::plan::PlanStep::Idle => break,
+            _ => continue,
+        }
+    }
+    let mut conn = pool.acquire().await.unwrap();
+    let run = sweeper::ledger::get_run(&mut conn, &run_id)
+        .await
+        .unwrap()
+        .unwrap();
+    drop(conn);
+    assert!(run.planning_done);
+    let (held, approval) = sweeper::execute::holds::run_held(&a, &run).await.unwrap();
+    assert!(held.is_none(), "{held:?}");
+    assert_eq!(approval["state"], "not_required", "{approval}");
+    let sizes: Vec<i32> =
+        sqlx::query_scalar("select cardinality(item_keys) from sweeper.commands order by batch_no")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert!(sizes.iter().all(|n| *n <= 10), "{sizes:?}");
+}

@@ -114,9 +114,14 @@ async fn driven(old: impl Fn(i64) -> bool, hold: impl Fn(i64) -> bool) -> Driven
             other => panic!("{other:?}"),
         };
     let token = uuid::Uuid::new_v4();
-    let claimed = sweeper::ledger::planning::claim(&state.pool, token, 600.0)
-        .await
-        .unwrap();
+    let claimed = sweeper::ledger::planning::claim(
+        &state.pool,
+        token,
+        600.0,
+        &["ticket-retention".to_string()],
+    )
+    .await
+    .unwrap();
     assert_eq!(claimed.as_deref(), Some(run_id.as_str()));
     Driven {
         db,

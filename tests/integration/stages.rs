@@ -368,5 +368,9 @@ async fn housekeeping_supersedes_a_held_run_created_after_the_later_week_complet
     let run = app.api.run(late).await;
     assert_eq!(run["status"], "superseded", "{run}");
     assert!(run["commands"]["cancelled"].as_i64().unwrap() >= 1, "{run}");
-    assert_eq!(items(&app).await, 20 - 13 + 5, "only week 2's cleanup deleted");
+    assert_eq!(
+        items(&app).await,
+        20 - 13 + 5,
+        "only week 2's cleanup deleted"
+    );
 }
