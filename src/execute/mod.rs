@@ -15,6 +15,7 @@ pub mod external;
 mod finish;
 pub mod holds;
 mod load;
+pub mod present;
 mod store;
 mod supersede;
 

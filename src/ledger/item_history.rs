@@ -114,3 +114,59 @@ pub async fn dropped_exports(pool: &PgPool) -> sqlx::Result<Vec<DroppedExport>> 
     .fetch_all(pool)
     .await
 }
+
+/// A run of the policy that planned after the record's last audit row: it may have counted the
+/// record among `held_at_planning` or not yet old enough without writing a row for it.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct UnitemizedRun {
+    /// The run.
+    pub run_id: String,
+    /// Its status.
+    pub status: String,
+    /// What it held at planning, per reason (counts over the whole table, not this record).
+    pub held_at_planning: sqlx::types::Json<std::collections::BTreeMap<String, i64>>,
+}
+
+/// The live runs of `policy` created after `since` (every one when `None`), newest first, at
+/// most `limit`, and how many there are.
+pub async fn runs_since(
+    pool: &PgPool,
+    policy: &str,
+    since: Option<DateTime<Utc>>,
+    limit: i64,
+) -> sqlx::Result<(Vec<UnitemizedRun>, i64)> {
+    let runs = sqlx::query_as(
+        "select run_id, status, held_at_planning from sweeper.runs
+          where policy = $1 and not dry_run and ($2::timestamptz is null or created_at > $2)
+          order by window_at desc limit $3",
+    )
+    .bind(policy)
+    .bind(since)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    let total = sqlx::query_scalar(
+        "select count(*) from sweeper.runs
+          where policy = $1 and not dry_run and ($2::timestamptz is null or created_at > $2)",
+    )
+    .bind(policy)
+    .bind(since)
+    .fetch_one(pool)
+    .await?;
+    Ok((runs, total))
+}
+
+/// When the record's last audit row was written, if it has one.
+pub async fn last_audited(
+    pool: &PgPool,
+    policy: &str,
+    item_key: &str,
+) -> sqlx::Result<Option<DateTime<Utc>>> {
+    sqlx::query_scalar(
+        "select max(recorded_at) from sweeper.audit where policy = $1 and item_key = $2",
+    )
+    .bind(policy)
+    .bind(item_key)
+    .fetch_one(pool)
+    .await
+}

@@ -514,3 +514,81 @@ create table demo.grandchild (id bigint primary key, child_id bigint references 
         assert!(metrics.contains(&series), "{series}\n{metrics}");
     }
 }
+
+#[tokio::test]
+async fn a_record_kept_at_planning_is_answered_by_its_present_state_and_the_runs_that_counted_it() {
+    let app = ticket_app("", "", TICKETS).await;
+    let eligible = seed_mixed(&app.pool, 30, at(WINDOW)).await;
+    let key = eligible[0];
+    // Run 1 deletes the record.
+    let (run1, _) = app.planned_run().await;
+    app.drain().await;
+    assert_eq!(app.wait_terminal(&run1).await["status"], "completed");
+    // A new row with the same key arrives, old and already on legal hold: run 2 counts it as
+    // held at planning and writes no row for it.
+    sqlx::query("insert into demo.tickets values ($1, 'closed', true, timestamptz '2026-01-01')")
+        .bind(key)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    set_clock(&app.pool, at("2026-09-02T02:01:00Z")).await;
+    let (run2, _) = app.planned_run().await;
+    app.drain().await;
+    let done = app.wait_terminal(&run2).await;
+    assert!(
+        done["held_at_planning"]["legal_hold"].as_i64().unwrap() >= 1,
+        "{done}"
+    );
+    let h = app
+        .get_json(&format!("/policies/ticket-retention/items/{key}"))
+        .await;
+    let audit = h["audit"].as_array().unwrap();
+    assert_eq!(audit.len(), 1, "{h}");
+    assert_eq!(audit[0]["run_id"], run1.as_str());
+    let now = &h["present_state"];
+    assert_eq!(now["present"], true, "{h}");
+    assert_eq!(now["old_enough"], true, "{h}");
+    assert_eq!(now["held_by"], "legal_hold", "{h}");
+    assert_eq!(now["eligible"], false, "{h}");
+    assert!(
+        now["cutoff"]
+            .as_str()
+            .unwrap()
+            .starts_with("2026-06-04T02:01:"),
+        "{h}"
+    );
+    assert_eq!(h["unitemized_runs"]["count"], 1, "{h}");
+    assert_eq!(
+        h["unitemized_runs"]["runs"][0]["run_id"],
+        run2.as_str(),
+        "{h}"
+    );
+    assert!(
+        h["unitemized_runs"]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("without writing a row per record"),
+        "{h}"
+    );
+    // Young and not held: not eligible, and why; absent: not present.
+    sqlx::query("update demo.tickets set legal_hold = false, closed_at = timestamptz '2026-08-30' where id = $1")
+        .bind(key)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let h = app
+        .get_json(&format!("/policies/ticket-retention/items/{key}"))
+        .await;
+    assert_eq!(h["present_state"]["held_by"], Value::Null, "{h}");
+    assert_eq!(h["present_state"]["old_enough"], false, "{h}");
+    let why = h["present_state"]["not_eligible_reason"].as_str().unwrap();
+    assert!(
+        why.starts_with("younger_than_cutoff: closed_at >= 2026-06-04T02:01:"),
+        "{h}"
+    );
+    let h = app
+        .get_json("/policies/ticket-retention/items/999999")
+        .await;
+    assert_eq!(h["present_state"]["present"], false, "{h}");
+    assert_eq!(h["unitemized_runs"]["count"], 2, "{h}");
+}

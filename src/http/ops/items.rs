@@ -73,6 +73,7 @@ pub async fn item_history(
     let dead = ledger::item_history::dead_letters(&state.pool, &policy, &canonical).await?;
     let dead = with_verdicts(&state, &dead).await?;
     let dropped = ledger::item_history::dropped_exports(&state.pool).await?;
+    let now = present(&state, &policy, &canonical).await?;
     let next_cursor = (rows.len() as i64 == limit)
         .then(|| rows.last().map(|r| r.audit_id.to_string()))
         .flatten();
@@ -88,8 +89,48 @@ pub async fn item_history(
         "dead_letters": dead,
         "history_complete_since": dropped.last().map(|d| d.to_at),
         "exports": dropped,
+        "present_state": now.0,
+        "unitemized_runs": now.1,
     }))
     .into_response())
+}
+
+/// Runs listed in `unitemized_runs` at most.
+const UNITEMIZED_SHOWN: i64 = 20;
+
+/// The record's present state under the current version, evaluated now (or why it cannot be),
+/// and the runs since its last audit row: planning counts the rows it holds or finds not old
+/// enough (`held_at_planning`) without writing a row per record, so such a run kept this record
+/// without itemizing it.
+async fn present(
+    state: &AppState,
+    policy: &str,
+    key: &str,
+) -> Result<(serde_json::Value, serde_json::Value), Problem> {
+    let now = match crate::execute::present::present_state(state, policy, key).await {
+        Ok(s) => json!(s),
+        Err(f) if f.class == crate::retry::FailureClass::Transient => {
+            return Err(Problem::unavailable(f.message, 5));
+        }
+        Err(f) => json!({ "unavailable": f.message }),
+    };
+    let since = ledger::item_history::last_audited(&state.pool, policy, key).await?;
+    let (runs, total) =
+        ledger::item_history::runs_since(&state.pool, policy, since, UNITEMIZED_SHOWN).await?;
+    let detail = format!(
+        "{total} run(s) of this policy since {} counted the rows they held or found not old \
+         enough at planning (held_at_planning) without writing a row per record: a run kept this \
+         record without a row when it was held or not old enough as that run planned; \
+         present_state says how it stands now",
+        since.map_or("the first run".to_string(), |s| format!(
+            "this record's last audit row ({})",
+            s.to_rfc3339()
+        ))
+    );
+    Ok((
+        now,
+        json!({ "count": total, "runs": runs, "detail": detail }),
+    ))
 }
 
 /// The key as the ledger writes it: cast to the key column's type and back to text. A value the
