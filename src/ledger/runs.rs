@@ -372,6 +372,16 @@ pub async fn statuses(
     )
 }
 
+/// An SQL condition over the run aliased `r`: no item of it executed (every outcome count zero)
+/// and no effect of it was opened (no call was started).
+fn executed_nothing(r: &str) -> String {
+    format!(
+        "{r}.deleted + {r}.already_absent + {r}.excluded + {r}.not_eligible + {r}.failed
+            + {r}.reconciled + {r}.called = 0
+         and not exists (select 1 from sweeper.effects f where f.run_id = {r}.run_id)"
+    )
+}
+
 /// A run that may be superseded: not terminal, no item of it executed (every count zero, no
 /// effect opened), and a later window of its policy has a `completed` run.
 #[derive(Debug, Clone, sqlx::FromRow)]
@@ -393,7 +403,7 @@ pub async fn supersedable(
     completed_run: Option<&str>,
     limit: i64,
 ) -> sqlx::Result<Vec<Supersedable>> {
-    sqlx::query_as(
+    let sql = format!(
         "select e.run_id, e.policy, e.window_at, l.run_id as by_run
            from sweeper.runs e
            join lateral (select l.run_id from sweeper.runs l
@@ -401,16 +411,15 @@ pub async fn supersedable(
                             and l.window_at > e.window_at
                             and ($1::text is null or l.run_id = $1)
                           order by l.window_at desc limit 1) l on true
-          where not e.dry_run and e.status in ('planning', 'running')
-            and e.deleted + e.already_absent + e.excluded + e.not_eligible + e.failed
-                + e.reconciled + e.called = 0
-            and not exists (select 1 from sweeper.effects f where f.run_id = e.run_id)
+          where not e.dry_run and e.status in ('planning', 'running') and {}
           order by e.window_at limit $2",
-    )
-    .bind(completed_run)
-    .bind(limit)
-    .fetch_all(conn)
-    .await
+        executed_nothing("e")
+    );
+    sqlx::query_as(&sql)
+        .bind(completed_run)
+        .bind(limit)
+        .fetch_all(conn)
+        .await
 }
 
 /// Supersedes `run`: its planning stops, its commands not yet terminal are cancelled (so a
@@ -444,17 +453,16 @@ pub async fn supersede(
     .execute(&mut *sp)
     .await?
     .rows_affected();
-    let done = sqlx::query(
+    let sql = format!(
         "update sweeper.runs r set status = 'superseded', completed_at = sweeper.now()
-          where r.run_id = $1 and r.status in ('planning', 'running')
-            and r.deleted + r.already_absent + r.excluded + r.not_eligible + r.failed
-                + r.reconciled + r.called = 0
-            and not exists (select 1 from sweeper.effects f where f.run_id = r.run_id)",
-    )
-    .bind(&run.run_id)
-    .execute(&mut *sp)
-    .await?
-    .rows_affected()
+          where r.run_id = $1 and r.status in ('planning', 'running') and {}",
+        executed_nothing("r")
+    );
+    let done = sqlx::query(&sql)
+        .bind(&run.run_id)
+        .execute(&mut *sp)
+        .await?
+        .rows_affected()
         == 1;
     if !done {
         sp.rollback().await?;
