@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 
+use super::job_lease::HeldJob;
 use crate::ledger;
 use crate::retry::Failure;
 use crate::state::AppState;
@@ -16,10 +17,6 @@ use crate::transport::{Outbound, PublishError, Publisher};
 
 /// Most commands one relay round reads and publishes.
 pub const RELAY_BATCH: i64 = 100;
-/// The relay's job lease, in seconds, renewed every round (every `relay_interval`): one replica
-/// publishes per transport; another takes over this long after the holder stopped renewing (a
-/// crash), or at once after a clean shutdown.
-pub const RELAY_LEASE_SECONDS: f64 = super::job_lease::JOB_LEASE.as_secs_f64();
 
 /// What one relay round did.
 #[derive(Debug, PartialEq, Eq)]
@@ -35,22 +32,18 @@ pub enum Round {
     },
 }
 
-/// One relay round: takes or renews the relay's job lease, then publishes if it holds it.
+/// One relay round: takes or renews the relay's job lease, then publishes if it holds it (the
+/// lease is renewed in the background while a slow publish lasts).
 pub async fn relay_round(state: &AppState, publisher: &Publisher) -> Result<Round, PublishError> {
-    let held = crate::ledger::take_job_lease(
-        &state.pool,
-        &publisher.job(),
-        state.replica_id,
-        RELAY_LEASE_SECONDS,
-    )
-    .await
-    .map_err(|e| PublishError {
-        message: Failure::from_db(&e).message,
-        retry_after: None,
-    })?;
-    if !held {
+    let lease = HeldJob::take(state, &publisher.job())
+        .await
+        .map_err(|e| PublishError {
+            message: Failure::from_db(&e).message,
+            retry_after: None,
+        })?;
+    let Some(_lease) = lease else {
         return Ok(Round::Standby);
-    }
+    };
     let (read, published) = relay_once(state, publisher).await?;
     Ok(Round::Published { read, published })
 }
