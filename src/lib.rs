@@ -20,6 +20,7 @@ pub mod quickstart;
 pub mod retry;
 pub mod settings;
 pub mod state;
+pub mod strict_json;
 pub mod transport;
 pub mod trigger;
 pub mod window;

@@ -166,66 +166,12 @@ fn decode_json_object(segment: &str) -> Result<Map<String, Value>, Refusal> {
     let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(segment)
         .map_err(|_| Refusal::Malformed)?;
-    if serde_json::from_slice::<UniqueNames>(&bytes).is_err() {
+    if crate::strict_json::repeats_a_name(&bytes) {
         return Err(Refusal::Malformed);
     }
     match serde_json::from_slice::<Value>(&bytes) {
         Ok(Value::Object(m)) => Ok(m),
         _ => Err(Refusal::Malformed),
-    }
-}
-
-/// A JSON value read only to prove that no object in it names a member twice.
-struct UniqueNames;
-
-impl<'de> serde::Deserialize<'de> for UniqueNames {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(UniqueNamesVisitor)
-    }
-}
-
-struct UniqueNamesVisitor;
-
-impl<'de> serde::de::Visitor<'de> for UniqueNamesVisitor {
-    type Value = UniqueNames;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("a JSON value without repeated member names")
-    }
-
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<UniqueNames, A::Error> {
-        let mut seen = std::collections::HashSet::new();
-        while let Some(name) = map.next_key::<String>()? {
-            if !seen.insert(name) {
-                return Err(serde::de::Error::custom("a member name is repeated"));
-            }
-            map.next_value::<UniqueNames>()?;
-        }
-        Ok(UniqueNames)
-    }
-
-    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<UniqueNames, A::Error> {
-        while seq.next_element::<UniqueNames>()?.is_some() {}
-        Ok(UniqueNames)
-    }
-
-    fn visit_bool<E>(self, _: bool) -> Result<UniqueNames, E> {
-        Ok(UniqueNames)
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<UniqueNames, E> {
-        Ok(UniqueNames)
-    }
-    fn visit_u64<E>(self, _: u64) -> Result<UniqueNames, E> {
-        Ok(UniqueNames)
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<UniqueNames, E> {
-        Ok(UniqueNames)
-    }
-    fn visit_str<E>(self, _: &str) -> Result<UniqueNames, E> {
-        Ok(UniqueNames)
-    }
-    fn visit_unit<E>(self) -> Result<UniqueNames, E> {
-        Ok(UniqueNames)
     }
 }
 

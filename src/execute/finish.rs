@@ -138,7 +138,11 @@ pub async fn record_closure_check(
         .build_query_scalar()
         .fetch_one(&mut *conn)
         .await?;
-    ledger::runs::set_remaining_eligible(conn, run_id, remaining, cap).await
+    let stricter = rules
+        .stricter_cutoff
+        .as_ref()
+        .map(|s| (s.cutoff, s.version.as_str()));
+    ledger::runs::set_remaining_eligible(conn, run_id, remaining, cap, stricter).await
 }
 
 /// Item-level dead letters for the items that failed in this command (in its transaction). An

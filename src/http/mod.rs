@@ -13,7 +13,7 @@ mod trigger_handler;
 
 pub use caller::Caller;
 pub use consume::PUSH_BODY_HARD_CAP;
-pub use params::{Params, QueryParams, Segments};
+pub use params::{NoQuery, Params, QueryParams, Segments};
 pub use problem::{Problem, problem_for_plain_errors};
 
 use std::sync::Arc;

@@ -23,6 +23,14 @@ pub trait QueryParams: DeserializeOwned {
     const ACCEPTS: &'static [(&'static str, &'static str)];
 }
 
+/// The query of an endpoint that takes no parameters: any parameter is refused by name.
+#[derive(Debug, serde::Deserialize)]
+pub struct NoQuery {}
+
+impl QueryParams for NoQuery {
+    const ACCEPTS: &'static [(&'static str, &'static str)] = &[];
+}
+
 /// The query of a request, read by [`QueryParams::ACCEPTS`]'s rules.
 pub struct Params<T>(pub T);
 
@@ -126,8 +134,8 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Segment
                 // A single parameter's error names no key: it is the template's only one.
                 let only = template
                     .rsplit_once('{')
-                    .and_then(|(_, k)| k.strip_suffix('}'))
-                    .unwrap_or("path")
+                    .and_then(|(_, k)| k.split_once('}'))
+                    .map_or("path", |(k, _)| k)
                     .to_string();
                 let key = match e.kind() {
                     ErrorKind::InvalidUtf8InPathParam { key } => {

@@ -58,9 +58,9 @@ pub async fn suspend(
     reason: &str,
 ) -> sqlx::Result<(PolicyState, bool)> {
     let mut tx = pool.begin().await?;
+    lock_policy_state(&mut tx, policy).await?;
     let was_suspended: bool = sqlx::query_scalar(
-        "select coalesce((select suspended from sweeper.policy_state where policy = $1
-                           for update), false)",
+        "select coalesce((select suspended from sweeper.policy_state where policy = $1), false)",
     )
     .bind(policy)
     .fetch_one(&mut *tx)
@@ -94,6 +94,20 @@ pub async fn suspend(
     Ok((state, !was_suspended))
 }
 
+/// Serializes the suspends and resumes of `policy` for the rest of `tx`: a row lock cannot, on a
+/// policy never suspended (it has no `policy_state` row yet), and each of two concurrent first
+/// suspends would see it running and log that it acted.
+async fn lock_policy_state(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    policy: &str,
+) -> sqlx::Result<()> {
+    sqlx::query("select pg_advisory_xact_lock(hashtext('sweeper:policy_state:' || $1))")
+        .bind(policy)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
 /// Resumes `policy`. The time it spent suspended is credited to its unfinished commands, so it
 /// does not count against their `max_age`.
 pub async fn resume(
@@ -103,6 +117,7 @@ pub async fn resume(
     reason: &str,
 ) -> sqlx::Result<PolicyState> {
     let mut tx = pool.begin().await?;
+    lock_policy_state(&mut tx, policy).await?;
     let suspended_for: Option<f64> = sqlx::query_scalar(
         "select extract(epoch from sweeper.now() - suspended_at)::float8
            from sweeper.policy_state where policy = $1 and suspended for update",

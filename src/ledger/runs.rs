@@ -249,16 +249,37 @@ pub async fn set_remaining_eligible(
     run_id: &str,
     remaining: i64,
     cap: i64,
+    stricter: Option<(DateTime<Utc>, &str)>,
 ) -> sqlx::Result<()> {
     sqlx::query(
-        "update sweeper.runs set remaining_eligible = $2, remaining_eligible_cap = $3 where run_id = $1",
+        "update sweeper.runs
+            set remaining_eligible = $2, remaining_eligible_cap = $3,
+                stricter_cutoff = $4, stricter_version = $5
+          where run_id = $1",
     )
     .bind(run_id)
     .bind(remaining)
     .bind(cap)
+    .bind(stricter.map(|s| s.0))
+    .bind(stricter.map(|s| s.1))
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// The stricter cutoff and version a completed run was checked under, if one was recorded
+/// (see [`set_remaining_eligible`]).
+pub async fn recorded_stricter_cutoff(
+    pool: &PgPool,
+    run_id: &str,
+) -> sqlx::Result<Option<(DateTime<Utc>, String)>> {
+    let row: Option<(Option<DateTime<Utc>>, Option<String>)> = sqlx::query_as(
+        "select stricter_cutoff, stricter_version from sweeper.runs where run_id = $1",
+    )
+    .bind(run_id)
+    .fetch_optional(pool)
+    .await?;
+    Ok(row.and_then(|(c, v)| Some((c?, v?))))
 }
 
 /// What the blast-radius guard compares a run's planned count with: `(planned, median of the

@@ -188,6 +188,11 @@ pub fn read_envelope(bytes: &[u8]) -> Result<Envelope, String> {
             ),
         }
     })?;
+    if crate::strict_json::repeats_a_name(bytes) {
+        return Err(format!(
+            "a member is named twice; an envelope names each of {MEMBERS} at most once"
+        ));
+    }
     let serde_json::Value::Object(members) = value else {
         return Err(format!(
             "the body is JSON but not an object; an envelope is an object with {MEMBERS}"

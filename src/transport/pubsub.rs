@@ -211,6 +211,13 @@ pub fn parse_push(headers: &axum::http::HeaderMap, body: &[u8]) -> Option<PushDe
     }
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
     v.get("message")?.as_object()?;
+    if crate::strict_json::repeats_a_name(body) {
+        return Some(PushDelivery {
+            envelope: Err("a Pub/Sub push that names a member twice".into()),
+            delivery_attempt: None,
+            message_id: None,
+        });
+    }
     let wrapped: Wrapped = match serde_json::from_value(v) {
         Ok(w) => w,
         Err(_) => {

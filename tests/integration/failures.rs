@@ -327,6 +327,15 @@ async fn an_envelope_refusal_says_what_is_wrong_in_our_words() {
             "{\"command_id\": \"x\", \"schema_version\": -1}",
             "`schema_version` must be an integer from 0 to 4294967295",
         ),
+        // Whichever copy a parser would keep, the delivery is not read.
+        (
+            "{\"command_id\": \"x\", \"command_id\": \"y\"}",
+            "a member is named twice",
+        ),
+        (
+            "{\"command_id\": \"x\", \"\\u0063ommand_id\": \"y\"}",
+            "a member is named twice",
+        ),
     ] {
         let r = app
             .client

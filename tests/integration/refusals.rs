@@ -92,6 +92,20 @@ async fn malformed_parameters_are_refused_by_name_in_our_words() {
             "`id` must be a dead letter id",
         ),
         ("/runs/%C0%AF".into(), "`run_id` is not valid UTF-8"),
+        // Endpoints that take no parameters refuse any.
+        (
+            "/runs/ticket-retention:2026-11-01T02:00:00Z?bogus=1".into(),
+            "unknown parameter `bogus`: this endpoint takes no query parameters",
+        ),
+        (
+            "/policies?limit=5".into(),
+            "this endpoint takes no query parameters",
+        ),
+        ("/governor?x".into(), "unknown parameter `x`"),
+        (
+            "/dead-letters/1?verbose=true".into(),
+            "unknown parameter `verbose`",
+        ),
     ];
     for (path, says) in cases {
         let (status, content_type, body) = get(&app, &path).await;
@@ -135,11 +149,47 @@ async fn malformed_parameters_are_refused_by_name_in_our_words() {
             "{query}: {body}"
         );
     }
+    // Operator acts too, and a refused act logs nothing; a path id followed by more path names
+    // the parameter.
+    for (path, says) in [
+        (
+            "/policies/ticket-retention/suspend?x=1",
+            "unknown parameter `x`",
+        ),
+        (
+            "/dead-letters/abc/redrive",
+            "`id` must be a dead letter id, an integer",
+        ),
+        (
+            "/dead-letters/1.5/abandon",
+            "`id` must be a dead letter id, an integer",
+        ),
+    ] {
+        let r = app
+            .client
+            .post(format!("{}{path}", app.base))
+            .bearer_auth(app.ops_token())
+            .json(&serde_json::json!({"reason": "probe"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{path}");
+        let body: Value = r.json().await.unwrap();
+        assert!(
+            body["detail"].as_str().unwrap().contains(says),
+            "{path}: {body}"
+        );
+    }
     let runs: i64 = sqlx::query_scalar("select count(*) from sweeper.runs")
         .fetch_one(&app.pool)
         .await
         .unwrap();
     assert_eq!(runs, 0);
+    let acts: i64 = sqlx::query_scalar("select count(*) from sweeper.operator_log")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(acts, 0);
 }
 
 #[tokio::test]

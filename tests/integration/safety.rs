@@ -706,3 +706,44 @@ async fn a_governor_or_hours_marker_left_on_commands_is_not_a_hold_once_released
     let run = app.api.run(&run_id).await;
     assert_eq!(run["held"]["kind"], "schema", "{run}");
 }
+
+#[tokio::test]
+async fn concurrent_first_suspends_of_a_policy_log_one_act_that_changed_it() {
+    // A policy never suspended has no state row to lock: suspends at once must still agree on
+    // which of them acted. Ten rounds of six, each on a policy with no state row.
+    let app = TestApp::spawn(Spawn::default()).await;
+    for round in 0..10 {
+        sqlx::query("delete from sweeper.policy_state")
+            .execute(&app.pool)
+            .await
+            .unwrap();
+        let start = std::sync::Arc::new(tokio::sync::Barrier::new(6));
+        let calls: Vec<_> = (0..6)
+            .map(|i| {
+                let (api, start) = (app.api.clone(), start.clone());
+                tokio::spawn(async move {
+                    start.wait().await;
+                    api.suspend("ticket-retention", &format!("round {round} operator {i}"))
+                        .await
+                })
+            })
+            .collect();
+        for c in calls {
+            c.await.unwrap();
+        }
+        let changed: Vec<bool> = sqlx::query_scalar(
+            "select (detail->>'changed')::boolean from sweeper.operator_log
+              where action = 'suspend' and reason like $1",
+        )
+        .bind(format!("round {round} %"))
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+        assert_eq!(changed.len(), 6, "round {round}");
+        assert_eq!(
+            changed.iter().filter(|c| **c).count(),
+            1,
+            "round {round}: {changed:?}"
+        );
+    }
+}

@@ -111,10 +111,12 @@ pub(super) fn require_policy<'a>(
 pub async fn suspend_policy(
     State(state): State<AppState>,
     caller: Caller,
+    query: Result<Params<NoQuery>, Problem>,
     Segments(policy): Segments<String>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
+    query?;
     require_policy(&state, &policy)?;
     let b: ReasonBody = reason_of(&body)?;
     let (ps, changed) =
@@ -130,10 +132,12 @@ pub async fn suspend_policy(
 pub async fn resume_policy(
     State(state): State<AppState>,
     caller: Caller,
+    query: Result<Params<NoQuery>, Problem>,
     Segments(policy): Segments<String>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
+    query?;
     require_policy(&state, &policy)?;
     let b: ReasonBody = reason_of(&body)?;
     let ps =
@@ -147,10 +151,12 @@ pub async fn resume_policy(
 pub async fn cancel_run(
     State(state): State<AppState>,
     caller: Caller,
+    query: Result<Params<NoQuery>, Problem>,
     Segments(run_id): Segments<String>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
+    query?;
     let b: ReasonBody = reason_of(&body)?;
     let c =
         crate::ledger::control::cancel(&state.pool, &run_id, &caller.0.subject, b.reason.trim())
@@ -170,10 +176,12 @@ pub async fn cancel_run(
 pub async fn approve_run(
     State(state): State<AppState>,
     caller: Caller,
+    query: Result<Params<NoQuery>, Problem>,
     Segments(run_id): Segments<String>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
+    query?;
     let b: ReasonBody = reason_of(&body)?;
     let a =
         crate::ledger::control::approve(&state.pool, &run_id, &caller.0.subject, b.reason.trim())
@@ -194,9 +202,11 @@ pub async fn approve_run(
 pub async fn accept_identity(
     State(state): State<AppState>,
     caller: Caller,
+    query: Result<Params<NoQuery>, Problem>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
+    query?;
     let b: ReasonBody = reason_of(&body)?;
     let g =
         crate::ledger::identity::accept(&state.pool, &caller.0.subject, b.reason.trim()).await?;

@@ -50,7 +50,7 @@ pub async fn list_dead_letters(
         && !CLASSES.contains(&c.as_str())
     {
         return Err(bad_query(format!(
-            "class must be one of {}",
+            "`class` must be one of {}",
             CLASSES.join(", ")
         )));
     }
@@ -66,13 +66,13 @@ pub async fn list_dead_letters(
         && !matches!(s.as_str(), "open" | "resolved" | "redriven" | "abandoned")
     {
         return Err(bad_query(
-            "status must be open (open or redriven), resolved (resolved or abandoned), \
+            "`status` must be open (open or redriven), resolved (resolved or abandoned), \
              redriven or abandoned",
         ));
     }
     let limit = q.limit.unwrap_or(100);
     if !(1..=1000).contains(&limit) {
-        return Err(bad_query("limit must be between 1 and 1000"));
+        return Err(bad_query("`limit` must be between 1 and 1000"));
     }
     let filter = crate::ledger::dead_letter::Filter {
         run_id: q.run_id.as_deref(),
@@ -100,9 +100,11 @@ pub(super) fn unknown_dead_letter(id: i64) -> Problem {
 pub async fn get_dead_letter(
     State(state): State<AppState>,
     caller: Caller,
+    query: Result<Params<NoQuery>, Problem>,
     Segments(id): Segments<i64>,
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
+    query?;
     let dl = crate::ledger::dead_letter::get(&state.pool, id)
         .await?
         .ok_or_else(|| unknown_dead_letter(id))?;
@@ -127,10 +129,12 @@ pub(super) fn act_problem(e: crate::ledger::dead_letter::ActError) -> Problem {
 pub async fn redrive_dead_letter(
     State(state): State<AppState>,
     caller: Caller,
+    query: Result<Params<NoQuery>, Problem>,
     Segments(id): Segments<i64>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
+    query?;
     let b: ReasonBody = reason_of(&body)?;
     // Asked before the redrive: whether its cause is still there (the redrive goes ahead
     // either way; the answer says it will fail again the same way).
@@ -157,10 +161,12 @@ pub async fn redrive_dead_letter(
 pub async fn abandon_dead_letter(
     State(state): State<AppState>,
     caller: Caller,
+    query: Result<Params<NoQuery>, Problem>,
     Segments(id): Segments<i64>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
+    query?;
     let b: ReasonBody = reason_of(&body)?;
     let r =
         crate::ledger::dead_letter::abandon(&state.pool, id, &caller.0.subject, b.reason.trim())
@@ -176,9 +182,11 @@ pub async fn abandon_dead_letter(
 pub async fn redrive_dead_letters(
     State(state): State<AppState>,
     caller: Caller,
+    query: Result<Params<NoQuery>, Problem>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
+    query?;
     let b: BulkRedriveBody = reason_of(&body)?;
     if b.run_id.is_none() && b.class.is_none() {
         return Err(Problem::new(
@@ -193,7 +201,7 @@ pub async fn redrive_dead_letters(
         return Err(Problem::new(
             StatusCode::BAD_REQUEST,
             "bad-body",
-            format!("class must be one of {}", CLASSES.join(", ")),
+            format!("`class` must be one of {}", CLASSES.join(", ")),
         ));
     }
     let limit = b.limit.unwrap_or(100);
@@ -201,7 +209,7 @@ pub async fn redrive_dead_letters(
         return Err(Problem::new(
             StatusCode::BAD_REQUEST,
             "bad-body",
-            "limit must be between 1 and 1000",
+            "`limit` must be between 1 and 1000",
         ));
     }
     // Which of the candidates will fail again the same way (asked before; redriven anyway).

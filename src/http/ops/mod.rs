@@ -8,7 +8,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::http::{Caller, Params, Problem, QueryParams, Segments};
+use crate::http::{Caller, NoQuery, Params, Problem, QueryParams, Segments};
 use crate::ledger;
 use crate::ledger::audit;
 use crate::state::AppState;

@@ -41,7 +41,7 @@ pub async fn list_operator_log(
         && !operator_log::ACTIONS.contains(&a.as_str())
     {
         return Err(bad_query(format!(
-            "action must be one of {}",
+            "`action` must be one of {}",
             operator_log::ACTIONS.join(", ")
         )));
     }
@@ -56,7 +56,7 @@ pub async fn list_operator_log(
         .transpose()?;
     let limit = q.limit.unwrap_or(100);
     if !(1..=1000).contains(&limit) {
-        return Err(bad_query("limit must be between 1 and 1000"));
+        return Err(bad_query("`limit` must be between 1 and 1000"));
     }
     if q.before.is_some_and(|b| b < 1) {
         return Err(bad_query("before must be a value returned as next_before"));

@@ -7,8 +7,13 @@ use super::*;
 /// live window's run: id, window, status, completed_at; null before the first), `next_window`
 /// (the schedule's next tick after the ledger's now) and `planning` — the path a run triggered now would plan along, and why
 /// ([`crate::policy::path::PathChoice`]). No secrets: policies hold none.
-pub async fn policies(State(state): State<AppState>, caller: Caller) -> Result<Response, Problem> {
+pub async fn policies(
+    State(state): State<AppState>,
+    caller: Caller,
+    query: Result<Params<NoQuery>, Problem>,
+) -> Result<Response, Problem> {
     caller.require("ops:read")?;
+    query?;
     let current = ledger::current_versions(&state.pool).await?;
     let mut conn = state.pool.acquire().await?;
     let now = ledger::now(&mut conn).await?;

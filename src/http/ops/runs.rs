@@ -63,7 +63,7 @@ pub async fn list_runs(
     }
     let limit = q.limit.unwrap_or(50);
     if !(1..=500).contains(&limit) {
-        return Err(bad_query("limit must be between 1 and 500"));
+        return Err(bad_query("`limit` must be between 1 and 500"));
     }
     if q.status.as_deref() == Some(ATTENTION) {
         return super::attention::attention(&state, q.policy.as_deref(), limit).await;
@@ -92,11 +92,18 @@ pub(super) struct PlanningState {
 pub(super) use ledger::StoppedCommand;
 
 /// The current version's cutoff when it is stricter than the run's (a longer `retain_for` since
-/// the run was pinned): the run acts under it, and says so.
+/// the run was pinned): the run acts under it, and says so. A finished run shows the one it
+/// completed under, as recorded then.
 async fn stricter_cutoff(
     state: &AppState,
     run: &ledger::Run,
 ) -> Result<Option<crate::policy::StricterCutoff>, Problem> {
+    if run.is_terminal() {
+        let recorded = ledger::runs::recorded_stricter_cutoff(&state.pool, &run.run_id).await?;
+        return Ok(
+            recorded.map(|(cutoff, version)| crate::policy::StricterCutoff { version, cutoff })
+        );
+    }
     let mut conn = state.pool.acquire().await?;
     let (_, version, current) =
         ledger::run_specs::<crate::policy::PolicySpec>(&mut conn, &run.policy, &run.policy_version)
@@ -114,9 +121,11 @@ const RETRYING_SHOWN: i64 = 20;
 pub async fn get_run(
     State(state): State<AppState>,
     caller: Caller,
+    query: Result<Params<NoQuery>, Problem>,
     Segments(run_id): Segments<String>,
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
+    query?;
     let mut conn = state.pool.acquire().await?;
     let run = ledger::get_run(&mut conn, &run_id)
         .await?
@@ -156,6 +165,7 @@ pub async fn get_run(
     body["commands"] = json!(commands);
     body["held"] = held.unwrap_or(serde_json::Value::Null);
     body["approval"] = approval;
+    // A finished run says what it completed under (recorded with its closure check).
     body["effective_cutoff"] = json!(stricter.as_ref().map_or(run.cutoff, |s| s.cutoff));
     body["stricter_cutoff"] = json!(stricter);
     body["planning"] = match planning {
@@ -223,11 +233,11 @@ pub(super) fn audit_page(cursor: Option<&str>, limit: Option<i64>) -> Result<(i6
             .parse::<i64>()
             .ok()
             .filter(|v| *v >= 0)
-            .ok_or_else(|| bad_query("cursor must be a value returned as next_cursor"))?,
+            .ok_or_else(|| bad_query("`cursor` must be a value returned as `next_cursor`"))?,
     };
     let limit = limit.unwrap_or(100);
     if !(1..=1000).contains(&limit) {
-        return Err(bad_query("limit must be between 1 and 1000"));
+        return Err(bad_query("`limit` must be between 1 and 1000"));
     }
     Ok((after, limit))
 }

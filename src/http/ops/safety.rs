@@ -6,8 +6,13 @@ use super::*;
 /// `GET /governor` (scope `ops:read`): this replica's latest reading, and per policy each
 /// signal's reading, marks and verdict (`unreadable` when the role cannot read it, never 0) and
 /// whether the governor holds its work.
-pub async fn governor(State(state): State<AppState>, caller: Caller) -> Result<Response, Problem> {
+pub async fn governor(
+    State(state): State<AppState>,
+    caller: Caller,
+    query: Result<Params<NoQuery>, Problem>,
+) -> Result<Response, Problem> {
     caller.require("ops:read")?;
+    query?;
     let reading = state.governor.reading();
     let policies: Vec<serde_json::Value> = state
         .config
@@ -44,8 +49,13 @@ pub async fn governor(State(state): State<AppState>, caller: Caller) -> Result<R
 
 /// `GET /guard` (scope `ops:read`): the recorded identity, its heartbeat and any hold, beside
 /// the identity PostgreSQL reports now.
-pub async fn guard(State(state): State<AppState>, caller: Caller) -> Result<Response, Problem> {
+pub async fn guard(
+    State(state): State<AppState>,
+    caller: Caller,
+    query: Result<Params<NoQuery>, Problem>,
+) -> Result<Response, Problem> {
     caller.require("ops:read")?;
+    query?;
     let recorded = crate::ledger::identity::state(&state.pool).await?;
     let now = crate::ledger::identity::observe(&state.pool).await?;
     Ok(Json(json!({

@@ -68,7 +68,7 @@ pub async fn policy_windows(
     let limit = q.limit.unwrap_or(windows::MAX_TICKS as i64);
     if !(1..=windows::MAX_TICKS as i64).contains(&limit) {
         return Err(bad_query(format!(
-            "limit must be between 1 and {}",
+            "`limit` must be between 1 and {}",
             windows::MAX_TICKS
         )));
     }
@@ -83,10 +83,12 @@ pub async fn policy_windows(
 pub async fn backfill(
     State(state): State<AppState>,
     caller: Caller,
+    query: Result<Params<NoQuery>, Problem>,
     Segments(policy): Segments<String>,
     body: axum::body::Bytes,
 ) -> Result<Response, Problem> {
     caller.require("ops:write")?;
+    query?;
     let p = require_policy(&state, &policy)?;
     let b: BackfillBody = reason_of(&body)?;
     let bad = |m: String| Problem::new(StatusCode::BAD_REQUEST, "bad-body", m);
