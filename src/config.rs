@@ -1,5 +1,5 @@
 //! The configuration as written: durations and the settings sections, pure data at the bottom
-//! of the layers (DESIGN §14). Each domain module validates its own part; [`crate::settings`]
+//! of the layers (docs/design.md §14). Each domain module validates its own part; [`crate::settings`]
 //! reads the file and assembles the validated whole.
 
 use std::collections::HashMap;
@@ -10,7 +10,7 @@ use serde::Deserialize;
 
 /// A duration written as a whole number and one unit: `s`, `m`, `h`, `d` (24 h) or `w` (7 d).
 ///
-/// Durations are exact spans of UTC time (DESIGN §2.2): `1d` is always 86 400 seconds, whatever
+/// Durations are exact spans of UTC time (docs/design.md §2.2): `1d` is always 86 400 seconds, whatever
 /// the clocks of any time zone do that day. Other units (`ms`, `y`, `mo`) are rejected on purpose:
 /// they are either too fine for a schedule or not a fixed length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -135,7 +135,7 @@ impl Default for DatabaseConfig {
     }
 }
 
-/// The built-in PostgreSQL queue (DESIGN §8).
+/// The built-in PostgreSQL queue (docs/design.md §8).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct QueueConfig {
@@ -167,7 +167,7 @@ impl Default for QueueConfig {
     }
 }
 
-/// Planning: the keyset scan that turns a run into commands (DESIGN §8).
+/// Planning: the keyset scan that turns a run into commands (docs/design.md §8).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PlanningConfig {
@@ -302,7 +302,7 @@ fn default_reload_check() -> DurationSpec {
     DurationSpec::from_seconds(10)
 }
 
-/// Ledger hygiene (DESIGN §7).
+/// Ledger hygiene (docs/design.md §7).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LedgerConfig {
@@ -337,7 +337,7 @@ impl Default for LedgerConfig {
     }
 }
 
-/// Token issuers (DESIGN §10).
+/// Token issuers (docs/design.md §10).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AuthConfig {

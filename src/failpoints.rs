@@ -1,4 +1,4 @@
-//! Crash and pause points for the crash and race tests (DESIGN §12), only with the `failpoints`
+//! Crash and pause points for the crash and race tests (docs/design.md §12), only with the `failpoints`
 //! feature; without it both macros compile to nothing.
 //!
 //! * `crash_point!("name")` aborts the process when `SWEEPER_CRASH_AT=name` (the crash tests

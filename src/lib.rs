@@ -1,5 +1,5 @@
 //! sweeper: scheduled data-retention cleanup with a run ledger, idempotent execution and an
-//! audit trail. See README.md for the picture and DESIGN.md (shared) for the contract.
+//! audit trail. See README.md for the picture and docs/design.md for the contract.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

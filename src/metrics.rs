@@ -1,4 +1,4 @@
-//! Prometheus metrics for alerting (DESIGN §11), served at `GET /metrics`.
+//! Prometheus metrics for alerting (docs/design.md §11), served at `GET /metrics`.
 //!
 //! Two kinds: process counters incremented where things happen (attempts by outcome and class),
 //! and ledger-wide values read from the database at scrape time, so every replica reports the

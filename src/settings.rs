@@ -108,7 +108,7 @@ pub struct Config {
     pub qstash: Option<crate::transport::qstash::Qstash>,
     /// Every way to authenticate, with secrets resolved.
     pub credentials: crate::auth::Credentials,
-    /// The downstream dependencies, validated (DESIGN §9).
+    /// The downstream dependencies, validated (docs/design.md §9).
     pub dependencies: Vec<crate::dependency::Dependency>,
     /// The policies, validated.
     pub policies: Vec<Policy>,

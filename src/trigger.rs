@@ -1,5 +1,5 @@
 //! `POST /trigger/{policy}`: find the window, create its run (or return the existing one), fix
-//! the cutoff once, and leave planning to a ledger job (DESIGN §1, §2.1, §2.2).
+//! the cutoff once, and leave planning to a ledger job (docs/design.md §1, §2.1, §2.2).
 //!
 //! The answer comes in bounded time whatever the backlog: this module only writes the run row and
 //! its planning job; [`crate::plan`] does the scan in bounded pages afterwards.

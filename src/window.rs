@@ -1,4 +1,4 @@
-//! Windows: the schedule ticks a run serves (DESIGN §2.1).
+//! Windows: the schedule ticks a run serves (docs/design.md §2.1).
 //!
 //! A window is a tick of the policy's cron schedule evaluated in its IANA time zone, written as an
 //! RFC 3339 UTC instant with whole seconds and `Z`. Everything here is a pure function of its
@@ -134,7 +134,7 @@ pub fn normalize(t: DateTime<Utc>) -> DateTime<Utc> {
     t.with_nanosecond(0).unwrap_or(t)
 }
 
-/// Formats a window as DESIGN §2.1 writes it: `2026-11-29T02:00:00Z`.
+/// Formats a window as docs/design.md §2.1 writes it: `2026-11-29T02:00:00Z`.
 pub fn format(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Secs, true)
 }

@@ -1,4 +1,4 @@
-//! Missed windows (DESIGN §14): every tick a policy's schedule expected, what became of it, and
+//! Missed windows (docs/design.md §14): every tick a policy's schedule expected, what became of it, and
 //! the backfill that creates the runs the scheduler never asked for.
 //!
 //! The schedule expects ticks from the policy's first registration (`policy_versions`) to the

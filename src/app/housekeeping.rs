@@ -165,7 +165,7 @@ pub async fn complete_done_runs(state: &AppState) -> sqlx::Result<u64> {
 }
 
 /// Makes due again every push command no queue delivered within its transport's
-/// `republish_after` (DESIGN §8). Returns how many were marked.
+/// `republish_after` (docs/design.md §8). Returns how many were marked.
 pub async fn mark_stale_for_republish(state: &AppState) -> sqlx::Result<u64> {
     let horizons = [
         (

@@ -1,4 +1,4 @@
-//! The relay of the push transports (DESIGN §8): commands of a push policy are written with
+//! The relay of the push transports (docs/design.md §8): commands of a push policy are written with
 //! `publish_due` in the run's transaction (the outbox); one replica per transport (the holder of
 //! its job lease) publishes the due ones through the transport's [`Publisher`], then marks them
 //! published. A crash between the two publishes again with the same generation, and the

@@ -1,4 +1,4 @@
-//! The built-in queue's workers (DESIGN §8): how commands of the `builtin` transport reach the
+//! The built-in queue's workers (docs/design.md §8): how commands of the `builtin` transport reach the
 //! consume pipeline. (Push transports publish from the same ledger rows and arrive through
 //! `/consume`.)
 //!

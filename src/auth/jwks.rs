@@ -1,4 +1,4 @@
-//! External token issuers (DESIGN §10): RS256/ES256 tokens verified against a JWKS, e.g. Google
+//! External token issuers (docs/design.md §10): RS256/ES256 tokens verified against a JWKS, e.g. Google
 //! OIDC tokens sent by Cloud Scheduler and Pub/Sub push; and query-string tokens for push systems
 //! that cannot send a header.
 //!

@@ -1,4 +1,4 @@
-//! Bearer-token authentication: HS256 issuers with key sets, and scopes (DESIGN §10).
+//! Bearer-token authentication: HS256 issuers with key sets, and scopes (docs/design.md §10).
 //!
 //! A token is accepted when its header's `kid` names a configured key, its HS256 signature
 //! verifies with that key, `iss` is that key's issuer, `aud` contains the issuer's audience, it
@@ -140,7 +140,7 @@ pub struct Principal {
 
 /// The kind of credential a caller presented. Push systems authenticate with OIDC tokens
 /// (Pub/Sub push), query tokens (push systems without headers) or QStash signatures; a delivery
-/// so authenticated is answered by DESIGN §5's push column whatever its body holds.
+/// so authenticated is answered by docs/design.md §5's push column whatever its body holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Credential {
     /// An HS256 token of `[[auth.issuer]]` (crons, curl, on-call).
@@ -169,7 +169,7 @@ impl Principal {
     }
 }
 
-/// Every configured way to authenticate, with its secrets resolved (DESIGN §10): what the HTTP
+/// Every configured way to authenticate, with its secrets resolved (docs/design.md §10): what the HTTP
 /// layer verifies credentials against.
 #[derive(Debug, Clone)]
 pub struct Credentials {

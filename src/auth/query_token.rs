@@ -1,4 +1,4 @@
-//! Query-string tokens (DESIGN §10): for push systems that cannot send an Authorization
+//! Query-string tokens (docs/design.md §10): for push systems that cannot send an Authorization
 //! header, a configured secret accepted as `/consume?token=...`, for the `consume` scope only.
 //! Weaker than OIDC (URLs are often logged); `check-config` says so.
 

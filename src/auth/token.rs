@@ -1,5 +1,5 @@
 //! What every credential sweeper accepts must satisfy, whoever issued it: HS256 bearer tokens,
-//! JWKS (RS256/ES256) bearer tokens and QStash's `Upstash-Signature` (DESIGN §10).
+//! JWKS (RS256/ES256) bearer tokens and QStash's `Upstash-Signature` (docs/design.md §10).
 //!
 //! - **Shape.** A JWS compact serialization: three segments of the base64url alphabet
 //!   (RFC 7515 §7.1), a header that is a JSON object with a string `alg`, and claims that are a

@@ -1,5 +1,5 @@
 //! The address guard of the outbound client: IP literals and resolved addresses checked against
-//! loopback, private, link-local, shared, unspecified, multicast and mapped ranges (DESIGN §9).
+//! loopback, private, link-local, shared, unspecified, multicast and mapped ranges (docs/design.md §9).
 
 use super::*;
 

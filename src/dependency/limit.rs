@@ -1,4 +1,4 @@
-//! A dependency's `rate_limit` (DESIGN §9, §14): per replica in memory, or across every
+//! A dependency's `rate_limit` (docs/design.md §9, §14): per replica in memory, or across every
 //! replica through a reservation in the ledger.
 
 use std::num::NonZeroU32;
@@ -16,7 +16,7 @@ pub struct RateLimit {
     pub scope: RateScope,
 }
 
-/// Who keeps a dependency's rate limit (DESIGN §9, §14).
+/// Who keeps a dependency's rate limit (docs/design.md §9, §14).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RateScope {
     /// Each replica on its own, in memory (the default): N replicas call up to N × `per_second`.

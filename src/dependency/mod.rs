@@ -1,10 +1,10 @@
-//! Downstream dependencies (DESIGN §9): the services an action calls, each with allowed hosts, a
+//! Downstream dependencies (docs/design.md §9): the services an action calls, each with allowed hosts, a
 //! timeout, a concurrency cap (per replica), a rate limit (per replica, or across every replica
 //! with `scope = "global"`), and a pause shared by all replicas through the ledger.
 //!
 //! Every call is admitted in this order: a concurrency permit, a rate-limit slot, then the pause
 //! check against a view of `sweeper.dependency_pauses` at most one second old. A paused dependency
-//! is never called: the command snoozes (DESIGN §5) until the pause ends.
+//! is never called: the command snoozes (docs/design.md §5) until the pause ends.
 //!
 //! The outbound HTTP client (rustls) refuses loopback, private, link-local, shared (100.64/10),
 //! unspecified, multicast and IPv4-mapped/-translated addresses — as IP literals in the URL and as

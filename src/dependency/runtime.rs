@@ -40,7 +40,7 @@ struct PauseView {
     until: HashMap<String, Instant>,
 }
 
-/// How long a pause view may be reused (DESIGN §9: at most one second old).
+/// How long a pause view may be reused (docs/design.md §9: at most one second old).
 const PAUSE_VIEW_MAX_AGE: Duration = Duration::from_millis(900);
 
 /// A call slot: hold it for the duration of the call.

@@ -1,4 +1,4 @@
-//! One external call of an action (DESIGN §2.3, §2.4, §9): it fills the templates from the
+//! One external call of an action (docs/design.md §2.3, §2.4, §9): it fills the templates from the
 //! item's columns, sends the request through the dependency's guarded client, and classifies
 //! the answer. The effect rows around the call (`calling` → `called` → closed) live in
 //! [`super::external`].
@@ -241,7 +241,7 @@ fn send_failure(rt: &Runtime, e: &reqwest::Error) -> CallResult {
     )))
 }
 
-/// Classifies an answer (DESIGN §2.4): a `done` status is the effect; 429 (or 503 with
+/// Classifies an answer (docs/design.md §2.4): a `done` status is the effect; 429 (or 503 with
 /// Retry-After) throttles; 404/410 is `already_absent` only with the action's not-found
 /// signature, else permanent; `retry` statuses and 5xx are transient; redirects and 401/403 are
 /// permanent; any other status fails the item.

@@ -1,4 +1,4 @@
-//! The closing transaction of an external-effect command (DESIGN §2.3): after the calls, one
+//! The closing transaction of an external-effect command (docs/design.md §2.3): after the calls, one
 //! short transaction fences the attempt, applies the row change of every called effect whose
 //! row did not change during its call, closes the effects, writes the audit rows and item dead
 //! letters, and finishes the command in its run.

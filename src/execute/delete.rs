@@ -1,4 +1,4 @@
-//! The delete-rows path (DESIGN §2.3, §2.4): one transaction locks the command row and the
+//! The delete-rows path (docs/design.md §2.3, §2.4): one transaction locks the command row and the
 //! candidates in key order, re-checks every predicate in the snapshot that deletes, deletes,
 //! appends the audit rows and marks the command done. A permanent error in the bulk delete
 //! reruns the command item by item with savepoints. Actions with external calls leave here for
@@ -239,7 +239,7 @@ fn push_items(rules: &RuleSet, keys: &[String]) -> QueryBuilder<'static, Postgre
     q
 }
 
-/// An action with external calls: no transaction may span them (DESIGN §2.6), so the command is
+/// An action with external calls: no transaction may span them (docs/design.md §2.6), so the command is
 /// leased as this attempt — within `max_concurrent_commands` commands calling per policy,
 /// serialized by a transaction-scoped advisory lock — and the calls run outside it
 /// ([`super::external`]). A delivery that finds a live lease is a "not now".
@@ -273,7 +273,7 @@ async fn lease_for_calls(
             ),
         )));
     }
-    // No transaction may span the calls: the command is leased instead (DESIGN §5,
+    // No transaction may span the calls: the command is leased instead (docs/design.md §5,
     // concurrent deliveries), and a delivery that finds a live lease is a "not now".
     let n = match executor {
         Executor::Claimed(n) => n,

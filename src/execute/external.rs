@@ -1,4 +1,4 @@
-//! Executing a command whose action calls a dependency (DESIGN §2.3, §2.4, §2.6).
+//! Executing a command whose action calls a dependency (docs/design.md §2.3, §2.4, §2.6).
 //!
 //! No transaction spans a call. For each item, in key order:
 //!

@@ -281,7 +281,7 @@ pub(crate) async fn record_failure(
 
 /// A delivery that failed before it could lock its command row executed nothing: not an
 /// attempt. If the ledger answers, the row was busy (a concurrent delivery executing it, a lock
-/// or deadline wait): a "not now", not an unreachable ledger (DESIGN §5).
+/// or deadline wait): a "not now", not an unreachable ledger (docs/design.md §5).
 async fn busy(state: &AppState, command_id: &str, f: Failure) -> Result<ConsumeOutcome, Failure> {
     let answers = sqlx::query("select 1 from sweeper.commands where command_id = $1")
         .bind(command_id)
@@ -364,7 +364,7 @@ impl<'a> Failed<'a> {
     }
 }
 
-/// Holds a command (DESIGN §14): pending again, its attempt given back, checked again after
+/// Holds a command (docs/design.md §14): pending again, its attempt given back, checked again after
 /// `recheck` seconds (default [`hold_recheck_seconds`]); the time since the last check is
 /// credited to its age budget. Commits `tx`.
 pub(super) async fn hold_command(

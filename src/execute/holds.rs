@@ -1,5 +1,5 @@
 //! Holds that come from a policy's configuration and this replica's view of the database, not
-//! from the ledger (DESIGN §14 "Holds"): active hours and the governor. The built-in queue's
+//! from the ledger (docs/design.md §14 "Holds"): active hours and the governor. The built-in queue's
 //! claim and the push relay skip the policies they hold; the gate re-checks them for a delivery
 //! that arrives anyway. [`run_held`] composes a run's `held` object from every hold, in one
 //! precedence, for each answer that shows it (the trigger's, `GET /runs/{id}`).
@@ -104,13 +104,13 @@ pub async fn after_hold(
     Ok(crate::policy::stages::waits_for(p, &upstream, &status))
 }
 
-/// The run's `held` object (DESIGN §14): the first hold that applies, in precedence order —
+/// The run's `held` object (docs/design.md §14): the first hold that applies, in precedence order —
 /// the identity guard, the policy's suspension, the blast-radius guard's approval, a stage's
 /// upstream runs (`after`), then what its
 /// commands or planning job recorded (schema, policy change, active hours, governor, pace), then
 /// what this replica sees now (active hours, the governor) — or null; and its `approval` object
 /// (null when its policy has no guard).
-// Over 80 lines: the run's holds in DESIGN §14's precedence, each an early return that shares
+// Over 80 lines: the run's holds in docs/design.md §14's precedence, each an early return that shares
 // the one `held` shape.
 pub async fn run_held(
     state: &AppState,

@@ -172,7 +172,7 @@ async fn unknown_command(
 /// Whether the locked command may run now: `Some(step)` when it may not (a duplicate, a stale
 /// claim, not due, held, suspended, a replica behind the ledger's version), an error for what
 /// counts as a failed try (past its attempts, the concurrency cap).
-// Over 80 lines: the gate's decisions in DESIGN §2.3's order, each an early return.
+// Over 80 lines: the gate's decisions in docs/design.md §2.3's order, each an early return.
 fn gate(
     state: &AppState,
     c: &LockedCommand,
@@ -257,7 +257,7 @@ fn gate(
     Ok(None)
 }
 
-/// The holds of DESIGN §14 on a command the gate let through, in precedence order: the identity
+/// The holds of docs/design.md §14 on a command the gate let through, in precedence order: the identity
 /// guard, the blast-radius guard's approval, a stage's upstream runs (`after`: why it waits),
 /// active hours, the governor, then the pace's later start (`pace_wait` seconds away). `None`:
 /// it runs now.

@@ -1,5 +1,5 @@
 //! The consume pipeline: one command, executed idempotently, audited, and committed before the
-//! caller is answered (DESIGN §2.4, §2.5, §5). `/consume` and the built-in queue both run it.
+//! caller is answered (docs/design.md §2.4, §2.5, §5). `/consume` and the built-in queue both run it.
 //!
 //! For `delete_rows` a command is one transaction: lock the command row (a concurrent duplicate
 //! waits here, then sees the terminal state), lock the candidate rows in key order, re-check
@@ -43,7 +43,7 @@ pub use crate::transport::Envelope;
 
 pub use crate::ledger::outcome::{Counts, Outcome};
 
-/// What executing a command ended in. The HTTP layer maps each to DESIGN §5's answer.
+/// What executing a command ended in. The HTTP layer maps each to docs/design.md §5's answer.
 #[derive(Debug, Clone)]
 pub enum ConsumeOutcome {
     /// The command ran and committed now.
@@ -121,7 +121,7 @@ impl Loaded {
     }
 
     /// The idempotency key of `item`'s effect `n`: `{policy}:{window}:{item}` once per window,
-    /// `{policy}:{item}:{n}` once per item (DESIGN §2.4).
+    /// `{policy}:{item}:{n}` once per item (docs/design.md §2.4).
     pub(crate) fn idempotency_key(&self, item: &str, n: i32) -> String {
         if self.rules.action.once_per_window() {
             format!(
@@ -170,7 +170,7 @@ pub(super) enum Attempted {
 pub(super) enum Step {
     Done(ConsumeOutcome),
     Run(Box<Loaded>),
-    /// Held (DESIGN §14): given back without spending its attempt.
+    /// Held (docs/design.md §14): given back without spending its attempt.
     Hold(Hold),
 }
 
@@ -256,7 +256,7 @@ pub async fn execute(
 /// `pace`) and gives it back until then.
 const PACE_WAIT_IN_PROCESS_SECONDS: f64 = 2.0;
 
-/// The pace (DESIGN §14): reserves the command's key count of its policy's
+/// The pace (docs/design.md §14): reserves the command's key count of its policy's
 /// `max_items_per_second` before the effect's transaction begins (a reservation kept from an
 /// earlier try is reused). Waits here for a start at most
 /// [`PACE_WAIT_IN_PROCESS_SECONDS`] away; returns the seconds to a later one (the gate then

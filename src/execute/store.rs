@@ -1,4 +1,4 @@
-//! One object-store effect of an action (DESIGN §2.4): the store is built once per dependency
+//! One object-store effect of an action (docs/design.md §2.4): the store is built once per dependency
 //! (credentials, endpoint checked against the dependency's guard), a missing object counts as
 //! `already_absent` only after a probe confirmed its bucket exists, and the store's errors are
 //! classified like HTTP answers.

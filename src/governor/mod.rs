@@ -1,4 +1,4 @@
-//! The database-health governor (DESIGN §14 "Holds"): before work is claimed — a command or a
+//! The database-health governor (docs/design.md §14 "Holds"): before work is claimed — a command or a
 //! planning page — each replica compares cheap signals of the database's health with high and low
 //! marks, and holds the policy's work (kind `governor`) while one is above its high mark, until
 //! every signal is back at or below its low mark; then concurrency ramps up (1, 2, 4, … slots a

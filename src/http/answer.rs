@@ -1,4 +1,4 @@
-//! DESIGN §5's answer table as a pure function: what `/consume` answers for each outcome, on the
+//! docs/design.md §5's answer table as a pure function: what `/consume` answers for each outcome, on the
 //! generic envelope (plain HTTP semantics) and on push transports (every "not now" is a
 //! committed republish plus an acknowledgement, every delivery that can never succeed an
 //! acknowledgement). The HTTP layer only turns an [`Answer`] into a response.

@@ -79,7 +79,7 @@ impl FromRequestParts<AppState> for Caller {
                     .map(|s| (s.principal, Some(s.body_hash))),
             ),
             // Push systems that cannot send a header may present a configured secret as
-            // `/consume?token=...` (scope `consume` only, DESIGN §10).
+            // `/consume?token=...` (scope `consume` only, docs/design.md §10).
             _ => (
                 None,
                 match path {

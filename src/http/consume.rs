@@ -1,4 +1,4 @@
-//! `POST /consume`: the credential decides the body limit and DESIGN §5's column; the body is
+//! `POST /consume`: the credential decides the body limit and docs/design.md §5's column; the body is
 //! read as a stream (hashed, bounded); the execution's outcome is answered by [`super::answer`].
 
 use super::*;
@@ -6,7 +6,7 @@ use super::*;
 /// Largest `/consume` body accepted from an authenticated push system, in bytes. A push body
 /// over [`CONSUME_BODY_LIMIT`] can never succeed, and a push system redelivers what it is not
 /// acknowledged: such a body is read as a stream up to this cap (hashed, its first 8 KiB kept),
-/// quarantined as an envelope and answered 200 (DESIGN §5). Past the cap: 413.
+/// quarantined as an envelope and answered 200 (docs/design.md §5). Past the cap: 413.
 pub const PUSH_BODY_HARD_CAP: usize = 10 * 1024 * 1024;
 
 /// A `/consume` body as read: all of it when it is within [`CONSUME_BODY_LIMIT`], else its first
@@ -76,7 +76,7 @@ async fn read_body(
 }
 
 /// Acknowledges a body that can never succeed from an authenticated sender, after quarantining
-/// it (DESIGN §5: a push system would redeliver it for ever).
+/// it (docs/design.md §5: a push system would redeliver it for ever).
 async fn quarantine_and_ack(
     state: &AppState,
     body: &ReadBody,
@@ -116,7 +116,7 @@ pub(super) async fn consume_handler(
 }
 
 /// The delivery itself, authenticated; [`consume_handler`] times it.
-// Over 80 lines: the push credential decides how the body is read and answered (DESIGN §5); the
+// Over 80 lines: the push credential decides how the body is read and answered (docs/design.md §5); the
 // branches are that table.
 async fn consume(
     State(state): State<AppState>,
@@ -125,7 +125,7 @@ async fn consume(
     body: axum::body::Body,
 ) -> Result<Response, Problem> {
     // Whether this is an authenticated push is decided by the credential, before the body is
-    // read: it decides the body limit and DESIGN §5's column.
+    // read: it decides the body limit and docs/design.md §5's column.
     let push_credential = caller.0.credential.is_push();
     let cap = if push_credential {
         PUSH_BODY_HARD_CAP
@@ -143,7 +143,7 @@ async fn consume(
         return quarantine_and_ack(&state, &body, &why, &caller).await;
     }
     let retry_after = state.config.consume.retry_after.seconds() as u64;
-    // A Pub/Sub push (wrapped or unwrapped) or a QStash delivery is answered by DESIGN §5's
+    // A Pub/Sub push (wrapped or unwrapped) or a QStash delivery is answered by docs/design.md §5's
     // push column.
     let pubsub = crate::transport::pubsub::parse_push(&headers, &body.bytes);
     if let Some(p) = &pubsub {
@@ -158,7 +158,7 @@ async fn consume(
     let envelope = match crate::transport::delivered_envelope(pubsub.as_ref(), &body.bytes) {
         Ok(e) => e,
         // A poison message from an authenticated sender: quarantine it and acknowledge, so
-        // the queue does not redeliver it for ever (DESIGN §5).
+        // the queue does not redeliver it for ever (docs/design.md §5).
         Err(why) => return quarantine_and_ack(&state, &body, &why, &caller).await,
     };
     let outcome = execute::execute(

@@ -1,5 +1,5 @@
 //! The HTTP surface: routes, authentication, problem+json errors, and the thin trigger and
-//! consume handlers (DESIGN §4, §5). `openapi.yaml` describes exactly [`ROUTES`]; a test keeps
+//! consume handlers (docs/design.md §4, §5). `openapi.yaml` describes exactly [`ROUTES`]; a test keeps
 //! them in step.
 
 pub mod answer;

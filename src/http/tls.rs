@@ -1,4 +1,4 @@
-//! HTTPS certificate reload: on SIGHUP and when the files change (DESIGN §8 deploys rotate
+//! HTTPS certificate reload: on SIGHUP and when the files change (docs/design.md §8 deploys rotate
 //! certificates by replacing files, e.g. a Kubernetes secret volume or certbot).
 //!
 //! axum-server swaps the rustls configuration atomically for new handshakes; connections already

@@ -4,7 +4,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::PgPool;
 
-/// One audit row: self-contained evidence of what happened to one item in one run (DESIGN §2.9).
+/// One audit row: self-contained evidence of what happened to one item in one run (docs/design.md §2.9).
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct AuditRow {
     /// Position in the append-only log; also the pagination cursor.

@@ -1,4 +1,4 @@
-//! A command's state changes (DESIGN §2.4-§2.7): leased for external calls, succeeded with its
+//! A command's state changes (docs/design.md §2.4-§2.7): leased for external calls, succeeded with its
 //! audit rows, held, quarantined with a dead letter, or scheduled for another attempt. Each runs
 //! in the caller's transaction, which holds the command row's lock (taken by `FOR UPDATE` when
 //! the command was loaded), so two executions cannot both change it.
@@ -260,7 +260,7 @@ pub async fn append_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Res
     Ok(())
 }
 
-/// Holds a command (DESIGN §14): pending again with `attempts` (its try given back), checked
+/// Holds a command (docs/design.md §14): pending again with `attempts` (its try given back), checked
 /// again after `recheck_seconds`; the time since the last check is credited to its age budget.
 /// A push command is marked due for publishing: a queue must bring it back (the relay skips it
 /// while its hold lasts, see [`super::released`]). Returns whether the hold began now (the

@@ -1,5 +1,5 @@
 //! Dead letters: what was quarantined, why, with its attempt history; and the operator's two
-//! acts on it, redrive and abandon (DESIGN §2.13), each recorded in the operator log.
+//! acts on it, redrive and abandon (docs/design.md §2.13), each recorded in the operator log.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;

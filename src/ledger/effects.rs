@@ -1,4 +1,4 @@
-//! Effect rows (DESIGN §2.4): one per (policy, scope, item), opened `calling` before an external
+//! Effect rows (docs/design.md §2.4): one per (policy, scope, item), opened `calling` before an external
 //! call, `called` when it returned, and closed in the transaction that changes the row and writes
 //! the audit. `scope` is `''` for an effect once per item — `n` grows only when an effect closes,
 //! so the idempotency key `{policy}:{item}:{n}` is the same for every retry of one effect — and

@@ -1,4 +1,4 @@
-//! The restore and clone guard's ledger (DESIGN §14 "Holds"): the identity of the database sweeper
+//! The restore and clone guard's ledger (docs/design.md §14 "Holds"): the identity of the database sweeper
 //! serves, recorded at its first `serve` (never by a migration, so templates and copies of a
 //! migrated database are not taken for the original), and a heartbeat.
 //!

@@ -1,4 +1,4 @@
-//! The run ledger: policy versions, runs and command states (DESIGN §7).
+//! The run ledger: policy versions, runs and command states (docs/design.md §7).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -46,7 +46,7 @@ pub fn migrator() -> sqlx::migrate::Migrator {
 }
 
 /// Registers each policy's version as this replica starts. The current version of a policy is
-/// the newest registration by any replica (DESIGN §2.10): a new version, or an old one
+/// the newest registration by any replica (docs/design.md §2.10): a new version, or an old one
 /// registered again after a revert.
 ///
 /// `versions` are `(policy, version, spec)`; the spec is stored as JSON (the ledger does not
@@ -307,7 +307,7 @@ pub async fn run_specs<S: DeserializeOwned + Send + Unpin + 'static>(
 }
 
 /// Purges terminal commands that finished more than `retention_seconds` ago and have no live dead
-/// letter, with their attempts, at most `batch` per call (DESIGN §7); their contributions to
+/// letter, with their attempts, at most `batch` per call (docs/design.md §7); their contributions to
 /// their runs' counts are settled into the run rows. Runs, audit, dead letters and the operator
 /// log are never purged. Returns how many commands were purged.
 pub async fn purge_terminal_commands(

@@ -1,4 +1,4 @@
-//! The outbox of the push transports (DESIGN §8): which commands are due for publishing, marking
+//! The outbox of the push transports (docs/design.md §8): which commands are due for publishing, marking
 //! them published, and the decisions that make them due again (a push answered "not now", a
 //! publish older than the transport's `republish_after`).
 

@@ -1,8 +1,8 @@
-//! Item outcomes (DESIGN §2.8) and their counts, as the audit and the runs record them.
+//! Item outcomes (docs/design.md §2.8) and their counts, as the audit and the runs record them.
 
 use serde::Serialize;
 
-/// One item's final outcome in a command (DESIGN §2.8).
+/// One item's final outcome in a command (docs/design.md §2.8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {

@@ -1,4 +1,4 @@
-//! Dependency pauses (DESIGN §9): a dependency's "no calls before T", shared by all replicas.
+//! Dependency pauses (docs/design.md §9): a dependency's "no calls before T", shared by all replicas.
 
 use sqlx::PgPool;
 

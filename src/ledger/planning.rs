@@ -1,4 +1,4 @@
-//! Planning jobs (DESIGN §8): leased ledger rows any replica can pick up; each page writes its
+//! Planning jobs (docs/design.md §8): leased ledger rows any replica can pick up; each page writes its
 //! commands, moves the job's cursor and adds to the run's counts in the page's transaction.
 
 use std::collections::BTreeMap;

@@ -1,4 +1,4 @@
-//! The built-in queue's claims (DESIGN §8): a due built-in command is leased to one replica with
+//! The built-in queue's claims (docs/design.md §8): a due built-in command is leased to one replica with
 //! its next attempt number, which fences everything its execution writes, and given back when it
 //! cannot run now.
 

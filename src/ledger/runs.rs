@@ -1,4 +1,4 @@
-//! Creating runs (DESIGN §2.1): one run per window, and dry runs that repeat freely.
+//! Creating runs (docs/design.md §2.1): one run per window, and dry runs that repeat freely.
 
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
@@ -149,8 +149,8 @@ pub struct Recorded {
 
 /// Adds a command's result to its own row (its contribution to the run's counts; the caller's
 /// transaction holds the command row's lock) and reads what the run needs to decide next. The
-/// run row is not touched: workers of one run do not queue on it (DESIGN §7's pending counter is
-/// replaced by counting, see `sweeper.run_totals`).
+/// run row is not touched: workers of one run do not queue on it (no command writes its run's
+/// row, docs/design.md §7; the totals are summed when read, see `sweeper.run_totals`).
 pub async fn record_command(
     conn: &mut PgConnection,
     d: &CommandDone<'_>,

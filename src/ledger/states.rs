@@ -1,4 +1,4 @@
-//! The states of the ledger's rows as types (DESIGN §7): a command's state and a run's status.
+//! The states of the ledger's rows as types (docs/design.md §7): a command's state and a run's status.
 //! SQL inside `ledger/` writes the same names; code outside reads them through these.
 
 /// A command's state.

@@ -1,4 +1,4 @@
-//! Holds at planning (DESIGN §14 "Holds"): the governor holds planning pages too (they read the
+//! Holds at planning (docs/design.md §14 "Holds"): the governor holds planning pages too (they read the
 //! target table), and the blast-radius guard judges a guarded run's planned count at the end of
 //! planning, before anything executes.
 

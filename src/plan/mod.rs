@@ -1,4 +1,4 @@
-//! Planning: turns a run into bounded commands, one keyset page per transaction (DESIGN §2.11, §8).
+//! Planning: turns a run into bounded commands, one keyset page per transaction (docs/design.md §2.11, §8).
 //!
 //! Each planning job is a leased ledger row any replica can pick up. A page reads at most
 //! `planning.page_rows` rows of the target in key order after the persisted cursor, applies the
@@ -14,7 +14,7 @@
 //! the cursor is met again there, and the run's planned keys (written in the page's transaction)
 //! keep it out of a second command. Either way every eligible key lands in at most one command;
 //! a row whose timestamp moves back behind the timestamp walk's cursor is left to the closure
-//! check and the next run (DESIGN §14).
+//! check and the next run (docs/design.md §14).
 
 mod batches;
 pub mod estimate;
@@ -413,7 +413,7 @@ async fn held_at_end(
     Ok(())
 }
 
-/// The held reason of rows whose timestamp is NULL: never eligible (DESIGN §2.3), kept.
+/// The held reason of rows whose timestamp is NULL: never eligible (docs/design.md §2.3), kept.
 pub const NULL_TIMESTAMP: &str = "null_timestamp";
 /// The held reason of rows whose key is NULL (a nullable key column): no command can name them.
 pub const NULL_KEY: &str = "null_key";

@@ -44,7 +44,7 @@ impl Scanned {
 
 /// One bounded scan along `path` after `cursor`: at most `page_rows` rows, and, for keys of
 /// variable width (text), of those only as many as fit PAGE_KEY_BYTES of keys (always at least
-/// one), so a page stays bounded in bytes too (DESIGN §2.11). Fixed-width keys (bigint,
+/// one), so a page stays bounded in bytes too (docs/design.md §2.11). Fixed-width keys (bigint,
 /// integer, uuid: at most 16 bytes) cannot reach the budget and skip the byte count.
 pub(super) async fn scan_page(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,

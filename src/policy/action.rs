@@ -1,4 +1,4 @@
-//! Actions with external calls (DESIGN §2.3, §2.4, §9), as configured and validated: `http` calls
+//! Actions with external calls (docs/design.md §2.3, §2.4, §9), as configured and validated: `http` calls
 //! a dependency's API per item, `object_store` deletes an object per item; afterwards the row is
 //! deleted, stamped, or left. The calls themselves are [`crate::execute::call`]'s.
 

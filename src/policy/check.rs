@@ -1,4 +1,4 @@
-//! Checking policies against the database (DESIGN §6), for `sweeper check-config` and start-up:
+//! Checking policies against the database (docs/design.md §6), for `sweeper check-config` and start-up:
 //! tables and columns exist; the key is `bigint`, `integer`, `uuid` or `text` and unique; the
 //! timestamp is `timestamptz` (or `timestamp` with `timestamp_zone`); exclusion values cast to
 //! their column's type; indexes support the scans; foreign keys that reference the target are

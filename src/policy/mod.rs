@@ -2,9 +2,9 @@
 //!
 //! A [`Policy`] is parsed from configuration once; a `Policy` that exists is valid. The part that
 //! decides eligibility and the action is its [`PolicySpec`]; the spec's hash is the policy
-//! version (DESIGN §6). Specs are stored in `sweeper.policy_versions`, so a run can always be
+//! version (docs/design.md §6). Specs are stored in `sweeper.policy_versions`, so a run can always be
 //! executed under its pinned version, and the stricter rule wins when the configuration changes
-//! mid-run (DESIGN §2.10, see [`RuleSet::effective`]).
+//! mid-run (docs/design.md §2.10, see [`RuleSet::effective`]).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -71,7 +71,7 @@ pub struct Policy {
     pub after_allows_dead_letters: bool,
 }
 
-/// A policy's production-safety controls (DESIGN §14 "Holds"), validated.
+/// A policy's production-safety controls (docs/design.md §14 "Holds"), validated.
 #[derive(Debug, Clone, Default)]
 pub struct Safety {
     /// Active hours; `None`: any hour.
@@ -394,7 +394,7 @@ impl Policy {
         })
     }
 
-    /// The run's cutoff for `window`: `window − retain_for` (DESIGN §2.2); the window itself for a
+    /// The run's cutoff for `window`: `window − retain_for` (docs/design.md §2.2); the window itself for a
     /// selection policy.
     pub fn cutoff(&self, window: chrono::DateTime<chrono::Utc>) -> chrono::DateTime<chrono::Utc> {
         window - chrono::TimeDelta::seconds(self.spec.retain_for_seconds)

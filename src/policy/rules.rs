@@ -1,4 +1,4 @@
-//! The rules that decide eligibility at the moment of the effect (DESIGN §2.3, §2.10): the
+//! The rules that decide eligibility at the moment of the effect (docs/design.md §2.3, §2.10): the
 //! target, the cutoff and every exclusion, turned into SQL with bound parameters.
 
 use super::*;
@@ -84,7 +84,7 @@ impl Held {
 }
 
 impl RuleSet {
-    /// The stricter of the pinned and the current version (DESIGN §2.10): exclusions are the
+    /// The stricter of the pinned and the current version (docs/design.md §2.10): exclusions are the
     /// union, a selection policy's predicates are the union too (a row must satisfy both
     /// versions' `select`), the cutoff is the earlier of the run's and `window − current
     /// retain_for`. A current
@@ -168,7 +168,7 @@ impl RuleSet {
     }
 
     /// For an action with external calls: also hold every item whose effect is open in another
-    /// run of `policy` (reason `effect_open`, DESIGN §2.4). Planning and execution both apply it.
+    /// run of `policy` (reason `effect_open`, docs/design.md §2.4). Planning and execution both apply it.
     pub fn with_effects(mut self, policy: &str, run_id: &str) -> Self {
         if self.action.dependency().is_some() {
             self.effects = Some((policy.to_string(), run_id.to_string()));
@@ -263,7 +263,7 @@ impl RuleSet {
     }
 
     /// Pushes a `CASE` giving the first matching exclusion's reason, or NULL when none holds the
-    /// row. A NULL in a value-tested column protects the row as `unknown:{column}` (DESIGN §2.3).
+    /// row. A NULL in a value-tested column protects the row as `unknown:{column}` (docs/design.md §2.3).
     pub fn push_excluded_reason(&self, q: &mut QueryBuilder<'_, Postgres>) {
         if self.exclude.is_empty() && self.effects.is_none() {
             q.push("null::text");

@@ -1,4 +1,4 @@
-//! A policy's production-safety controls (DESIGN §14 "Holds"), as written and validated: active
+//! A policy's production-safety controls (docs/design.md §14 "Holds"), as written and validated: active
 //! hours, the pace, the blast-radius guard and the governor's per-policy marks. They are not part
 //! of the policy's version: they decide when its work runs, never what it does, so changing them
 //! never re-pins or holds a run.

@@ -1,5 +1,5 @@
 //! A policy's spec: the part that decides eligibility and the action, whose hash is the
-//! policy version (DESIGN §6), and the transport of its commands.
+//! policy version (docs/design.md §6), and the transport of its commands.
 
 use super::*;
 
@@ -16,7 +16,7 @@ pub struct Target {
     pub timestamp_zone: Option<String>,
 }
 
-/// One exclusion: rows it matches are never acted on (DESIGN §2.3).
+/// One exclusion: rows it matches are never acted on (docs/design.md §2.3).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Exclusion {
     /// The reason recorded when it holds a row (defaults to the column name).
@@ -123,7 +123,7 @@ impl PolicySpec {
     }
 }
 
-/// How commands of a policy reach `/consume` (DESIGN §8).
+/// How commands of a policy reach `/consume` (docs/design.md §8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Transport {

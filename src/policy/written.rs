@@ -69,7 +69,7 @@ pub struct PolicyConfig {
     pub governor: Option<crate::governor::MarksConfig>,
 }
 
-/// `retry = { ... }`: how failed commands are retried (DESIGN §2.7).
+/// `retry = { ... }`: how failed commands are retried (docs/design.md §2.7).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetryConfig {

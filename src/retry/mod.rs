@@ -1,4 +1,4 @@
-//! The one failure classification (DESIGN §2.7), decided near the source of an error and read by
+//! The one failure classification (docs/design.md §2.7), decided near the source of an error and read by
 //! the retry logic only, and the retry delay.
 
 mod reset;
@@ -21,7 +21,7 @@ pub enum FailureClass {
     /// Another attempt cannot help: quarantine now.
     Permanent,
     /// Not the command's fault, and not for an attempt to fix: the target cannot be acted on as
-    /// configured right now. The work is *held* (DESIGN §14): no attempt and no budget spent,
+    /// configured right now. The work is *held* (docs/design.md §14): no attempt and no budget spent,
     /// never quarantined, re-checked every `consume.retry_after`.
     Held(HoldKind),
 }
@@ -55,7 +55,7 @@ pub enum HoldKind {
 
 impl HoldKind {
     /// Every kind, in the precedence order a run's `held` object follows when several apply
-    /// (DESIGN §14: identity, suspended, approval, after, active hours, governor, pace; the schema
+    /// (docs/design.md §14: identity, suspended, approval, after, active hours, governor, pace; the schema
     /// holds sit after approval). `suspended` is a policy state, not a command hold.
     pub const ALL: [HoldKind; 8] = [
         HoldKind::Identity,
@@ -200,7 +200,7 @@ pub struct Budget {
     pub backoff: Backoff,
 }
 
-/// What the ledger does with a try that failed (DESIGN §2.7, §14), decided from the failure,
+/// What the ledger does with a try that failed (docs/design.md §2.7, §14), decided from the failure,
 /// the attempt it ran as and the command's budget alone.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Decision {

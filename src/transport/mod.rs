@@ -1,4 +1,4 @@
-//! Transports (DESIGN §8): how commands reach `/consume`. The built-in queue's workers are in
+//! Transports (docs/design.md §8): how commands reach `/consume`. The built-in queue's workers are in
 //! [`crate::app::worker`]; this module holds what the push transports share — the envelope a
 //! message carries, a command to publish, a publish failure, and the `Publisher` seam with one
 //! implementation per queue API (Pub/Sub, QStash) — and the push protocols themselves.
@@ -13,7 +13,7 @@ use crate::policy::Transport;
 pub mod pubsub;
 pub mod qstash;
 
-/// The built-in envelope: identity only, never data (DESIGN §2.12).
+/// The built-in envelope: identity only, never data (docs/design.md §2.12).
 ///
 /// ```json
 /// {"command_id": "ticket-retention:2026-11-29T02:00:00Z:0", "publish_generation": 1}
@@ -51,12 +51,12 @@ pub struct Outbound {
 }
 
 impl Outbound {
-    /// The dedup id sent to the queue: `{command_id}:{generation}` (DESIGN §8).
+    /// The dedup id sent to the queue: `{command_id}:{generation}` (docs/design.md §8).
     pub fn dedup_id(&self) -> String {
         format!("{}:{}", self.command_id, self.generation)
     }
 
-    /// The message body: the built-in envelope, identity only (DESIGN §2.12).
+    /// The message body: the built-in envelope, identity only (docs/design.md §2.12).
     pub fn envelope(&self) -> serde_json::Value {
         serde_json::json!({"command_id": self.command_id, "run_id": self.run_id,
                            "schema_version": 1, "publish_generation": self.generation})

@@ -1,10 +1,10 @@
-//! The Google Cloud Pub/Sub transport (DESIGN §5, §8).
+//! The Google Cloud Pub/Sub transport (docs/design.md §5, §8).
 //!
 //! Commands of a `transport = "pubsub"` policy are published by the outbox relay
 //! ([`crate::relay`]) through the REST `:publish` API; the topic's push subscription delivers them
 //! to `/consume`, which recognises the push envelope parsed here.
 //!
-//! Messages carry identity only (DESIGN §2.12): `data` is the built-in envelope as JSON, and the
+//! Messages carry identity only (docs/design.md §2.12): `data` is the built-in envelope as JSON, and the
 //! attributes repeat `command_id` and `publish_generation`.
 
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! The Upstash QStash transport (DESIGN §5, §8): request signatures and publishing.
+//! The Upstash QStash transport (docs/design.md §5, §8): request signatures and publishing.
 //!
 //! **Deliveries** carry `Upstash-Signature`, a compact HS256 JWT signed with the current signing
 //! key, or during a rotation the next one (Upstash docs, `qstash/features/security.mdx`; the

@@ -271,7 +271,7 @@ TOKENS = {"READ": "ops:read", "WRITE": "ops:write", "TRIGGER_BACKFILL": "trigger
 
 def schemathesis_toml(ids):
     """The configuration: OPERATIONS, the seeded ids as dictionaries, and the one exception to
-    negative_data_rejection DESIGN §5 makes (a body that is no envelope, from an authenticated
+    negative_data_rejection docs/design.md §5 makes (a body that is no envelope, from an authenticated
     sender, is quarantined and acknowledged with 200 so no queue redelivers it for ever)."""
     out = ["[warnings]", "fail-on = false", ""]
     for name, values in ids.items():

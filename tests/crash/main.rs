@@ -1,4 +1,4 @@
-//! Crash tests (DESIGN §12): the real `sweeper serve` process is aborted at named crash points
+//! Crash tests (docs/design.md §12): the real `sweeper serve` process is aborted at named crash points
 //! (`SWEEPER_CRASH_AT`, compiled in by the `failpoints` feature), restarted, and time is moved
 //! past leases with the ledger's test clock. The durable end state must be exact: every planned
 //! command terminal, every eligible row deleted once, one audit outcome per item, no held row

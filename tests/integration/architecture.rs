@@ -1,4 +1,4 @@
-//! The layers of DESIGN §14, checked on the source: no import cycle between the top-level
+//! The layers of docs/design.md §14, checked on the source: no import cycle between the top-level
 //! modules of `src/`, `src/ledger/` the only code that writes the ledger's tables, and no file
 //! over 500 lines nor function over 80 without a one-line reason (`// Over 80 lines: ...`).
 //! (`cargo test --features failpoints --test integration architecture` is the command.)

@@ -423,8 +423,8 @@ async fn reverting_a_configuration_makes_the_reverted_version_current_again() {
     assert_eq!(a.wait_terminal(&run_id).await["status"], "completed");
 }
 
-/// The run row is not written per command (DESIGN §7's pending counter is replaced by counting
-/// the run's commands): a session holding the run row locked delays only the run's completion,
+/// The run row is not written per command (docs/design.md §7: its totals are summed from its
+/// commands): a session holding the run row locked delays only the run's completion,
 /// never its commands. Before, every command updated the run row under its lock and waited here.
 #[tokio::test]
 async fn commands_execute_while_their_run_row_is_locked_and_the_last_completes_the_run() {

@@ -187,7 +187,7 @@ async fn slow_clients_are_cut_off_and_change_nothing() {
 
 /// Property: whatever bytes an authenticated sender POSTs to `/consume` (random bytes, and valid
 /// generic envelopes and Pub/Sub pushes mutated by flips, cuts and splices, with and without the
-/// unwrapped-push header), the answer is one of DESIGN §5's (200 with a known `result`, 404
+/// unwrapped-push header), the answer is one of docs/design.md §5's (200 with a known `result`, 404
 /// `unknown-command`, 503 `not-now`) or 413 for an oversized body; errors are problem+json; and
 /// the ledger stays consistent: every quarantined body is a dead letter, audit rows belong only
 /// to commands that succeeded. Seeded, so a failure reproduces.

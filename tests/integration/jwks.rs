@@ -95,7 +95,7 @@ token_env = "CARGO_PKG_DESCRIPTION"
 }
 
 /// The status `/consume` answers for `token`: 200 means accepted (an authenticated push of a
-/// command the ledger does not know is acknowledged, DESIGN §5).
+/// command the ledger does not know is acknowledged, docs/design.md §5).
 async fn consume_status(app: &TestApp, token: &str) -> u16 {
     app.client
         .post(format!("{}/consume", app.base))

@@ -1,4 +1,4 @@
-//! Production safety (DESIGN §14 "Holds"): active hours, the blast-radius guard's approval, the
+//! Production safety (docs/design.md §14 "Holds"): active hours, the blast-radius guard's approval, the
 //! restore and clone guard, the governor on a real open snapshot, and the pace across two
 //! replicas. Every test asserts the durable end state: what was deleted, what the run says.
 

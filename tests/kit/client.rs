@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use reqwest::Method;
 use serde_json::{Value, json};
 
-/// Every scope sweeper knows (DESIGN §9).
+/// Every scope sweeper knows (docs/design.md §9).
 pub const ALL_SCOPES: [&str; 4] = ["trigger:*", "consume", "ops:read", "ops:write"];
 
 /// A signed HS256 token from `iss` (key `kid` = `secret`) for `subject` with `scopes`, valid

@@ -18,7 +18,7 @@ pub async fn run_status(pool: &PgPool, run_id: &str) -> String {
         .unwrap()
 }
 
-/// Whether a run status is terminal (DESIGN §3: completed, completed_with_dead_letters,
+/// Whether a run status is terminal (docs/design.md §3: completed, completed_with_dead_letters,
 /// cancelled).
 pub fn is_terminal(status: &str) -> bool {
     matches!(

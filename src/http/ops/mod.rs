@@ -1,4 +1,4 @@
-//! On-call endpoints: runs, their audit trail, policies, health (DESIGN §4). Thin handlers over
+//! On-call endpoints: runs, their audit trail, policies, health (docs/design.md §4). Thin handlers over
 //! [`crate::ledger`] and [`crate::audit`].
 
 use axum::Json;

@@ -1,4 +1,4 @@
-//! Reads of the production-safety controls (DESIGN §14 "Holds"): the governor's signals on this
+//! Reads of the production-safety controls (docs/design.md §14 "Holds"): the governor's signals on this
 //! replica and the restore and clone guard's recorded identity.
 
 use super::*;
