@@ -13,9 +13,17 @@ use crate::config::DurationSpec;
 use crate::settings::Config;
 use crate::state as app;
 
+/// The version `sweeper --version` prints: the package version and the commit it was built from.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("SWEEPER_COMMIT"),
+    ")"
+);
+
 /// sweeper: scheduled data-retention cleanup, correctly.
 #[derive(Debug, Parser)]
-#[command(name = "sweeper", version, about)]
+#[command(name = "sweeper", version = VERSION, about)]
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]
@@ -123,7 +131,24 @@ pub fn run(cli: Cli) -> ExitCode {
     }
 }
 
+/// When `path` does not exist: which file was looked for (absolute: the working directory is
+/// often not the one the operator thinks), and how to point at another.
+fn missing(path: &std::path::Path) -> Option<String> {
+    (!path.exists()).then(|| {
+        let full = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+        format!(
+            "no configuration file at {}: pass --config <file> or set SWEEPER_CONFIG \
+             (deploy/sweeper.example.toml is a complete example)",
+            full.display()
+        )
+    })
+}
+
 fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
+    if let Some(why) = missing(path) {
+        eprintln!("{why}");
+        return Err(ExitCode::from(2));
+    }
     Config::load(path).map_err(|e| {
         eprintln!("{}: {e}", path.display());
         ExitCode::from(2)
@@ -156,6 +181,11 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::CheckConfig { config } => {
             let path = config;
+            if let Some(why) = missing(&path) {
+                // The verdict is the last line, here too.
+                eprintln!("{why}; the server would refuse to start");
+                return Ok(ExitCode::from(2));
+            }
             let config = match Config::load(&path) {
                 Ok(c) => c,
                 Err(e) => {

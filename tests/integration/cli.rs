@@ -700,3 +700,51 @@ async fn the_digest_quick_start_sends_each_digest_once_and_a_second_run_reports_
         assert_eq!(reports[0][k], reports[1][k], "{k}: {reports:?}");
     }
 }
+
+#[test]
+fn a_missing_configuration_file_is_named_with_where_it_was_looked_for() {
+    let dir = std::env::temp_dir().join(format!("sweeper-no-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for args in [
+        vec!["token", "--scope", "ops:read"],
+        vec!["check-config"],
+        vec!["serve"],
+    ] {
+        let out = sweeper(&args)
+            .current_dir(&dir)
+            .env_remove("SWEEPER_CONFIG")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        let looked = dir.join("sweeper.toml");
+        assert!(
+            stderr.contains(&format!("no configuration file at {}", looked.display()))
+                && stderr.contains("--config"),
+            "{args:?}: {stderr}"
+        );
+        assert!(!stderr.contains("invalid configuration"), "{stderr}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_version_names_the_release_and_the_commit() {
+    let out = sweeper(&["--version"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success());
+    let line = stdout.trim();
+    assert!(
+        line.starts_with(&format!("sweeper {} (commit ", env!("CARGO_PKG_VERSION"))),
+        "{line}"
+    );
+    let commit = line
+        .rsplit_once("(commit ")
+        .and_then(|(_, c)| c.strip_suffix(')'))
+        .unwrap();
+    assert!(
+        commit == "unknown"
+            || (commit.len() == 12 && commit.bytes().all(|b| b.is_ascii_hexdigit())),
+        "{line}"
+    );
+}
