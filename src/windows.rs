@@ -47,6 +47,9 @@ pub struct Tick {
     pub run_id: Option<String>,
     /// Its run's cutoff (RFC 3339), when it has one.
     pub cutoff: Option<String>,
+    /// In a backfill's `skipped`: why it was left alone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub why: Option<String>,
     #[serde(skip)]
     at: DateTime<Utc>,
 }
@@ -67,6 +70,9 @@ pub struct Page {
     pub windows: Vec<Tick>,
     /// How many of them are `missed`.
     pub missed: usize,
+    /// Where the expected ticks begin: the policy's first registration (earlier windows are
+    /// listed only when they have a run).
+    pub expected_from: Option<String>,
     /// Pass as `from` for the next page; `null` on the last.
     pub next_from: Option<String>,
 }
@@ -130,6 +136,7 @@ pub async fn list(
     Ok(Page {
         policy: policy.name.as_str().to_string(),
         missed: windows.iter().filter(|t| t.status == "missed").count(),
+        expected_from: bounds.first_registered.map(window::format),
         windows,
         next_from,
     })
@@ -196,6 +203,7 @@ fn classify(
         status: status.to_string(),
         run_id: run.map(|r| r.run_id.clone()),
         cutoff: run.map(|r| window::format(r.cutoff)),
+        why: None,
         at,
     };
     if let Some(run) = runs.iter().find(|r| r.window_at == at) {
@@ -238,8 +246,24 @@ pub struct Backfilled {
     pub policy: String,
     /// Runs created, in window order, each with its own window's cutoff.
     pub created: Vec<Tick>,
-    /// Windows of the request left alone, with the status that kept them.
+    /// Windows of the request left alone, each with the status that kept it and `why`.
     pub skipped: Vec<Tick>,
+    /// When nothing was created: why, for the whole request.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}
+
+/// Why a backfill leaves a window of status `status` alone (`named`: the window was named).
+fn left_alone(status: &str, named: bool) -> String {
+    match status {
+        "suspended" if !named => {
+            "the policy was suspended at this tick; name it in `windows` to create its run".into()
+        }
+        "superseded" => "a later window's completed run covers it (its later cutoff)".into(),
+        "due" => "not missed yet: its trigger may still come (early_tolerance plus an hour)".into(),
+        "not_expected" => "before the policy's first registration; name it to create it".into(),
+        s => format!("it has a run ({s})"),
+    }
 }
 
 /// Why a backfill was refused; nothing was created.
@@ -272,13 +296,34 @@ pub async fn backfill(
     {
         return Err(BackfillError::Suspended(name.to_string()));
     }
-    let (wanted, skipped) = choose(state, policy, &request).await?;
+    let (wanted, skipped, expected_from) = choose(state, policy, &request).await?;
+    let named = matches!(request, BackfillRequest::Named(_));
+    let skipped: Vec<Tick> = skipped
+        .into_iter()
+        .map(|t| Tick {
+            why: Some(left_alone(&t.status, named)),
+            ..t
+        })
+        .collect();
     let mut out = Backfilled {
         policy: name.to_string(),
         created: Vec::new(),
+        detail: None,
         skipped,
     };
     if wanted.is_empty() {
+        out.detail = Some(if out.skipped.is_empty() {
+            format!(
+                "nothing to create: the request holds no tick the schedule expected (ticks are \
+                 expected from the policy's first registration, {}); name an earlier window in \
+                 `windows` to create its run",
+                expected_from.as_deref().unwrap_or("not yet")
+            )
+        } else {
+            "nothing to create: every window of the request has a run or is not missed; each \
+             skipped window says why"
+                .into()
+        });
         return Ok(out);
     }
     let windows: Vec<String> = wanted.iter().map(|t| t.window.clone()).collect();
@@ -320,7 +365,7 @@ async fn choose(
     state: &AppState,
     policy: &Policy,
     request: &BackfillRequest,
-) -> Result<(Vec<Tick>, Vec<Tick>), BackfillError> {
+) -> Result<(Vec<Tick>, Vec<Tick>, Option<String>), BackfillError> {
     let (page, named) = match request {
         BackfillRequest::Range(from, to) => {
             if from > to {
@@ -377,5 +422,5 @@ async fn choose(
             wanted.len()
         )));
     }
-    Ok((wanted, skipped))
+    Ok((wanted, skipped, page.expected_from))
 }

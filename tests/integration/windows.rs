@@ -318,6 +318,39 @@ async fn a_backfill_before_the_first_registration_is_listed_and_never_makes_earl
         .await;
     assert_eq!(a.status, 200, "{}", a.body);
     assert_eq!(a.body["created"], json!([]), "{}", a.body);
+    // It says why: each window it left alone, and the request as a whole.
+    let skipped = a.body["skipped"].as_array().unwrap();
+    assert!(
+        skipped
+            .iter()
+            .all(|t| t["why"].as_str().is_some_and(|w| w.starts_with("it has a run"))),
+        "{}",
+        a.body
+    );
+    assert!(
+        a.body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("every window of the request has a run or is not missed"),
+        "{}",
+        a.body
+    );
+    let a = app
+        .api
+        .backfill(
+            "support-digest-cleanup",
+            json!({ "from": "2025-01-06T09:00:00Z", "to": "2025-02-24T09:00:00Z" }),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(
+        a.body["detail"].as_str().unwrap().contains(
+            "holds no tick the schedule expected (ticks are expected from the policy's first \
+             registration, 2026-09-07T09:01:00Z)"
+        ),
+        "{}",
+        a.body
+    );
     let page = app.api.windows("support-digest-cleanup", "").await;
     assert_eq!(
         statuses(&page),
