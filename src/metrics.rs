@@ -17,7 +17,7 @@ use crate::retry::FailureClass;
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
-/// Every series `GET /metrics` exports (the README lists the same), each present from start-up:
+/// Every series `GET /metrics` exports (docs/metrics.md lists the same), each present from start-up:
 /// process counters at 0 for every label value known then (attempt outcomes and classes, the
 /// configured dependencies), ledger-wide values for every state, status and configured policy.
 /// Only `sweeper_held_at_planning` has a series per reason a run actually held.

@@ -6,7 +6,7 @@
 # instead of running them. Read the commands it prints, and check them against the current gcloud
 # reference, before the first real run.
 #
-# What it does, in order (README "Deploy on Google Cloud"):
+# What it does, in order (docs/transports-and-deployment.md, "Deploy on Google Cloud"):
 #   1. service accounts sweeper-run (the service), sweeper-scheduler (Scheduler's OIDC tokens),
 #      sweeper-push (the push subscription's OIDC tokens);
 #   2. optionally (BUILD_IMAGE=1) an Artifact Registry repository, and the image built from

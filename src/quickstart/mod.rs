@@ -210,7 +210,7 @@ impl Demo {
         }
     }
 
-    /// With `exit`, stops the server; else prints the variables the README's on-call runbook
+    /// With `exit`, stops the server; else prints the variables the on-call runbook (docs/on-call.md)
     /// uses (`SWEEPER_URL`, `SWEEPER_TOKEN`, `RUN` = `run_id`), writes this session's
     /// configuration (its random secret included, mode 0600) so a longer-lived token can be
     /// minted against it, prints `hints` (curl lines) and serves until Ctrl-C.
@@ -231,7 +231,7 @@ impl Demo {
             println!("  export RUN={run_id}");
             println!(
                 "The token lasts 1 h and this session's signing secret is random; a longer one \
-                 (the README's \"On call\" runbook then works as written):"
+                 (the runbook of docs/on-call.md then works as written):"
             );
             // This very binary, by its absolute path: the line works from any directory.
             let exe = std::env::current_exe()

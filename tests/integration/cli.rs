@@ -624,10 +624,13 @@ async fn every_documented_series_is_exported_from_start_up() {
     let server = serve_process_with(&db.url, "UTC", &policies).await;
     let text = Client::new(&server.base, String::new()).metrics().await;
     drop(server);
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let page =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/metrics.md")).unwrap();
     for series in sweeper::metrics::SERIES {
-        assert!(readme.contains(series), "README does not document {series}");
+        assert!(
+            page.contains(series),
+            "docs/metrics.md does not document {series}"
+        );
         if *series == "sweeper_held_at_planning" {
             continue; // one series per reason a run held: none yet
         }

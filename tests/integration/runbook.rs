@@ -1,17 +1,17 @@
-//! The README's on-call runbook, run verbatim with bash, curl and jq against a live server
-//! with a real failure (a foreign key that refuses the delete of one eligible ticket), each
-//! answer checked.
+//! The on-call runbook (`docs/on-call.md`), run verbatim with bash, curl and jq against a live
+//! server: first with nothing to look at, then with a real failure (a foreign key that refuses
+//! the delete of one eligible ticket), each answer checked.
 
 use crate::common::*;
 
-/// The commands of the fenced block after the README's `<!-- runbook: -->` marker: comment
-/// lines dropped, each remaining line one command (the block has no continuations).
+/// The commands of the fenced block after the `<!-- runbook: -->` marker of `docs/on-call.md`:
+/// comment lines dropped, each remaining line one command (the block has no continuations).
 fn runbook_commands() -> Vec<String> {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
-        .expect("README.md");
-    let after = readme
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/on-call.md"))
+        .expect("docs/on-call.md");
+    let after = page
         .split_once("<!-- runbook:")
-        .expect("the README marks its runbook")
+        .expect("docs/on-call.md marks its runbook")
         .1;
     let block = after
         .split_once("```sh\n")
@@ -28,7 +28,7 @@ fn runbook_commands() -> Vec<String> {
 }
 
 #[tokio::test]
-async fn the_readme_runbook_answers_which_run_why_whether_replay_is_safe_and_redrives() {
+async fn the_on_call_runbook_answers_which_run_why_whether_replay_is_safe_and_redrives() {
     let commands = runbook_commands();
     assert_eq!(commands.len(), 5, "{commands:#?}");
     assert!(
@@ -39,6 +39,22 @@ async fn the_readme_runbook_answers_which_run_why_whether_replay_is_safe_and_red
     );
 
     let app = ticket_app("", "", TICKETS_WITH_CHILD).await;
+    // Nothing to look at yet: the first command says so rather than printing nothing.
+    let mut first = std::process::Command::new("bash");
+    first
+        .args(["-euo", "pipefail", "-c", &commands[0]])
+        .env("SWEEPER_URL", &app.base)
+        .env("SWEEPER_TOKEN", app.ops_token());
+    let out = tokio::task::spawn_blocking(move || first.output())
+        .await
+        .unwrap()
+        .expect("bash runs");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "no run needs attention",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let eligible = seed_mixed(&app.pool, 20, at("2026-09-01T02:00:00Z")).await;
     let (run_id, _) = run_with_blocked_item(&app, eligible[0]).await;
 

@@ -321,9 +321,9 @@ async fn a_backfill_before_the_first_registration_is_listed_and_never_makes_earl
     // It says why: each window it left alone, and the request as a whole.
     let skipped = a.body["skipped"].as_array().unwrap();
     assert!(
-        skipped
-            .iter()
-            .all(|t| t["why"].as_str().is_some_and(|w| w.starts_with("it has a run"))),
+        skipped.iter().all(|t| t["why"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("it has a run"))),
         "{}",
         a.body
     );
