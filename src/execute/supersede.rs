@@ -46,7 +46,7 @@ async fn supersede_in(
     completed_run: Option<&str>,
 ) -> sqlx::Result<Vec<String>> {
     let mut done = Vec::new();
-    for c in ledger::runs::supersedable(tx, completed_run, 100).await? {
+    for c in ledger::supersede::supersedable(tx, completed_run, 100).await? {
         // A policy this replica does not know, or a selection policy, is left alone.
         let Some(p) = state.config.policy(&c.policy) else {
             continue;
@@ -62,7 +62,7 @@ async fn supersede_in(
              window; this run executed nothing while held: {why}",
             c.by_run
         );
-        if ledger::runs::supersede(tx, &c, &reason).await? {
+        if ledger::supersede::supersede(tx, &c, &reason).await? {
             info!(run_id = c.run_id, by = c.by_run, "run superseded");
             done.push(c.run_id);
         }

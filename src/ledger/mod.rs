@@ -26,6 +26,7 @@ pub mod planning;
 pub mod queue;
 pub mod runs;
 pub mod states;
+pub mod supersede;
 pub mod windows;
 
 pub(crate) use holds::LIVE_HOLD_KINDS;
