@@ -122,3 +122,41 @@ async fn the_on_call_runbook_answers_which_run_why_whether_replay_is_safe_and_re
     assert!(history["audit"][0]["outcome"].is_string());
     assert!(history["history_complete_since"].is_null());
 }
+
+/// The lines of the runbook's "More" block that look up one open dead letter of `$RUN`.
+fn dead_letter_lookup() -> Vec<String> {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/on-call.md"))
+        .expect("docs/on-call.md");
+    let more = page.split_once("### More").expect("a More section").1;
+    more.lines()
+        .filter(|l| l.starts_with("DL=") || l.starts_with("if [ -z \"$DL\" ]"))
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test]
+async fn the_dead_letter_lookup_says_when_a_run_has_none() {
+    let lines = dead_letter_lookup();
+    assert_eq!(lines.len(), 2, "{lines:#?}");
+    let app = ticket_app("", "", TICKETS).await;
+    seed_mixed(&app.pool, 20, at("2026-09-01T02:00:00Z")).await;
+    let (run_id, _) = app.planned_run().await;
+    app.drain().await;
+    app.wait_terminal(&run_id).await;
+    let mut bash = std::process::Command::new("bash");
+    bash.args(["-euo", "pipefail", "-c", &lines.join("\n")])
+        .env("SWEEPER_URL", &app.base)
+        .env("SWEEPER_TOKEN", app.ops_token())
+        .env("RUN", &run_id);
+    let out = tokio::task::spawn_blocking(move || bash.output())
+        .await
+        .unwrap()
+        .expect("bash runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.trim(), format!("no open dead letter in {run_id}"));
+}
