@@ -64,17 +64,25 @@ pub async fn trigger(
     dry_run: bool,
     principal: &Principal,
 ) -> Result<TriggerOutcome, TriggerError> {
-    if let Some(ps) =
-        crate::ledger::control::policy_state(&state.pool, policy.name.as_str()).await?
-        && ps.suspended
-    {
-        return Ok(TriggerOutcome::Suspended(ps));
-    }
+    let suspended = crate::ledger::control::policy_state(&state.pool, policy.name.as_str())
+        .await?
+        .filter(|ps| ps.suspended);
     let mut conn = state.pool.acquire().await?;
     let arrival = ledger::now(&mut conn).await?;
     let tolerance = policy.early_tolerance.delta();
     let horizon = arrival + tolerance;
-    let window = resolve_window(policy, &hints, horizon)?;
+    let resolved = resolve_window(policy, &hints, horizon);
+    if let Some(ps) = suspended {
+        // A repeat of a trigger whose run exists is answered with that run (held: suspended);
+        // otherwise nothing is created, whatever the window.
+        if let (false, Ok(window)) = (dry_run, &resolved)
+            && let Some(run) = existing_run(&mut conn, policy, *window).await?
+        {
+            return Ok(TriggerOutcome::Existing(run));
+        }
+        return Ok(TriggerOutcome::Suspended(ps));
+    }
+    let window = resolved?;
     if !policy.schedule.is_tick(window) {
         return Err(TriggerError::BadWindow(format!(
             "window {} is not a tick of the schedule `{}` ({})",
@@ -96,20 +104,8 @@ pub async fn trigger(
         .unwrap_or(window);
     let backfill = window < latest - tolerance;
 
-    if !dry_run {
-        let existing = sqlx::query_scalar::<_, String>(
-            "select run_id from sweeper.runs where policy = $1 and window_at = $2 and not dry_run",
-        )
-        .bind(policy.name.as_str())
-        .bind(window)
-        .fetch_optional(&mut *conn)
-        .await?;
-        if let Some(run_id) = existing {
-            let run = ledger::get_run(&mut conn, &run_id)
-                .await?
-                .expect("run just seen");
-            return Ok(TriggerOutcome::Existing(run));
-        }
+    if !dry_run && let Some(run) = existing_run(&mut conn, policy, window).await? {
+        return Ok(TriggerOutcome::Existing(run));
     }
     if backfill && !principal.has("ops:write") {
         return Err(TriggerError::Forbidden(format!(
@@ -135,6 +131,25 @@ pub async fn trigger(
         state.wake_planner.notify_waiters();
     }
     Ok(outcome)
+}
+
+/// The live run of `policy` for `window`, if it has one.
+async fn existing_run(
+    conn: &mut sqlx::PgConnection,
+    policy: &Policy,
+    window: chrono::DateTime<chrono::Utc>,
+) -> Result<Option<ledger::Run>, TriggerError> {
+    let existing = sqlx::query_scalar::<_, String>(
+        "select run_id from sweeper.runs where policy = $1 and window_at = $2 and not dry_run",
+    )
+    .bind(policy.name.as_str())
+    .bind(window)
+    .fetch_optional(&mut *conn)
+    .await?;
+    match existing {
+        Some(run_id) => Ok(ledger::get_run(conn, &run_id).await?),
+        None => Ok(None),
+    }
 }
 
 fn resolve_window(

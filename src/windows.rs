@@ -311,6 +311,18 @@ pub async fn backfill(
         detail: None,
         skipped,
     };
+    // A range that starts before the registration: its earlier ticks were not expected.
+    let unexpected = match (
+        &request,
+        expected_from.as_deref().and_then(window::parse_rfc3339),
+    ) {
+        (BackfillRequest::Range(from, _), Some(reg)) if *from < reg => format!(
+            "; ticks before the policy's first registration ({}) were not expected and are not \
+             listed: name one in `windows` to create its run",
+            window::format(reg)
+        ),
+        _ => String::new(),
+    };
     if wanted.is_empty() {
         out.detail = Some(if out.skipped.is_empty() {
             format!(
@@ -320,9 +332,10 @@ pub async fn backfill(
                 expected_from.as_deref().unwrap_or("not yet")
             )
         } else {
-            "nothing to create: every window of the request has a run or is not missed; each \
-             skipped window says why"
-                .into()
+            format!(
+                "nothing to create: every window of the request has a run or is not missed; each \
+                 skipped window says why{unexpected}"
+            )
         });
         return Ok(out);
     }

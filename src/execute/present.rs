@@ -18,7 +18,7 @@ pub struct PresentState {
     pub cutoff: chrono::DateTime<chrono::Utc>,
     /// Whether the row exists.
     pub present: bool,
-    /// Old enough (and selected, for a selection policy) now.
+    /// Old enough (and selected, for a selection policy) now; null when the row is absent.
     pub old_enough: Option<bool>,
     /// The exclusion that holds it now, if any (`legal_hold`, `unknown:{column}`, ...).
     pub held_by: Option<String>,
@@ -60,7 +60,8 @@ pub async fn present_state(
         state.checked_types.get(policy),
     )
     .map_err(|h| h.into_failure())?
-    .with_effects(policy, "");
+    .with_effects(policy, "")
+    .evaluated_now();
     let mut q = rules.classify_select();
     q.push(" where ");
     rules.push_key_in(&mut q, vec![item_key.to_string()]);

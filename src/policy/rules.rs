@@ -20,6 +20,9 @@ pub struct RuleSet {
     /// Whose cutoff [`RuleSet::cutoff`] is: the run's (`None`), or the current version's when
     /// its `retain_for` is longer (stricter) than the pinned one's.
     pub stricter_cutoff: Option<StricterCutoff>,
+    /// Whose cutoff it is, said in a `younger_than_cutoff` reason when no stricter one applies
+    /// (`the run's cutoff`, or for a live evaluation `the cutoff of a run starting now`).
+    cutoff_of: &'static str,
     /// The pinned action.
     pub action: ActionSpec,
     /// `(policy, run_id)`: hold items whose effect is open in another run of the policy.
@@ -160,11 +163,19 @@ impl RuleSet {
             select,
             window,
             stricter_cutoff,
+            cutoff_of: "the run's cutoff",
             action: pinned.action.clone(),
             effects: None,
             key_type,
             column_types,
         })
+    }
+
+    /// Rules evaluated now rather than for a run (a record's present state): a younger row's
+    /// reason names the cutoff of a run starting now.
+    pub fn evaluated_now(mut self) -> Self {
+        self.cutoff_of = "the cutoff of a run starting now";
+        self
     }
 
     /// For an action with external calls: also hold every item whose effect is open in another
@@ -232,7 +243,7 @@ impl RuleSet {
                 "the cutoff of the current version {}, stricter than the run's",
                 s.version
             ),
-            None => "the run's cutoff".to_string(),
+            None => self.cutoff_of.to_string(),
         };
         format!(
             "younger_than_cutoff: {} >= {}, {whose}",

@@ -583,7 +583,8 @@ async fn a_record_kept_at_planning_is_answered_by_its_present_state_and_the_runs
     assert_eq!(h["present_state"]["old_enough"], false, "{h}");
     let why = h["present_state"]["not_eligible_reason"].as_str().unwrap();
     assert!(
-        why.starts_with("younger_than_cutoff: closed_at >= 2026-06-04T02:01:"),
+        why.starts_with("younger_than_cutoff: closed_at >= 2026-06-04T02:01:")
+            && why.ends_with(", the cutoff of a run starting now"),
         "{h}"
     );
     let h = app

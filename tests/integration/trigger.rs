@@ -270,3 +270,37 @@ async fn authentication_and_lookup_failures_are_problem_json() {
         .unwrap();
     assert_eq!(runs, 0);
 }
+
+#[tokio::test]
+async fn a_repeat_trigger_while_suspended_answers_the_existing_run_held() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:00:30Z")),
+        ..Default::default()
+    })
+    .await;
+    // Rows to delete, and no worker: the run stays open.
+    seed_mixed(&app.pool, 20, at("2026-09-01T02:00:00Z")).await;
+    let (status, run) = app
+        .trigger("ticket-retention", "?window=2026-09-01T02:00:00Z")
+        .await;
+    assert_eq!(status, 202, "{run}");
+    app.api.suspend("ticket-retention", "maintenance").await;
+    // The window's run exists: the answer is that run, and it says what holds it.
+    let (status, again) = app
+        .trigger("ticket-retention", "?window=2026-09-01T02:00:00Z")
+        .await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["run_id"], run["run_id"], "{again}");
+    assert_eq!(again["held"]["kind"], "suspended", "{again}");
+    // A window without a run: nothing is created.
+    let (status, none) = app
+        .trigger("ticket-retention", "?window=2026-08-31T02:00:00Z")
+        .await;
+    assert_eq!(status, 200, "{none}");
+    assert_eq!(none["state"], "suspended", "{none}");
+    let runs: i64 = sqlx::query_scalar("select count(*) from sweeper.runs")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(runs, 1);
+}

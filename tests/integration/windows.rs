@@ -335,6 +335,13 @@ async fn a_backfill_before_the_first_registration_is_listed_and_never_makes_earl
         "{}",
         a.body
     );
+    assert!(
+        a.body["detail"].as_str().unwrap().contains(
+            "ticks before the policy's first registration (2026-09-07T09:01:00Z) were not expected"
+        ),
+        "{}",
+        a.body
+    );
     let a = app
         .api
         .backfill(
