@@ -56,7 +56,8 @@ pub enum TriggerError {
 /// The window is the schedule-time header when present, else `?window=`, else the latest tick at
 /// or before arrival + the early tolerance. It must be a tick; it must not be later than arrival +
 /// the early tolerance; one older than the latest tick minus the tolerance is a backfill and needs
-/// `ops:write` to create (an existing run is returned to anyone allowed to trigger).
+/// `ops:write` to create (an existing run is returned to anyone allowed to trigger). The caller
+/// wakes the planner for a created run once its answer is ready (`state.wake_planner`).
 pub async fn trigger(
     state: &AppState,
     policy: &Policy,
@@ -128,7 +129,6 @@ pub async fn trigger(
         }
         info!(run_id = %run.run_id, policy = %policy.name, window = %window::format(window),
               cutoff = %run.cutoff.to_rfc3339(), dry_run, backfill, "run created");
-        state.wake_planner.notify_waiters();
     }
     Ok(outcome)
 }

@@ -53,6 +53,7 @@ pub(super) async fn trigger_handler(
             }
             TriggerError::Db(e) => Problem::from(e),
         })?;
+    let created = matches!(outcome, TriggerOutcome::Created(_));
     let (status, run) = match outcome {
         TriggerOutcome::Created(run) => (StatusCode::ACCEPTED, run),
         TriggerOutcome::Existing(run) => (StatusCode::OK, run),
@@ -69,7 +70,13 @@ pub(super) async fn trigger_handler(
     let location = format!("/runs/{}", run.run_id);
     // What holds the run already (a restored database, a suspension, an approval, a stage, the
     // governor): a cron's log only ever sees this answer.
-    let (held, _) = crate::execute::holds::run_held(&state, &run).await?;
+    let held = crate::execute::holds::run_held(&state, &run).await;
+    // The answer is ready before planning starts (a held object failing to read does not lose
+    // the run: planning is woken either way).
+    if created {
+        state.wake_planner.notify_waiters();
+    }
+    let (held, _) = held?;
     let mut body = serde_json::to_value(&run).map_err(Problem::internal)?;
     body["held"] = held.unwrap_or(serde_json::Value::Null);
     let mut resp = (status, Json(body)).into_response();
