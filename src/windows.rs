@@ -280,6 +280,38 @@ pub enum BackfillError {
     Db(#[from] sqlx::Error),
 }
 
+/// Why a backfill created nothing, for the request as a whole: it held no expected tick
+/// (`nothing_listed`), or every window had a run or was not missed; a range that starts before
+/// the first registration (`expected_from`) says its earlier ticks were not expected.
+fn nothing_created(
+    request: &BackfillRequest,
+    expected_from: Option<&str>,
+    nothing_listed: bool,
+) -> String {
+    // A range that starts before the registration: its earlier ticks were not expected.
+    let unexpected = match (request, expected_from.and_then(window::parse_rfc3339)) {
+        (BackfillRequest::Range(from, _), Some(reg)) if *from < reg => format!(
+            "; ticks before the policy's first registration ({}) were not expected and are not \
+             listed: name one in `windows` to create its run",
+            window::format(reg)
+        ),
+        _ => String::new(),
+    };
+    if nothing_listed {
+        format!(
+            "nothing to create: the request holds no tick the schedule expected (ticks are \
+                 expected from the policy's first registration, {}); name an earlier window in \
+                 `windows` to create its run",
+            expected_from.unwrap_or("not yet")
+        )
+    } else {
+        format!(
+            "nothing to create: every window of the request has a run or is not missed; each \
+                 skipped window says why{unexpected}"
+        )
+    }
+}
+
 /// Creates the runs of the windows `request` selects, oldest first, after recording the act in
 /// the operator log. A window whose run appears meanwhile (a late trigger) is skipped.
 pub async fn backfill(
@@ -311,32 +343,12 @@ pub async fn backfill(
         detail: None,
         skipped,
     };
-    // A range that starts before the registration: its earlier ticks were not expected.
-    let unexpected = match (
-        &request,
-        expected_from.as_deref().and_then(window::parse_rfc3339),
-    ) {
-        (BackfillRequest::Range(from, _), Some(reg)) if *from < reg => format!(
-            "; ticks before the policy's first registration ({}) were not expected and are not \
-             listed: name one in `windows` to create its run",
-            window::format(reg)
-        ),
-        _ => String::new(),
-    };
     if wanted.is_empty() {
-        out.detail = Some(if out.skipped.is_empty() {
-            format!(
-                "nothing to create: the request holds no tick the schedule expected (ticks are \
-                 expected from the policy's first registration, {}); name an earlier window in \
-                 `windows` to create its run",
-                expected_from.as_deref().unwrap_or("not yet")
-            )
-        } else {
-            format!(
-                "nothing to create: every window of the request has a run or is not missed; each \
-                 skipped window says why{unexpected}"
-            )
-        });
+        out.detail = Some(nothing_created(
+            &request,
+            expected_from.as_deref(),
+            out.skipped.is_empty(),
+        ));
         return Ok(out);
     }
     let windows: Vec<String> = wanted.iter().map(|t| t.window.clone()).collect();
