@@ -27,6 +27,30 @@ fn runbook_commands() -> Vec<String> {
         .collect()
 }
 
+/// Runs `script` with `bash -euo pipefail` against `app`, with `SWEEPER_URL`, a token of every
+/// scope as `SWEEPER_TOKEN` and `RUN` (when given), off the runtime's thread (the server under
+/// test answers on it); asserts it succeeded and returns its stdout.
+async fn run_bash(app: &TestApp, script: &str, run: Option<&str>) -> String {
+    let mut bash = std::process::Command::new("bash");
+    bash.args(["-euo", "pipefail", "-c", script])
+        .env("SWEEPER_URL", &app.base)
+        .env("SWEEPER_TOKEN", app.ops_token());
+    if let Some(run) = run {
+        bash.env("RUN", run);
+    }
+    let out = tokio::task::spawn_blocking(move || bash.output())
+        .await
+        .unwrap()
+        .expect("bash runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 #[tokio::test]
 async fn the_on_call_runbook_answers_which_run_why_whether_replay_is_safe_and_redrives() {
     let commands = runbook_commands();
@@ -40,21 +64,8 @@ async fn the_on_call_runbook_answers_which_run_why_whether_replay_is_safe_and_re
 
     let app = ticket_app("", "", TICKETS_WITH_CHILD).await;
     // Nothing to look at yet: the first command says so rather than printing nothing.
-    let mut first = std::process::Command::new("bash");
-    first
-        .args(["-euo", "pipefail", "-c", &commands[0]])
-        .env("SWEEPER_URL", &app.base)
-        .env("SWEEPER_TOKEN", app.ops_token());
-    let out = tokio::task::spawn_blocking(move || first.output())
-        .await
-        .unwrap()
-        .expect("bash runs");
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim(),
-        "no run needs attention",
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let first = run_bash(&app, &commands[0], None).await;
+    assert_eq!(first.trim(), "no run needs attention");
     let eligible = seed_mixed(&app.pool, 20, at("2026-09-01T02:00:00Z")).await;
     let (run_id, _) = run_with_blocked_item(&app, eligible[0]).await;
 
@@ -64,22 +75,7 @@ async fn the_on_call_runbook_answers_which_run_why_whether_replay_is_safe_and_re
         .iter()
         .map(|c| format!("{c}\necho '=== step'\n"))
         .collect();
-    let mut bash = std::process::Command::new("bash");
-    bash.args(["-euo", "pipefail", "-c", &script])
-        .env("SWEEPER_URL", &app.base)
-        .env("SWEEPER_TOKEN", app.ops_token())
-        .env("RUN", &run_id);
-    // Off the runtime's thread: the server under test answers on it.
-    let out = tokio::task::spawn_blocking(move || bash.output())
-        .await
-        .unwrap()
-        .expect("bash runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.success(),
-        "{}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_bash(&app, &script, Some(&run_id)).await;
     let answers: Vec<&str> = stdout.split("=== step\n").collect();
     assert_eq!(answers.len(), 6, "{stdout}");
 
@@ -143,20 +139,6 @@ async fn the_dead_letter_lookup_says_when_a_run_has_none() {
     let (run_id, _) = app.planned_run().await;
     app.drain().await;
     app.wait_terminal(&run_id).await;
-    let mut bash = std::process::Command::new("bash");
-    bash.args(["-euo", "pipefail", "-c", &lines.join("\n")])
-        .env("SWEEPER_URL", &app.base)
-        .env("SWEEPER_TOKEN", app.ops_token())
-        .env("RUN", &run_id);
-    let out = tokio::task::spawn_blocking(move || bash.output())
-        .await
-        .unwrap()
-        .expect("bash runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_bash(&app, &lines.join("\n"), Some(&run_id)).await;
     assert_eq!(stdout.trim(), format!("no open dead letter in {run_id}"));
 }

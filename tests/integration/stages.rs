@@ -59,6 +59,19 @@ after = ["support-digest"]
         )
 }
 
+/// An app at [`NOW`] with the digest, its cleanup stage and `more_policies`, over `SETUP`, two
+/// workers, calling `api`.
+async fn stages_app(api: &StandIn, more_policies: &str) -> TestApp {
+    TestApp::spawn(Spawn {
+        setup_sql: SETUP,
+        now: Some(at(NOW)),
+        policies: policies(&api.url(), "") + more_policies,
+        workers: 2,
+        ..Default::default()
+    })
+    .await
+}
+
 pub(crate) async fn items(app: &TestApp) -> i64 {
     sqlx::query_scalar("select count(*) from crm.digest_items")
         .fetch_one(&app.pool)
@@ -78,14 +91,7 @@ async fn the_cleanup_waits_for_the_digest_of_its_window_and_never_deletes_early(
         }
     })
     .await;
-    let app = TestApp::spawn(Spawn {
-        setup_sql: SETUP,
-        now: Some(at(NOW)),
-        policies: policies(&api.url(), ""),
-        workers: 2,
-        ..Default::default()
-    })
-    .await;
+    let app = stages_app(&api, "").await;
     // The cleanup is triggered first: its upstream's run does not exist yet.
     let (_, cleanup) = app.trigger("support-digest-cleanup", "").await;
     let cleanup = cleanup["run_id"].as_str().unwrap().to_string();
@@ -241,14 +247,7 @@ then = "nothing"
 #[tokio::test]
 async fn a_held_cleanup_a_later_completed_week_covers_is_superseded_and_a_selection_never_is() {
     let api = StandIn::start(Duration::ZERO, |_, _| ok()).await;
-    let app = TestApp::spawn(Spawn {
-        setup_sql: SETUP,
-        now: Some(at(NOW)),
-        policies: policies(&api.url(), "") + FOLLOW_UP,
-        workers: 2,
-        ..Default::default()
-    })
-    .await;
+    let app = stages_app(&api, FOLLOW_UP).await;
     const W1: &str = "2026-09-07T09:00:00Z";
     // Week 1: the digest is cancelled before it runs; the cleanup and the follow-up wait.
     app.api.suspend("support-digest", "hold the digest").await;
@@ -321,14 +320,7 @@ async fn a_held_cleanup_a_later_completed_week_covers_is_superseded_and_a_select
 #[tokio::test]
 async fn housekeeping_supersedes_a_held_run_created_after_the_later_week_completed() {
     let api = StandIn::start(Duration::ZERO, |_, _| ok()).await;
-    let app = TestApp::spawn(Spawn {
-        setup_sql: SETUP,
-        now: Some(at(NOW)),
-        policies: policies(&api.url(), ""),
-        workers: 2,
-        ..Default::default()
-    })
-    .await;
+    let app = stages_app(&api, "").await;
     let digest = app.api.trigger_new("support-digest", "").await;
     app.api
         .cancel_run(&digest, "the provider is down this week")
