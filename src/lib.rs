@@ -6,11 +6,13 @@
 pub mod app;
 pub mod auth;
 pub mod cli;
+pub mod completion;
 pub mod config;
 pub mod dependency;
 pub mod execute;
 pub mod failpoints;
 pub mod governor;
+pub mod holds;
 pub mod http;
 pub mod ledger;
 pub mod metrics;

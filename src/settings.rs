@@ -124,6 +124,12 @@ pub struct Config {
 pub struct ConfigError(pub Vec<String>);
 
 impl Config {
+    /// Seconds between two checks of held work: `consume.retry_after`, at least 5 s (every check
+    /// is a claim, a catalog read and a rollback; a push command is republished each time).
+    pub fn hold_recheck_seconds(&self) -> u64 {
+        (self.consume.retry_after.seconds() as u64).max(5)
+    }
+
     /// Loads `path` (TOML), applies environment overrides and validates the result.
     ///
     /// Errors list every problem with its path, e.g.

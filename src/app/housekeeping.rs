@@ -75,7 +75,7 @@ pub async fn housekeeping_once(state: &AppState) -> sqlx::Result<u64> {
     // Runs a stage holds that a later completed window covers (normally superseded when that
     // run completed; a failure there, or a run planned later, is caught here).
     let mut tx = state.pool.begin().await?;
-    let superseded = crate::execute::supersede_covered(state, &mut tx, None).await;
+    let superseded = crate::completion::supersede_covered(state, &mut tx, None).await;
     tx.commit().await?;
     if !superseded.is_empty() {
         info!(
@@ -153,7 +153,7 @@ pub async fn complete_done_runs(state: &AppState) -> sqlx::Result<u64> {
         drop(conn);
         // One run that cannot complete now (its row locked) must not stop the others, nor the
         // rest of housekeeping.
-        match crate::execute::complete_run(state, &run_id, rules.as_ref()).await {
+        match crate::completion::complete_run(state, &run_id, rules.as_ref()).await {
             Ok(Some(_)) => n += 1,
             Ok(None) => {}
             Err(e) => {

@@ -100,7 +100,7 @@ async fn safety_loop(state: AppState, shutdown: CancellationToken) {
         if any_governed {
             state.governor.refresh(&state.pool, &governed).await;
         }
-        crate::execute::holds::watch(&state, &mut seen);
+        crate::holds::watch(&state, &mut seen);
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}

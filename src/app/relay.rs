@@ -63,7 +63,7 @@ pub async fn relay_once(
         publisher.transport().as_str(),
         RELAY_BATCH,
         publisher.horizon_seconds(),
-        &crate::execute::holds::held_policies(state),
+        &crate::holds::held_policies(state),
     )
     .await
     .map_err(db)?;

@@ -36,7 +36,7 @@ pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<(String, i32)>, F
         state.replica_id,
         state.config.queue.lease.seconds() as f64,
         limit,
-        &execute::holds::held_policies(state),
+        &crate::holds::held_policies(state),
     )
     .await
     .map_err(|e| Failure::from_db(&e))

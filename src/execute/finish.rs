@@ -61,7 +61,7 @@ pub(crate) async fn complete_after(
         return recorded.status;
     }
     crate::crash_point!("consume_before_completion");
-    match complete_run(state, run_id, rules).await {
+    match crate::completion::complete_run(state, run_id, rules).await {
         Ok(Some(status)) => status,
         Ok(None) => recorded.status,
         Err(e) => {
@@ -69,80 +69,6 @@ pub(crate) async fn complete_after(
             recorded.status
         }
     }
-}
-
-/// Completes `run_id` if it is done, with the closure check when `rules` are given, in one
-/// transaction. `Some(status)` when this call completed it.
-pub(crate) async fn complete_run(
-    state: &AppState,
-    run_id: &str,
-    rules: Option<&RuleSet>,
-) -> sqlx::Result<Option<String>> {
-    let mut tx = state.pool.begin().await?;
-    // A session holding the run row (an operator's psql) must not hold up the answer of the
-    // command that asks: past a second, housekeeping completes the run instead.
-    sqlx::query("set local lock_timeout = '1s'")
-        .execute(&mut *tx)
-        .await?;
-    let Some((status, seconds)) = ledger::runs::complete_if_done(&mut tx, run_id).await? else {
-        tx.rollback().await?;
-        return Ok(None);
-    };
-    if status == ledger::RunStatus::Completed.as_str() {
-        super::supersede::supersede_covered(state, &mut tx, Some(run_id)).await;
-    }
-    if let Some(rules) = rules {
-        // The count must never keep the run from completing: on a table where it outlasts the
-        // statement timeout, the run completes without it (`remaining_eligible` stays null).
-        let mut check = sqlx::Connection::begin(&mut *tx).await?;
-        let cap = state.config.planning.closure_check_cap;
-        match record_closure_check(&mut check, run_id, rules, cap).await {
-            Ok(()) => check.commit().await?,
-            Err(e) => {
-                check.rollback().await?;
-                warn!(run_id, error = %e, "the closure check failed; the run completes without it");
-            }
-        }
-    }
-    tx.commit().await?;
-    info!(run_id, status, "run completed");
-    if let (false, Some(seconds)) = (run_id.contains(":dry-"), seconds) {
-        crate::metrics::run_completed(policy_of(run_id), seconds);
-    }
-    Ok(Some(status))
-}
-
-/// The closure check: how many rows are still eligible under the run's rules, counted up to
-/// `cap` so the statement stays bounded on huge tables. Expected 0 for a completed real run;
-/// dry runs skip it (`remaining_eligible` stays null: they change nothing to check).
-pub async fn record_closure_check(
-    conn: &mut PgConnection,
-    run_id: &str,
-    rules: &RuleSet,
-    cap: i64,
-) -> sqlx::Result<()> {
-    // Rows without a key are held (`null_key`, counted at planning), not remaining. The bare
-    // `timestamp < cutoff` lets an index on the timestamp find the few rows left (the eligibility
-    // predicate's `coalesce` cannot use it, and a completed run expects none).
-    let remaining: i64 = rules
-        .capped_count(cap, |q| {
-            rules.push_has_key(q);
-            q.push(" and ");
-            rules.push_timestamp(q);
-            q.push(" < ");
-            q.push_bind(rules.cutoff);
-            q.push(" and ");
-            rules.push_eligible(q);
-            rules.push_not_done_in_window(q);
-        })
-        .build_query_scalar()
-        .fetch_one(&mut *conn)
-        .await?;
-    let stricter = rules
-        .stricter_cutoff
-        .as_ref()
-        .map(|s| (s.cutoff, s.version.as_str()));
-    ledger::runs::set_remaining_eligible(conn, run_id, remaining, cap, stricter).await
 }
 
 /// Item-level dead letters for the items that failed in this command (in its transaction). An
@@ -365,7 +291,7 @@ impl<'a> Failed<'a> {
 }
 
 /// Holds a command (docs/design.md §14): pending again, its attempt given back, checked again after
-/// `recheck` seconds (default [`hold_recheck_seconds`]); the time since the last check is
+/// `recheck` seconds (default [`crate::settings::Config::hold_recheck_seconds`]); the time since the last check is
 /// credited to its age budget. Commits `tx`.
 pub(super) async fn hold_command(
     state: &AppState,
@@ -380,7 +306,7 @@ pub(super) async fn hold_command(
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
     let recheck = recheck
-        .unwrap_or_else(|| hold_recheck_seconds(state))
+        .unwrap_or_else(|| state.config.hold_recheck_seconds())
         .max(1);
     let began = ledger::commands::hold(
         &mut tx,
@@ -478,15 +404,4 @@ async fn schedule_retry(
         },
         retry_after_seconds: delay.ceil() as u64,
     })
-}
-
-/// Seconds between two checks of held work: `consume.retry_after`, at least 5 s (every check
-/// is a claim, a catalog read and a rollback; a push command is republished each time).
-pub fn hold_recheck_seconds(state: &AppState) -> u64 {
-    (state.config.consume.retry_after.seconds() as u64).max(5)
-}
-
-/// The policy of a run id `{policy}:{window}[:dry-{n}]`.
-fn policy_of(run_id: &str) -> &str {
-    run_id.split(':').next().unwrap_or(run_id)
 }

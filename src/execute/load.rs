@@ -29,7 +29,7 @@ pub(super) async fn load(
     let after = if c.dry_run {
         None
     } else {
-        holds::after_hold(state, tx, &c.policy, c.window_at).await?
+        crate::holds::after_hold(state, tx, &c.policy, c.window_at).await?
     };
     if let Some(step) = held(state, &c, executor, pace_wait, after) {
         *seen = None;
@@ -307,7 +307,7 @@ fn held(
     if let Some(why) = after {
         return hold(HoldKind::After, why, None);
     }
-    if let Some(h) = holds::policy_hold(state, &c.policy) {
+    if let Some(h) = crate::holds::policy_hold(state, &c.policy) {
         let recheck = h
             .until
             .map(|t| (t - Utc::now()).num_seconds().max(1) as u64);

@@ -13,19 +13,13 @@ mod delete;
 mod envelope;
 pub mod external;
 mod finish;
-pub mod holds;
 mod load;
 pub mod present;
 mod store;
-mod supersede;
 
 pub use envelope::{RAW_BODY_LIMIT, quarantine_envelope};
-pub(crate) use finish::{
-    complete_after, complete_run, finish_in_run, record_failure, record_item_dead_letters,
-};
-pub use finish::{hold_recheck_seconds, record_closure_check};
+pub(crate) use finish::{complete_after, finish_in_run, record_failure, record_item_dead_letters};
 pub use load::slot_lock_key;
-pub(crate) use supersede::supersede_covered;
 
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
@@ -269,7 +263,7 @@ async fn pace(state: &AppState, command_id: &str) -> Result<f64, Failure> {
     let Some(rate) = policy.safety.max_items_per_second else {
         return Ok(0.0);
     };
-    if holds::policy_hold(state, policy.name.as_str()).is_some() {
+    if crate::holds::policy_hold(state, policy.name.as_str()).is_some() {
         return Ok(0.0);
     }
     let reserved = ledger::queue::reserve_pace(&state.pool, command_id, policy.name.as_str(), rate)

@@ -70,7 +70,7 @@ pub(super) async fn trigger_handler(
     let location = format!("/runs/{}", run.run_id);
     // What holds the run already (a restored database, a suspension, an approval, a stage, the
     // governor): a cron's log only ever sees this answer.
-    let held = crate::execute::holds::run_held(&state, &run).await;
+    let held = crate::holds::run_held(&state, &run).await;
     // The answer is ready before planning starts (a held object failing to read does not lose
     // the run: planning is woken either way).
     if created {

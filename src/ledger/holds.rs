@@ -6,7 +6,7 @@ use sqlx::PgPool;
 /// Hold kinds each replica decides from its view of the present (the governor, active hours): a
 /// command's or planning job's recorded marker of one tells when the hold reached it, not that it
 /// still holds. Readers of the ledger's holds leave these out and take them from
-/// [`crate::execute::holds::policy_hold`], so a run's `held` and the gauges describe the present
+/// [`crate::holds::policy_hold`], so a run's `held` and the gauges describe the present
 /// within one governor tick. An SQL list, for `held_kind not in ...`.
 pub(crate) const LIVE_HOLD_KINDS: &str = "('governor', 'active_hours')";
 

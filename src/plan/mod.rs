@@ -141,7 +141,7 @@ async fn plan_next_job_until(
 
 /// Records that planning `run_id` is held (its target's schema does not match, or the policy
 /// changed its target): not a failure, so `failures` stays; the job is tried again after
-/// [`crate::execute::hold_recheck_seconds`], with the table's columns read afresh.
+/// [`crate::settings::Config::hold_recheck_seconds`], with the table's columns read afresh.
 async fn hold_job(state: &AppState, run_id: &str, token: Uuid, f: &Failure) {
     let crate::retry::FailureClass::Held(kind) = f.class else {
         return;
@@ -151,7 +151,7 @@ async fn hold_job(state: &AppState, run_id: &str, token: Uuid, f: &Failure) {
     {
         state.catalog.forget(&p.spec.target.table);
     }
-    let recheck = crate::execute::hold_recheck_seconds(state);
+    let recheck = state.config.hold_recheck_seconds();
     let r = ledger::planning::hold(
         &state.pool,
         run_id,
@@ -366,7 +366,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         // Every command may already be terminal (or there are none): the run is complete if so,
         // decided after the commit like a command's end (see `execute::complete_after`).
         let rules = (!job.dry_run).then_some(&rules);
-        if let Err(e) = crate::execute::complete_run(state, run_id, rules).await {
+        if let Err(e) = crate::completion::complete_run(state, run_id, rules).await {
             warn!(run_id, error = %e, "completing the run failed; housekeeping will complete it");
         }
     }

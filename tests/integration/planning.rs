@@ -379,7 +379,7 @@ async fn a_replica_without_the_policy_leaves_its_planning_job_and_says_so_on_the
         .unwrap()
         .unwrap();
     drop(conn);
-    let (held, _) = sweeper::execute::holds::run_held(&a, &run).await.unwrap();
+    let (held, _) = sweeper::holds::run_held(&a, &run).await.unwrap();
     let held = held.unwrap();
     assert_eq!(held["kind"], "policy_changed", "{held}");
     let detail = held["detail"].as_str().unwrap();
@@ -408,7 +408,7 @@ async fn a_replica_without_the_policy_leaves_its_planning_job_and_says_so_on_the
         .unwrap();
     drop(conn);
     assert!(run.planning_done);
-    let (held, approval) = sweeper::execute::holds::run_held(&a, &run).await.unwrap();
+    let (held, approval) = sweeper::holds::run_held(&a, &run).await.unwrap();
     assert!(held.is_none(), "{held:?}");
     assert_eq!(approval["state"], "not_required", "{approval}");
     let sizes: Vec<i32> =

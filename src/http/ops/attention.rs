@@ -69,7 +69,7 @@ fn reason(
                 "held ({k}): {}",
                 f.held_reason.as_deref().unwrap_or("")
             ));
-        } else if let Some(h) = crate::execute::holds::policy_hold(state, &run.policy) {
+        } else if let Some(h) = crate::holds::policy_hold(state, &run.policy) {
             kind = Some(h.kind.as_str());
             parts.push(format!("held ({}): {}", h.kind.as_str(), h.detail));
         }

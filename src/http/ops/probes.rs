@@ -152,7 +152,7 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
     }
     let (mut hours, mut governor) = (Vec::new(), Vec::new());
     for p in &policies {
-        match crate::execute::holds::policy_hold(&state, p).map(|h| h.kind) {
+        match crate::holds::policy_hold(&state, p).map(|h| h.kind) {
             Some(crate::retry::HoldKind::ActiveHours) => hours.push(p.to_string()),
             Some(_) => governor.push(p.to_string()),
             None => {}

@@ -141,7 +141,7 @@ pub async fn get_run(
     .bind(&run_id)
     .fetch_optional(&state.pool)
     .await?;
-    let (held, approval) = crate::execute::holds::run_held(&state, &run).await?;
+    let (held, approval) = crate::holds::run_held(&state, &run).await?;
     let stricter = stricter_cutoff(&state, &run).await?;
     let verdict = replay_verdict(&state, &run_id).await?;
     let retrying = ledger::attention::retrying(&state.pool, &run_id, RETRYING_SHOWN).await?;

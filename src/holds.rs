@@ -186,8 +186,7 @@ pub async fn run_held(
     }
     if !run.dry_run {
         let mut conn = state.pool.acquire().await?;
-        if let Some(why) =
-            crate::execute::holds::after_hold(state, &mut conn, policy, run.window_at).await?
+        if let Some(why) = crate::holds::after_hold(state, &mut conn, policy, run.window_at).await?
         {
             return Ok((held("after", why, Some(a.created_at)), approval_body));
         }
@@ -195,7 +194,7 @@ pub async fn run_held(
     if let Some(r) = recorded.as_ref().filter(|r| configuration(r)) {
         return Ok((Some(r.clone()), approval_body));
     }
-    let now = crate::execute::holds::policy_hold(state, policy).and_then(|h| {
+    let now = crate::holds::policy_hold(state, policy).and_then(|h| {
         let mut v = held(h.kind.as_str(), h.detail, Some(h.since.max(a.created_at)))?;
         v["until"] = json!(h.until);
         Some(v)
