@@ -70,7 +70,7 @@ pub fn watch(state: &AppState, seen: &mut std::collections::HashMap<String, Hold
         match (policy_hold(state, name), seen.get(name).copied()) {
             (Some(h), before) if before != Some(h.kind) => {
                 tracing::info!(policy = name, kind = h.kind.as_str(), reason = %h.detail, "policy's work held");
-                crate::metrics::hold_started(h.kind.as_str());
+                crate::metrics::hold_started(h.kind);
                 seen.insert(name.to_string(), h.kind);
             }
             (None, Some(kind)) => {
@@ -104,18 +104,17 @@ pub async fn after_hold(
     Ok(crate::policy::stages::waits_for(p, &upstream, &status))
 }
 
-/// The run's `held` object (docs/design.md §14): the first hold that applies, in precedence order —
-/// the identity guard, the policy's suspension, the blast-radius guard's approval, a stage's
-/// upstream runs (`after`), then what its
-/// commands or planning job recorded (schema, policy change, active hours, governor, pace), then
-/// what this replica sees now (active hours, the governor) — or null; and its `approval` object
-/// (null when its policy has no guard).
-// Over 80 lines: the run's holds in docs/design.md §14's precedence, each an early return that shares
-// the one `held` shape.
+/// The run's `held` object (docs/design.md §14): its first hold in the one precedence
+/// ([`crate::ledger::first_hold`]) among the identity guard, the policy's suspension, what its
+/// commands or planning job recorded (schema, policy change, a stage, the pace), the
+/// blast-radius guard's approval, a stage's upstream runs (`after`) and what this replica sees
+/// now (active hours, the governor) — or null; and its `approval` object (null when its policy
+/// has no guard).
 pub async fn run_held(
     state: &AppState,
     run: &crate::ledger::Run,
 ) -> sqlx::Result<(Option<serde_json::Value>, serde_json::Value)> {
+    use crate::ledger::{Approval, HoldKind};
     let (run_id, policy, status) = (
         run.run_id.as_str(),
         run.policy.as_str(),
@@ -132,72 +131,68 @@ pub async fn run_held(
     if crate::ledger::is_terminal_run_status(status) {
         return Ok((None, approval_body));
     }
-    // The same shape as a recorded hold's; a run-wide hold holds every unfinished command. An
-    // expected wait (active hours) is never overdue.
+    // The same shape as a recorded hold's; a run-wide hold holds every unfinished command.
     let alert = chrono::TimeDelta::seconds(state.config.ledger.hold_alert_after.seconds());
     let (unfinished, now) = crate::ledger::runs::unfinished_commands(&state.pool, run_id).await?;
-    let held = |kind: &str, detail: String, since: Option<chrono::DateTime<chrono::Utc>>| {
-        let overdue = kind != "active_hours" && since.is_some_and(|s| s < now - alert);
+    let held = |kind: HoldKind, detail: String, since: Option<DateTime<Utc>>| {
+        let overdue = !kind.is_expected() && since.is_some_and(|s| s < now - alert);
         // The governor holds planning pages too.
-        let planning = kind == "governor" && status == "planning";
-        Some(json!({"kind": kind, "detail": detail, "since": since,
-                    "held_commands": unfinished, "planning_held": planning, "overdue": overdue}))
+        let planning = kind == HoldKind::Governor && status == "planning";
+        Some((
+            kind,
+            json!({"kind": kind.as_str(), "detail": detail, "since": since,
+                   "held_commands": unfinished, "planning_held": planning, "overdue": overdue}),
+        ))
     };
-    if let Some((since, why)) = crate::ledger::identity::held(&state.pool).await? {
-        return Ok((held("identity", why, Some(since)), approval_body));
-    }
-    if let Some(ps) = crate::ledger::control::policy_state(&state.pool, policy).await?
-        && ps.suspended
-    {
-        let detail = format!(
-            "policy {policy} is suspended by {}: {}",
-            ps.changed_by, ps.reason
-        );
-        return Ok((held("suspended", detail, ps.suspended_at), approval_body));
-    }
+    let identity = crate::ledger::identity::held(&state.pool)
+        .await?
+        .and_then(|(since, why)| held(HoldKind::Identity, why, Some(since)));
+    let suspended = crate::ledger::control::policy_state(&state.pool, policy)
+        .await?
+        .filter(|ps| ps.suspended)
+        .and_then(|ps| {
+            let detail = format!(
+                "policy {policy} is suspended by {}: {}",
+                ps.changed_by, ps.reason
+            );
+            held(HoldKind::Suspended, detail, ps.suspended_at)
+        });
     let recorded = crate::ledger::run_hold(
         &state.pool,
         run_id,
         state.config.ledger.hold_alert_after.seconds(),
     )
-    .await?;
-    // A schema or policy-change hold comes before this replica's view and before a guard that
-    // waits for the plan (it is what keeps the plan from finishing); a recorded pace hold after
-    // it (so the object keeps its shape and `until`).
-    let configuration =
-        |r: &serde_json::Value| matches!(r["kind"].as_str(), Some("schema" | "policy_changed"));
-    match approval.as_deref() {
-        Some("awaiting_plan") => {
-            if let Some(r) = recorded.as_ref().filter(|r| configuration(r)) {
-                return Ok((Some(r.clone()), approval_body));
-            }
+    .await?
+    .and_then(|r| r["kind"].as_str().and_then(HoldKind::parse).map(|k| (k, r)));
+    let guard = match approval.as_deref().and_then(Approval::parse) {
+        Some(Approval::AwaitingPlan) => {
             let detail = "the blast-radius guard decides when planning is done".to_string();
-            return Ok((held("approval", detail, Some(a.created_at)), approval_body));
+            held(HoldKind::Approval, detail, Some(a.created_at))
         }
-        Some("required") => {
+        Some(Approval::Required) => {
             let why = verdict
                 .as_ref()
                 .and_then(|v| v["reason"].as_str())
                 .unwrap_or("over the blast-radius guard");
             let detail = format!("{why}; approve with POST /runs/{{id}}/approve, or cancel");
-            return Ok((held("approval", detail, changed_at), approval_body));
+            held(HoldKind::Approval, detail, changed_at)
         }
-        _ => {}
-    }
-    if !run.dry_run {
+        _ => None,
+    };
+    let after = if run.dry_run {
+        None
+    } else {
         let mut conn = state.pool.acquire().await?;
-        if let Some(why) = crate::holds::after_hold(state, &mut conn, policy, run.window_at).await?
-        {
-            return Ok((held("after", why, Some(a.created_at)), approval_body));
-        }
-    }
-    if let Some(r) = recorded.as_ref().filter(|r| configuration(r)) {
-        return Ok((Some(r.clone()), approval_body));
-    }
-    let now = crate::holds::policy_hold(state, policy).and_then(|h| {
-        let mut v = held(h.kind.as_str(), h.detail, Some(h.since.max(a.created_at)))?;
+        after_hold(state, &mut conn, policy, run.window_at)
+            .await?
+            .and_then(|why| held(HoldKind::After, why, Some(a.created_at)))
+    };
+    let live = policy_hold(state, policy).and_then(|h| {
+        let (kind, mut v) = held(h.kind, h.detail, Some(h.since.max(a.created_at)))?;
         v["until"] = json!(h.until);
-        Some(v)
+        Some((kind, v))
     });
-    Ok((now.or(recorded), approval_body))
+    // What this replica reads now comes before a recorded marker of the same kind.
+    let first = crate::ledger::first_hold([identity, suspended, guard, after, live, recorded]);
+    Ok((first.map(|(_, v)| v), approval_body))
 }

@@ -71,23 +71,10 @@ const ATTEMPT_LABELS: &[(&str, &str)] = &[
     ("quarantined", "permanent"),
 ];
 
-/// Kinds of `sweeper_holds_total`: every hold kind, `suspended` included.
-const HOLD_KINDS: &[&str] = &[
-    "identity",
-    "suspended",
-    "approval",
-    "after",
-    "schema",
-    "policy_changed",
-    "active_hours",
-    "governor",
-    "pace",
-];
-
 /// Counts a hold that began on this replica (`sweeper_holds_total{kind}`): a command held, or a
 /// policy's work held by the governor or its active hours.
-pub fn hold_started(kind: &str) {
-    counter!("sweeper_holds_total", "kind" => kind.to_string()).increment(1);
+pub fn hold_started(kind: crate::ledger::HoldKind) {
+    counter!("sweeper_holds_total", "kind" => kind.as_str()).increment(1);
 }
 
 /// Results of `sweeper_dependency_calls_total`.
@@ -118,8 +105,8 @@ pub fn register(dependencies: &[String], policies: &[String]) {
         counter!("sweeper_attempts_total", "outcome" => *outcome, "class" => *class).increment(0);
     }
     counter!("sweeper_consume_shed_total").increment(0);
-    for kind in HOLD_KINDS {
-        counter!("sweeper_holds_total", "kind" => *kind).increment(0);
+    for kind in crate::ledger::HoldKind::ALL.map(crate::ledger::HoldKind::as_str) {
+        counter!("sweeper_holds_total", "kind" => kind).increment(0);
     }
     counter!("sweeper_consume_unknown_commands_total").increment(0);
     for d in dependencies {
@@ -294,49 +281,7 @@ pub async fn render(
     )
     .fetch_all(pool)
     .await?;
-    // Held work: non-terminal commands and planning jobs, by the kind their run shows (the
-    // identity guard and the approval hold every command of their runs; active hours and the
-    // governor every command of their policies, recorded or not).
-    let held_work_sql = format!(
-        "with i as (select held_since from sweeper.database_identity where held_since is not null),
-              h as (
-             select c.run_id, case when exists (select 1 from i) then 'identity'
-                         when ps.suspended then 'suspended'
-                         when r.approval in ('awaiting_plan', 'required') then 'approval'
-                         when c.held_kind not in {live} then c.held_kind
-                         when r.policy = any($2) then 'active_hours'
-                         else 'governor' end as held_kind,
-                    case when exists (select 1 from i) then (select held_since from i)
-                         when ps.suspended then ps.suspended_at
-                         when r.approval in ('awaiting_plan', 'required')
-                              then coalesce(r.approval_changed_at, r.created_at)
-                         else c.held_since end as held_since
-               from sweeper.commands c join sweeper.runs r using (run_id)
-               left join sweeper.policy_state ps on ps.policy = r.policy and ps.suspended
-              where c.state in ('pending', 'leased')
-                and ((c.held_since is not null and c.held_kind not in {live})
-                     or exists (select 1 from i) or ps.suspended
-                     or r.approval in ('awaiting_plan', 'required')
-                     or r.policy = any($2) or r.policy = any($3))
-             union all
-             select p.run_id, p.held_kind, p.held_since
-               from sweeper.planning_jobs p join sweeper.runs r using (run_id)
-              where p.held_since is not null and not p.done
-                and (p.held_kind not in {live} or r.policy = any($2) or r.policy = any($3)))
-         select held_kind, count(*),
-                count(*) filter (where held_since < sweeper.now() - make_interval(secs => $1)
-                                   and held_kind not in ('active_hours', 'pace')),
-                extract(epoch from sweeper.now() - min(held_since))::float8,
-                count(distinct run_id)
-           from h group by held_kind",
-        live = crate::ledger::LIVE_HOLD_KINDS
-    );
-    let held_work: Vec<(String, i64, i64, Option<f64>, i64)> = sqlx::query_as(&held_work_sql)
-        .bind(hold_alert_after as f64)
-        .bind(held_policies.0)
-        .bind(held_policies.1)
-        .fetch_all(pool)
-        .await?;
+    let held_work = crate::ledger::holds::held_work(pool, hold_alert_after, held_policies).await?;
     let last: Vec<(String, f64)> = sqlx::query_as(
         "select policy, extract(epoch from max(completed_at))::float8 from sweeper.runs
           where status = 'completed' and not dry_run group by policy",
@@ -369,18 +314,12 @@ pub async fn render(
             gauge!("sweeper_runs", "status" => s).set(n as f64);
         }
         let mut oldest_held: f64 = 0.0;
-        // Every command hold kind, and a suspended policy's (a policy state, not a hold a
-        // command records).
-        let kinds = crate::retry::HoldKind::ALL
-            .map(crate::retry::HoldKind::as_str)
-            .into_iter()
-            .chain(["suspended"]);
-        for k in kinds {
-            let row = held_work.iter().find(|(hk, ..)| hk == k);
-            gauge!("sweeper_held", "kind" => k).set(row.map_or(0, |r| r.1) as f64);
-            gauge!("sweeper_held_overdue", "kind" => k).set(row.map_or(0, |r| r.2) as f64);
-            gauge!("sweeper_held_runs", "kind" => k).set(row.map_or(0, |r| r.4) as f64);
-            oldest_held = oldest_held.max(row.and_then(|r| r.3).unwrap_or(0.0));
+        for k in crate::ledger::HoldKind::ALL.map(crate::ledger::HoldKind::as_str) {
+            let row = held_work.iter().find(|h| h.kind == k);
+            gauge!("sweeper_held", "kind" => k).set(row.map_or(0, |r| r.work) as f64);
+            gauge!("sweeper_held_overdue", "kind" => k).set(row.map_or(0, |r| r.overdue) as f64);
+            gauge!("sweeper_held_runs", "kind" => k).set(row.map_or(0, |r| r.runs) as f64);
+            oldest_held = oldest_held.max(row.and_then(|r| r.oldest_seconds).unwrap_or(0.0));
         }
         gauge!("sweeper_held_oldest_age_seconds").set(oldest_held);
         for (policy, reason, n) in &held {

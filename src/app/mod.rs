@@ -72,7 +72,7 @@ pub async fn check_identity(pool: &sqlx::PgPool, config: &Config) -> anyhow::Res
         ),
         Found::Held(why) => {
             warn!(reason = %why, "every policy is held (kind identity) until POST /guard/accept");
-            crate::metrics::hold_started("identity");
+            crate::metrics::hold_started(crate::ledger::HoldKind::Identity);
         }
         Found::StillHeld(why) => {
             warn!(reason = %why, "every policy is still held (kind identity) until POST /guard/accept");

@@ -321,7 +321,7 @@ pub(super) async fn hold_command(
     tx.commit().await.map_err(db)?;
     if began {
         info!(command_id, kind = kind.as_str(), reason = %why, "command held");
-        crate::metrics::hold_started(kind.as_str());
+        crate::metrics::hold_started(kind);
     }
     Ok(ConsumeOutcome::NotNow {
         reason: format!("held ({}): {why}", kind.as_str()),

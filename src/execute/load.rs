@@ -257,10 +257,11 @@ fn gate(
     Ok(None)
 }
 
-/// The holds of docs/design.md §14 on a command the gate let through, in precedence order: the identity
-/// guard, the blast-radius guard's approval, a stage's upstream runs (`after`: why it waits),
-/// active hours, the governor, then the pace's later start (`pace_wait` seconds away). `None`:
-/// it runs now.
+/// The holds of docs/design.md §14 on a command the gate let through, the first in the one
+/// precedence ([`ledger::first_hold`]): the identity guard, the blast-radius guard's approval, a
+/// stage's upstream runs (`after`: why it waits), active hours, the governor, then the pace's
+/// later start (`pace_wait` seconds away). (A suspension was answered before; a schema or policy
+/// change is found when the rules are built.) `None`: it runs now.
 fn held(
     state: &AppState,
     c: &LockedCommand,
@@ -268,61 +269,53 @@ fn held(
     pace_wait: f64,
     after: Option<String>,
 ) -> Option<Step> {
+    let approval = c
+        .approval
+        .as_deref()
+        .and_then(ledger::Approval::parse)
+        .filter(|a| a.holds() && !c.dry_run);
+    let live = crate::holds::policy_hold(state, &c.policy);
+    let (kind, (why, recheck)) = ledger::first_hold([
+        c.identity_held
+            .clone()
+            .map(|why| (HoldKind::Identity, (why, None))),
+        approval.map(|a| {
+            let why = match a {
+                ledger::Approval::AwaitingPlan => {
+                    "the blast-radius guard decides when planning is done; nothing executes before"
+                }
+                _ => {
+                    "the run's planned count crossed the blast-radius guard: approve it with \
+                     POST /runs/{id}/approve, or cancel it"
+                }
+            };
+            (HoldKind::Approval, (why.to_string(), None))
+        }),
+        after.map(|why| (HoldKind::After, (why, None))),
+        live.map(|h| {
+            let recheck = h
+                .until
+                .map(|t| (t - Utc::now()).num_seconds().max(1) as u64);
+            (h.kind, (h.detail, recheck))
+        }),
+        (pace_wait > 0.0).then(|| {
+            let why = format!(
+                "the policy's pace (max_items_per_second) reserved a start in {pace_wait:.1} s"
+            );
+            (HoldKind::Pace, (why, Some(pace_wait.ceil() as u64)))
+        }),
+    ])?;
     // The attempt this try was counted as is given back.
     let attempts = match executor {
         Executor::Delivery => c.attempts,
         Executor::Claimed(n) => n - 1,
     };
-    let hold = |kind, why: String, recheck: Option<u64>| {
-        Some(Step::Hold(Hold {
-            kind,
-            why,
-            attempts,
-            recheck,
-        }))
-    };
-    if let Some(why) = &c.identity_held {
-        return hold(HoldKind::Identity, why.clone(), None);
-    }
-    match c.approval.as_deref() {
-        Some("awaiting_plan") if !c.dry_run => {
-            return hold(
-                HoldKind::Approval,
-                "the blast-radius guard decides when planning is done; nothing executes before"
-                    .into(),
-                None,
-            );
-        }
-        Some("required") if !c.dry_run => {
-            return hold(
-                HoldKind::Approval,
-                "the run's planned count crossed the blast-radius guard: approve it with \
-                 POST /runs/{id}/approve, or cancel it"
-                    .into(),
-                None,
-            );
-        }
-        _ => {}
-    }
-    if let Some(why) = after {
-        return hold(HoldKind::After, why, None);
-    }
-    if let Some(h) = crate::holds::policy_hold(state, &c.policy) {
-        let recheck = h
-            .until
-            .map(|t| (t - Utc::now()).num_seconds().max(1) as u64);
-        return hold(h.kind, h.detail, recheck);
-    }
-    if pace_wait > 0.0 {
-        return hold(
-            HoldKind::Pace,
-            format!(
-                "the policy's pace (max_items_per_second) reserved a start in {pace_wait:.1} s"
-            ),
-            Some(pace_wait.ceil() as u64),
-        );
-    }
-    None
+    Some(Step::Hold(Hold {
+        kind,
+        why,
+        attempts,
+        recheck,
+    }))
 }
 
 /// The rules the command runs under: the stricter of its run's pinned version and the current

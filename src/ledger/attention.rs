@@ -148,7 +148,7 @@ pub async fn facts(
                 order by c.held_since limit 1) hc on true
            left join sweeper.planning_jobs p on p.run_id = r.run_id
           where r.run_id = any($1)",
-        live = super::LIVE_HOLD_KINDS
+        live = super::live_kinds_sql()
     );
     let rows: Vec<Facts> = sqlx::query_as(&sql).bind(run_ids).fetch_all(pool).await?;
     Ok(rows.into_iter().map(|f| (f.run_id.clone(), f)).collect())

@@ -278,9 +278,15 @@ fn not_held_reason(approval: Option<&str>, status: &str, dry_run: bool) -> Strin
             "a dry run is never held (its live run's verdict is in approval.guard_verdict)".into()
         }
         None => "its policy has no blast-radius guard".into(),
-        Some("awaiting_plan") => "planning is not done; the guard decides then".into(),
-        Some("not_required") => "the run is under every limit of the guard".into(),
-        Some(a) => format!("approval {a}, status {status}"),
+        Some(a) => match super::Approval::parse(a) {
+            Some(super::Approval::AwaitingPlan) => {
+                "planning is not done; the guard decides then".into()
+            }
+            Some(super::Approval::NotRequired) => {
+                "the run is under every limit of the guard".into()
+            }
+            _ => format!("approval {a}, status {status}"),
+        },
     }
 }
 
@@ -340,8 +346,12 @@ pub async fn approve(
     let Some((approval, status, dry_run, verdict, approved_by)) = row else {
         return Err(ApproveError::NotFound(run_id.into()));
     };
-    if super::is_terminal_run_status(&status) || approval.as_deref() != Some("required") {
-        if approval.as_deref() == Some("approved") && !super::is_terminal_run_status(&status) {
+    if super::is_terminal_run_status(&status)
+        || approval.as_deref().and_then(super::Approval::parse) != Some(super::Approval::Required)
+    {
+        if approval.as_deref().and_then(super::Approval::parse) == Some(super::Approval::Approved)
+            && !super::is_terminal_run_status(&status)
+        {
             // Nothing changes, but the operator's reason is kept like every act's.
             let detail = serde_json::json!({ "already_approved_by": approved_by });
             log_operator_act(
@@ -357,7 +367,7 @@ pub async fn approve(
             tx.commit().await?;
             return Ok(Approved {
                 run_id: run_id.into(),
-                approval: "approved".into(),
+                approval: super::Approval::Approved.as_str().into(),
                 approved_by: approved_by.unwrap_or_default(),
                 guard_verdict: verdict,
             });
@@ -397,7 +407,7 @@ pub async fn approve(
     tx.commit().await?;
     Ok(Approved {
         run_id: run_id.into(),
-        approval: "approved".into(),
+        approval: super::Approval::Approved.as_str().into(),
         approved_by: subject.into(),
         guard_verdict: verdict,
     })

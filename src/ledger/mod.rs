@@ -29,9 +29,9 @@ pub mod states;
 pub mod supersede;
 pub mod windows;
 
-pub(crate) use holds::LIVE_HOLD_KINDS;
-pub use holds::run_hold;
-pub use states::{CommandState, RunStatus};
+pub use holds::{HoldKind, first_hold, run_hold};
+pub(crate) use holds::{live_kinds_sql, released};
+pub use states::{Approval, CommandState, RunStatus};
 
 /// The ledger's migrations, embedded in the binary (`migrations/`).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -192,21 +192,6 @@ pub async fn list_runs(
         .bind(limit)
         .fetch_all(pool)
         .await
-}
-
-/// An SQL condition over `sweeper.runs r`: the run's work is not held ledger-wide or run-wide —
-/// by the identity guard, its policy's suspension or the blast-radius guard's approval — nor is
-/// its policy among `held_param` (a `text[]` parameter: the policies this replica's governor or
-/// active hours hold). The built-in queue's claim and the push relay both use it, so held work
-/// is neither claimed nor published until its hold is released.
-pub(crate) fn released(held_param: &str) -> String {
-    format!(
-        "not exists (select 1 from sweeper.policy_state ps
-                      where ps.policy = r.policy and ps.suspended)
-         and not exists (select 1 from sweeper.database_identity i where i.held_since is not null)
-         and (r.approval is null or r.approval in ('approved', 'not_required'))
-         and r.policy <> all({held_param}::text[])"
-    )
 }
 
 /// Deletes the reservations of paces and global dependency rate limits older than a minute

@@ -1,4 +1,5 @@
-//! The states of the ledger's rows as types (docs/design.md §7): a command's state and a run's status.
+//! The states of the ledger's rows as types (docs/design.md §7): a command's state, a run's status
+//! and the blast-radius guard's decision on a run.
 //! SQL inside `ledger/` writes the same names; code outside reads them through these.
 
 /// A command's state.
@@ -135,5 +136,58 @@ mod tests {
         // A status a later release adds is final to this one: it never executes such a run.
         assert!(crate::ledger::is_terminal_run_status("archived"));
         assert!(!crate::ledger::is_terminal_run_status("running"));
+    }
+}
+
+/// The blast-radius guard's decision on a run (`runs.approval`; NULL: no guard, or a dry run).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Approval {
+    /// Planning is not done; the guard decides then. Nothing executes before.
+    AwaitingPlan,
+    /// The planned count crossed the guard: held until approved or cancelled.
+    Required,
+    /// An operator approved it.
+    Approved,
+    /// Under every limit of the guard.
+    NotRequired,
+}
+
+impl Approval {
+    /// Every decision.
+    pub const ALL: [Approval; 4] = [
+        Approval::AwaitingPlan,
+        Approval::Required,
+        Approval::Approved,
+        Approval::NotRequired,
+    ];
+
+    /// The name stored in `sweeper.runs.approval`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Approval::AwaitingPlan => "awaiting_plan",
+            Approval::Required => "required",
+            Approval::Approved => "approved",
+            Approval::NotRequired => "not_required",
+        }
+    }
+
+    /// The decision named `s`, if any.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.as_str() == s)
+    }
+
+    /// Whether it holds the run's commands (a hold of kind `approval`).
+    pub fn holds(self) -> bool {
+        matches!(self, Approval::AwaitingPlan | Approval::Required)
+    }
+
+    /// The decisions that hold, as an SQL list for `approval in ...`.
+    pub(crate) fn holding_sql() -> String {
+        let names: Vec<String> = Self::ALL
+            .into_iter()
+            .filter(|a| a.holds())
+            .map(|a| format!("'{}'", a.as_str()))
+            .collect();
+        format!("({})", names.join(", "))
     }
 }

@@ -41,7 +41,7 @@ pub(super) async fn guard_verdict(
     match &why {
         Some(why) if !dry_run => {
             warn!(run_id, reason = %why, "the blast-radius guard holds the run for approval");
-            crate::metrics::hold_started("approval");
+            crate::metrics::hold_started(crate::ledger::HoldKind::Approval);
         }
         Some(why) => {
             info!(run_id, reason = %why, "the blast-radius guard would hold this run's live run")

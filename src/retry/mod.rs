@@ -26,9 +26,17 @@ pub enum FailureClass {
     Held(HoldKind),
 }
 
-/// What holds work that cannot run as configured (shown as `held.kind` on a run).
+/// What holds work (shown as `held.kind` on a run). [`HoldKind::ALL`] is the one precedence every
+/// reader follows when several apply (docs/design.md §14); `crate::ledger::holds` turns it into
+/// the SQL the claim, the relay and the gauges use, and picks a run's or a command's first hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HoldKind {
+    /// The database is not the one sweeper served, or its timeline changed after a long silence
+    /// (the restore and clone guard): every policy waits for `POST /guard/accept`.
+    Identity,
+    /// An operator suspended the policy (`POST /policies/{name}/suspend`): nothing of it runs
+    /// until resumed. Read from the policy's state at each check, never recorded on a command.
+    Suspended,
     /// The target's schema does not match the policy: SQLSTATE class 42 (a dropped or renamed
     /// column, 42703, or table, 42P01; a revoked privilege, 42501), or a configured column the
     /// catalog lacks. Re-checked with the table's columns read afresh, so the work proceeds on
@@ -37,9 +45,6 @@ pub enum HoldKind {
     /// The policy's current version changes the target, timestamp or action of a run pinned
     /// to another version: an operator decides (cancel the run, or restore the policy).
     PolicyChanged,
-    /// The database is not the one sweeper served, or its timeline changed after a long silence
-    /// (the restore and clone guard): every policy waits for `POST /guard/accept`.
-    Identity,
     /// The run's planned count crossed the blast-radius guard: it waits for
     /// `POST /runs/{id}/approve` (or for planning to finish, before which it executes nothing).
     Approval,
@@ -54,14 +59,16 @@ pub enum HoldKind {
 }
 
 impl HoldKind {
-    /// Every kind, in the precedence order a run's `held` object follows when several apply
-    /// (docs/design.md §14: identity, suspended, approval, after, active hours, governor, pace; the schema
-    /// holds sit after approval). `suspended` is a policy state, not a command hold.
-    pub const ALL: [HoldKind; 8] = [
+    /// Every kind, in precedence order: the ledger's guards (identity, a suspension), then what
+    /// no approval can get past (a target that does not match, a changed policy: they keep a
+    /// plan from finishing), the blast-radius guard's approval, a stage's upstream runs, what this
+    /// replica sees now (active hours, the governor), and last the pace's reserved start.
+    pub const ALL: [HoldKind; 9] = [
         HoldKind::Identity,
-        HoldKind::Approval,
+        HoldKind::Suspended,
         HoldKind::Schema,
         HoldKind::PolicyChanged,
+        HoldKind::Approval,
         HoldKind::After,
         HoldKind::ActiveHours,
         HoldKind::Governor,
@@ -71,15 +78,41 @@ impl HoldKind {
     /// The kind's name in the ledger and JSON (`held.kind`).
     pub fn as_str(self) -> &'static str {
         match self {
+            HoldKind::Identity => "identity",
+            HoldKind::Suspended => "suspended",
             HoldKind::Schema => "schema",
             HoldKind::PolicyChanged => "policy_changed",
-            HoldKind::Identity => "identity",
             HoldKind::Approval => "approval",
             HoldKind::After => "after",
             HoldKind::ActiveHours => "active_hours",
             HoldKind::Governor => "governor",
             HoldKind::Pace => "pace",
         }
+    }
+
+    /// The kind named `s`, if any.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+
+    /// Its place in [`HoldKind::ALL`]: the lower comes first.
+    pub fn precedence(self) -> usize {
+        Self::ALL
+            .iter()
+            .position(|k| *k == self)
+            .unwrap_or(usize::MAX)
+    }
+
+    /// Decided by each replica from its view of the present (active hours, the governor): a
+    /// marker of one left on a command tells when the hold reached it, not that it still holds.
+    pub fn is_live(self) -> bool {
+        matches!(self, HoldKind::ActiveHours | HoldKind::Governor)
+    }
+
+    /// A wait that is planned, not a problem: never overdue (`held.overdue`,
+    /// `sweeper_held_overdue`), however long it lasts.
+    pub fn is_expected(self) -> bool {
+        matches!(self, HoldKind::ActiveHours | HoldKind::Pace)
     }
 }
 

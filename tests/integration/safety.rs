@@ -252,6 +252,38 @@ async fn a_run_over_the_guard_waits_for_approval_and_approve_releases_it() {
 }
 
 #[tokio::test]
+async fn a_run_awaiting_its_plans_approval_is_held_on_the_attention_list_as_the_gate_holds_it() {
+    // The gate holds a run whose guard waits for its plan; the attention list, the run and the
+    // gauges say the same: held, kind approval.
+    let app = spawn(policy_with(10, "guard = { max_items = 1000 }"), "").await;
+    eligible_tickets(&app.pool, 30).await;
+    let run_id = trigger_planned(&app).await;
+    crate::kit::ledger::force_awaiting_plan(&app.pool, &run_id).await;
+    assert_eq!(app.drain().await, 0, "the gate holds it");
+    let run = app.api.run(&run_id).await;
+    assert_eq!(run["held"]["kind"], "approval", "{run}");
+    let list = app.get_json("/runs?status=attention").await;
+    let listed = list["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["run_id"] == run_id.as_str())
+        .unwrap_or_else(|| panic!("{list}"));
+    assert_eq!(listed["held_kind"], "approval", "{listed}");
+    let reason = listed["reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with("held (approval): the blast-radius guard decides when planning is done"),
+        "{reason}"
+    );
+    let metrics = app.api.metrics().await;
+    assert!(
+        metrics.contains("sweeper_held_runs{kind=\"approval\"} 1"),
+        "{metrics}"
+    );
+    assert_eq!(remaining(&app.pool).await, 30);
+}
+
+#[tokio::test]
 async fn a_run_twenty_times_the_median_waits_and_cancel_ends_it() {
     let app = spawn(
         policy_with(10, "guard = { max_ratio = 10.0, ratio_floor = 0 }"),

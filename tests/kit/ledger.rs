@@ -260,3 +260,13 @@ pub async fn hold_concurrency_slot(db_url: &str, policy: &str, slot: i32) -> PgC
         .unwrap();
     c
 }
+
+/// Puts `run_id` back to where the blast-radius guard waits for its plan (`awaiting_plan`), as a
+/// run whose planning is not done would be.
+pub async fn force_awaiting_plan(pool: &PgPool, run_id: &str) {
+    sqlx::query("update sweeper.runs set approval = 'awaiting_plan' where run_id = $1")
+        .bind(run_id)
+        .execute(pool)
+        .await
+        .unwrap();
+}

@@ -123,7 +123,7 @@ pub async fn suspend_policy(
         crate::ledger::control::suspend(&state.pool, &policy, &caller.0.subject, b.reason.trim())
             .await?;
     if changed {
-        crate::metrics::hold_started("suspended");
+        crate::metrics::hold_started(crate::ledger::HoldKind::Suspended);
     }
     Ok(Json(ps).into_response())
 }

@@ -45,33 +45,12 @@ fn reason(
     suspended: Option<&ledger::control::PolicyState>,
 ) -> (Option<String>, String) {
     let mut parts = Vec::new();
-    let mut kind: Option<&str> = None;
+    let mut kind: Option<&'static str> = None;
     let live = !run.is_terminal();
     if live {
-        if let Some((_, why)) = identity {
-            kind = Some("identity");
-            parts.push(format!("held (identity): {why}"));
-        } else if let Some(s) = suspended {
-            kind = Some("suspended");
-            parts.push(format!(
-                "held (suspended): policy {} suspended by {}: {}",
-                run.policy, s.changed_by, s.reason
-            ));
-        } else if f.approval.as_deref() == Some("required") {
-            kind = Some("approval");
-            parts.push(format!(
-                "held (approval): over the blast-radius guard; approve with POST /runs/{}/approve, or cancel",
-                run.run_id
-            ));
-        } else if let Some(k) = &f.held_kind {
+        if let Some((k, part)) = hold_part(state, run, f, identity, suspended) {
             kind = Some(k.as_str());
-            parts.push(format!(
-                "held ({k}): {}",
-                f.held_reason.as_deref().unwrap_or("")
-            ));
-        } else if let Some(h) = crate::holds::policy_hold(state, &run.policy) {
-            kind = Some(h.kind.as_str());
-            parts.push(format!("held ({}): {}", h.kind.as_str(), h.detail));
+            parts.push(part);
         }
         if f.planning_failures > 0 {
             parts.push(format!(
@@ -129,4 +108,45 @@ fn reason(
         });
     }
     (kind.map(str::to_string), parts.join("; "))
+}
+
+/// The run's first hold in the one precedence ([`ledger::first_hold`]) and its part of the
+/// reason, from the facts read for the list.
+fn hold_part(
+    state: &AppState,
+    run: &ledger::Run,
+    f: &Facts,
+    identity: Option<&(chrono::DateTime<chrono::Utc>, String)>,
+    suspended: Option<&ledger::control::PolicyState>,
+) -> Option<(ledger::HoldKind, String)> {
+    use ledger::{Approval, HoldKind};
+    let approval = f.approval.as_deref().and_then(Approval::parse);
+    ledger::first_hold([
+        identity.map(|(_, why)| (HoldKind::Identity, format!("held (identity): {why}"))),
+        suspended.map(|s| {
+            let why = format!(
+                "held (suspended): policy {} suspended by {}: {}",
+                run.policy, s.changed_by, s.reason
+            );
+            (HoldKind::Suspended, why)
+        }),
+        match approval {
+            Some(Approval::Required) => Some(format!(
+                "held (approval): over the blast-radius guard; approve with POST /runs/{}/approve, or cancel",
+                run.run_id
+            )),
+            Some(Approval::AwaitingPlan) => Some(
+                "held (approval): the blast-radius guard decides when planning is done; nothing executes before"
+                    .to_string(),
+            ),
+            _ => None,
+        }
+        .map(|why| (HoldKind::Approval, why)),
+        crate::holds::policy_hold(state, &run.policy)
+            .map(|h| (h.kind, format!("held ({}): {}", h.kind.as_str(), h.detail))),
+        f.held_kind.as_deref().and_then(HoldKind::parse).map(|k| {
+            let why = f.held_reason.as_deref().unwrap_or("");
+            (k, format!("held ({}): {why}", k.as_str()))
+        }),
+    ])
 }
