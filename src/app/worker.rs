@@ -12,6 +12,7 @@ use tracing::{debug, warn};
 
 use crate::execute::{self, ConsumeOutcome, Executor};
 use crate::ledger;
+use crate::ledger::commands::Attempt;
 use crate::retry::Failure;
 use crate::state::AppState;
 
@@ -30,7 +31,7 @@ pub enum WorkerStep {
 /// Claims up to `limit` due built-in commands (pending and due, or leased with an expired
 /// lease) in one short transaction: each gets a lease owned by this replica and its attempt
 /// number, which fences everything its execution writes.
-pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<(String, i32)>, Failure> {
+pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<(String, Attempt)>, Failure> {
     ledger::queue::claim(
         &state.pool,
         state.replica_id,
@@ -46,7 +47,7 @@ pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<(String, i32)>, F
 async fn run_claimed(
     state: &AppState,
     command_id: &str,
-    attempt: i32,
+    attempt: Attempt,
 ) -> Result<ConsumeOutcome, Failure> {
     crate::crash_point!("worker_after_claim");
     let outcome =
@@ -78,7 +79,7 @@ pub async fn run_one_command(state: &AppState) -> Result<WorkerStep, Failure> {
 async fn release(
     state: &AppState,
     command_id: &str,
-    attempt: i32,
+    attempt: Attempt,
     retry_after_seconds: u64,
     reason: &str,
 ) -> Result<(), Failure> {
@@ -96,7 +97,7 @@ async fn release(
 /// After a try that could not record its result (the ledger was unreachable), puts the command
 /// back for a retry in a second, keeping its spent attempt. Best effort, a few times: if the
 /// ledger stays away, the lease's expiry gives the command back instead.
-async fn give_back(state: &AppState, command_id: &str, attempt: i32) {
+async fn give_back(state: &AppState, command_id: &str, attempt: Attempt) {
     for pause_ms in [100, 500, 2_000] {
         tokio::time::sleep(std::time::Duration::from_millis(pause_ms)).await;
         if ledger::queue::give_back(&state.pool, command_id, attempt)

@@ -62,7 +62,7 @@ pub(super) async fn close(
     }
     // The audit rows; when every item is done, in the same statement the command succeeds.
     let audited = crate::ledger::commands::Audited {
-        execution: l.execution(command_id, 0, actor, started),
+        execution: l.execution(command_id, actor, started),
         dry_run: false,
         keys: &columns.keys,
         outcomes: &columns.outcomes,

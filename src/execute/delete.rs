@@ -8,7 +8,7 @@ use super::*;
 
 /// One attempt of a delete-rows command (or the lease of an external-effect one): `per_item`
 /// reruns it item by item with savepoints after a bulk failure; `pace_wait` is the seconds to
-/// the start its pace reserved (> 0: the gate holds it until then); `seen`: as in `load::load`.
+/// the start its pace reserved (> 0: the gate holds it until then); `tried`: as in `load::load`.
 // Over 80 lines: the steps of one transaction in order (load, classify, delete, audit, finish,
 // commit); splitting further would hand the transaction and its locals around.
 pub(super) async fn attempt(
@@ -18,11 +18,11 @@ pub(super) async fn attempt(
     actor: &str,
     (per_item, pace_wait): (bool, f64),
     started: Instant,
-    seen: &mut Option<i32>,
+    tried: &mut Option<ledger::commands::Attempt>,
 ) -> Result<Attempted, AttemptError> {
     let mut tx = state.pool.begin().await?;
     let loaded =
-        match super::load::load(state, &mut tx, command_id, executor, seen, pace_wait).await? {
+        match super::load::load(state, &mut tx, command_id, executor, tried, pace_wait).await? {
             Step::Done(outcome) => {
                 crate::pause_point!("gate_turned_away", command_id);
                 tx.rollback().await?;
@@ -35,11 +35,10 @@ pub(super) async fn attempt(
             Step::Run(l) => l,
         };
     if loaded.rules.action.dependency().is_some() && !loaded.dry_run {
-        return lease_for_calls(state, tx, command_id, executor, loaded, seen).await;
+        return lease_for_calls(state, tx, command_id, loaded, tried).await;
     }
     if !per_item && !loaded.dry_run {
-        return delete_in_one_statement(state, tx, command_id, executor, actor, started, loaded)
-            .await;
+        return delete_in_one_statement(state, tx, command_id, actor, started, loaded).await;
     }
     let rules = &loaded.rules;
     if per_item {
@@ -71,12 +70,7 @@ pub(super) async fn attempt(
     ledger::commands::succeed_with_audit(
         &mut tx,
         &ledger::commands::Audited {
-            execution: loaded.execution(
-                command_id,
-                matches!(executor, Executor::Delivery) as i32,
-                actor,
-                started,
-            ),
+            execution: loaded.execution(command_id, actor, started),
             dry_run: loaded.dry_run,
             keys: &a_keys,
             outcomes: &a_outcomes,
@@ -127,7 +121,6 @@ async fn delete_in_one_statement(
     state: &AppState,
     mut tx: Transaction<'_, Postgres>,
     command_id: &str,
-    executor: Executor,
     actor: &str,
     started: Instant,
     loaded: Box<Loaded>,
@@ -137,12 +130,7 @@ async fn delete_in_one_statement(
     ledger::commands::push_succeed_after_delete(
         &mut q,
         &ledger::commands::DeletedInOne {
-            execution: loaded.execution(
-                command_id,
-                matches!(executor, Executor::Delivery) as i32,
-                actor,
-                started,
-            ),
+            execution: loaded.execution(command_id, actor, started),
             item_redrive: loaded.redrive_of.is_some(),
             others_cap: super::finish::others_cap(state, &loaded.policy),
         },
@@ -247,9 +235,8 @@ async fn lease_for_calls(
     state: &AppState,
     mut tx: Transaction<'_, Postgres>,
     command_id: &str,
-    executor: Executor,
-    loaded: Box<Loaded>,
-    seen: &mut Option<i32>,
+    mut loaded: Box<Loaded>,
+    tried: &mut Option<ledger::commands::Attempt>,
 ) -> Result<Attempted, AttemptError> {
     // max_concurrent_commands: the slot taken in `load` ends with this transaction, so
     // the commands calling right now are counted instead, serialized per policy.
@@ -275,34 +262,31 @@ async fn lease_for_calls(
     }
     // No transaction may span the calls: the command is leased instead (docs/design.md §5,
     // concurrent deliveries), and a delivery that finds a live lease is a "not now".
-    let n = match executor {
-        Executor::Claimed(n) => n,
-        Executor::Delivery => {
-            if loaded.lease_left > 0.0 {
-                tx.rollback().await?;
-                return Ok(Attempted::Done(ConsumeOutcome::NotNow {
-                    reason: "another execution of this command holds its lease (its \
-                             external calls may be in flight)"
-                        .into(),
-                    retry_after_seconds: loaded.lease_left.ceil() as u64,
-                }));
-            }
-            // The delivery counts as an attempt before anything is called, so a delivery
-            // that crashes the process every time still spends the budget.
-            let n = ledger::commands::lease_for_delivery(
-                &mut tx,
-                command_id,
-                state.replica_id,
-                state.config.queue.lease.seconds() as f64,
-            )
-            .await?;
-            *seen = Some(n);
-            n
+    if let ledger::commands::Attempt::Uncounted { .. } = loaded.attempt {
+        if loaded.lease_left > 0.0 {
+            tx.rollback().await?;
+            return Ok(Attempted::Done(ConsumeOutcome::NotNow {
+                reason: "another execution of this command holds its lease (its external calls \
+                         may be in flight)"
+                    .into(),
+                retry_after_seconds: loaded.lease_left.ceil() as u64,
+            }));
         }
-    };
+        // The delivery counts as an attempt before anything is called, so a delivery that
+        // crashes the process every time still spends the budget.
+        loaded.attempt = ledger::commands::lease_for_delivery(
+            &mut tx,
+            command_id,
+            loaded.attempt,
+            state.replica_id,
+            state.config.queue.lease.seconds() as f64,
+        )
+        .await?;
+        *tried = Some(loaded.attempt);
+    }
     ledger::commands::mark_calling(&mut tx, command_id).await?;
     tx.commit().await?;
-    Ok(Attempted::External(loaded, n))
+    Ok(Attempted::External(loaded))
 }
 
 /// Each item's outcome as the snapshot that deletes sees it, and the keys to delete: the

@@ -23,7 +23,7 @@ use sqlx::Row;
 
 use super::call::CallResult;
 use super::close::{Closed, close};
-use crate::execute::{ConsumeOutcome, Executor, Loaded, Outcome, record_failure};
+use crate::execute::{ConsumeOutcome, Loaded, Outcome, record_failure};
 use crate::policy::ActionSpec;
 use crate::retry::{Failure, FailureClass};
 use crate::state::AppState;
@@ -132,17 +132,17 @@ pub(crate) async fn run(
     state: &AppState,
     command_id: &str,
     l: Loaded,
-    n: i32,
     actor: &str,
     started: Instant,
 ) -> Result<ConsumeOutcome, Failure> {
-    let executor = Executor::Claimed(n);
+    let attempt = l.attempt;
+    let n = attempt.number();
     let dep = l.rules.action.dependency().unwrap_or_default().to_string();
     let Some(rt) = state.dependencies.get(&dep) else {
         let f = Failure::permanent(format!(
             "dependency {dep} is not configured on this replica"
         ));
-        return record_failure(state, command_id, executor, f, started, Some(n)).await;
+        return record_failure(state, command_id, f, started, Some(attempt)).await;
     };
     // Items an earlier attempt of this command already finished.
     let finished: Vec<String> =
@@ -239,7 +239,7 @@ pub(crate) async fn run(
             })
         }
         (Ok(Closed::Done { .. }), Some(f)) | (Err(f), _) => {
-            record_failure(state, command_id, executor, f, started, Some(n)).await
+            record_failure(state, command_id, f, started, Some(attempt)).await
         }
     }
 }

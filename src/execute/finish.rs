@@ -109,15 +109,15 @@ pub(crate) async fn record_item_dead_letters(
 pub(crate) async fn record_failure(
     state: &AppState,
     command_id: &str,
-    executor: Executor,
     f: Failure,
     started: Instant,
-    seen: Option<i32>,
+    tried: Option<ledger::commands::Attempt>,
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
-    if matches!(executor, Executor::Delivery) && seen.is_none() {
+    // Only a delivery is without a try: it failed before the gate let it run.
+    let Some(attempt) = tried else {
         return busy(state, command_id, f).await;
-    }
+    };
     if f.class == FailureClass::Held(HoldKind::Schema)
         && let Some(p) = state.config.policy_by_command(command_id)
     {
@@ -142,18 +142,18 @@ pub(crate) async fn record_failure(
             state: cmd_state,
         });
     }
-    if let Executor::Claimed(n) = executor
-        && attempts != n
-    {
-        return Ok(ConsumeOutcome::Stale);
-    }
-    if matches!(executor, Executor::Delivery) && seen != Some(attempts) {
-        // A concurrent delivery of the same command already recorded this round's failure:
-        // one failure, one attempt; this one just comes back when the next attempt is due.
-        return Ok(ConsumeOutcome::NotNow {
-            reason: "a concurrent delivery of this command just failed; retry when it is due"
-                .into(),
-            retry_after_seconds: due_in.ceil() as u64,
+    if attempts != attempt.fence() {
+        return Ok(match attempt {
+            // A newer claim took the command over.
+            ledger::commands::Attempt::Counted { .. } => ConsumeOutcome::Stale,
+            // A concurrent delivery of the same command already recorded this round's
+            // failure: one failure, one attempt; this one just comes back when the next
+            // attempt is due.
+            ledger::commands::Attempt::Uncounted { .. } => ConsumeOutcome::NotNow {
+                reason: "a concurrent delivery of this command just failed; retry when it is due"
+                    .into(),
+                retry_after_seconds: due_in.ceil() as u64,
+            },
         });
     }
     let budget = state
@@ -162,15 +162,10 @@ pub(crate) async fn record_failure(
         .map(|p| p.retry)
         .unwrap_or_default()
         .budget();
-    // The attempt number this try ran as (a snooze or a hold gives it back).
-    let this_attempt = match executor {
-        Executor::Delivery => attempts + 1,
-        Executor::Claimed(n) => n,
-    };
     let elapsed = started.elapsed().as_secs_f64();
     let decision = crate::retry::decide(
         &f,
-        this_attempt,
+        attempt.number(),
         age_seconds,
         &budget,
         Utc::now(),
@@ -180,16 +175,16 @@ pub(crate) async fn record_failure(
         command_id,
         run_id: &run_id,
         policy: &policy,
+        attempt,
         attempts,
         elapsed,
     };
     match decision {
-        Decision::Hold { kind, attempts } => {
-            let why = f.message.clone();
+        Decision::Hold { kind, .. } => {
             let hold = super::Hold {
                 kind,
-                why,
-                attempts,
+                why: f.message.clone(),
+                attempt,
                 recheck: None,
             };
             hold_command(state, tx, command_id, hold).await
@@ -270,6 +265,7 @@ struct Failed<'a> {
     command_id: &'a str,
     run_id: &'a str,
     policy: &'a str,
+    attempt: ledger::commands::Attempt,
     attempts: i32,
     /// Seconds the try took.
     elapsed: f64,
@@ -282,6 +278,7 @@ impl<'a> Failed<'a> {
             command_id: self.command_id,
             run_id: self.run_id,
             policy: self.policy,
+            attempt: self.attempt,
             attempts: self.attempts,
             elapsed_seconds: self.elapsed,
             error,
@@ -300,7 +297,7 @@ pub(super) async fn hold_command(
     super::Hold {
         kind,
         why,
-        attempts,
+        attempt,
         recheck,
     }: super::Hold,
 ) -> Result<ConsumeOutcome, Failure> {
@@ -311,7 +308,7 @@ pub(super) async fn hold_command(
     let began = ledger::commands::hold(
         &mut tx,
         command_id,
-        attempts,
+        attempt,
         recheck as f64,
         kind.as_str(),
         &why,

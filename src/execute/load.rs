@@ -10,20 +10,29 @@ pub(super) async fn load(
     tx: &mut Transaction<'_, Postgres>,
     command_id: &str,
     executor: Executor,
-    seen: &mut Option<i32>,
+    tried: &mut Option<ledger::commands::Attempt>,
     pace_wait: f64,
 ) -> Result<Step, AttemptError> {
-    // `seen` is set only while this try may run (or the gate counts it as a failed try): a
-    // delivery turned away (not due, held, a duplicate) tried nothing, so its deadline passing
-    // or an error while it rolls back or commits the hold must not be recorded as a failure of
-    // the attempt it saw (that spent an attempt of a command that was not even due).
-    *seen = None;
+    // A delivery's `tried` is set only while this try may run (or the gate counts it as a
+    // failed try): a delivery turned away (not due, held, a duplicate) tried nothing, so its
+    // deadline passing or an error while it rolls back or commits the hold must not be recorded
+    // as a failure of the attempt it saw (that spent an attempt of a command that was not even
+    // due). A claim's try is its claim's, whatever happens.
+    let delivery = matches!(executor, Executor::Delivery);
+    if delivery {
+        *tried = None;
+    }
     let Some(c) = lock_command(state, tx, command_id).await? else {
         return unknown_command(tx, command_id).await;
     };
-    *seen = Some(c.attempts);
+    let attempt = executor.attempt(c.attempts);
+    if delivery {
+        *tried = Some(attempt);
+    }
     if let Some(step) = gate(state, &c, command_id, executor)? {
-        *seen = None;
+        if delivery {
+            *tried = None;
+        }
         return Ok(step);
     }
     let after = if c.dry_run {
@@ -31,8 +40,10 @@ pub(super) async fn load(
     } else {
         crate::holds::after_hold(state, tx, &c.policy, c.window_at).await?
     };
-    if let Some(step) = held(state, &c, executor, pace_wait, after) {
-        *seen = None;
+    if let Some(step) = held(state, &c, attempt, pace_wait, after) {
+        if delivery {
+            *tried = None;
+        }
         return Ok(step);
     }
     let rules = rules_for(state, tx, &c).await?;
@@ -45,6 +56,7 @@ pub(super) async fn load(
         keys: c.item_keys,
         rules,
         redrive_of: c.redrive_of,
+        attempt,
         lease_left: c.lease_left,
     })))
 }
@@ -191,8 +203,8 @@ fn gate(
             state: c.state.clone(),
         })));
     }
-    if let Executor::Claimed(n) = executor
-        && c.attempts != n
+    if let Executor::Claimed(a) = executor
+        && c.attempts != a.fence()
     {
         return Ok(Some(Step::Done(ConsumeOutcome::Stale)));
     }
@@ -210,9 +222,10 @@ fn gate(
         return not_now(reason, due_in.ceil() as u64);
     }
     let policy = &c.policy;
-    if let (Executor::Claimed(n), Some(p)) = (executor, state.config.policy(policy))
-        && n > p.retry.max_attempts as i32
+    if let (Executor::Claimed(a), Some(p)) = (executor, state.config.policy(policy))
+        && a.number() > p.retry.max_attempts as i32
     {
+        let n = a.number();
         // Claims count attempts even when the worker dies before recording a result, so a
         // command that keeps killing or hanging its workers still ends in quarantine.
         return Err(AttemptError::Failed(Failure::transient(format!(
@@ -265,7 +278,7 @@ fn gate(
 fn held(
     state: &AppState,
     c: &LockedCommand,
-    executor: Executor,
+    attempt: ledger::commands::Attempt,
     pace_wait: f64,
     after: Option<String>,
 ) -> Option<Step> {
@@ -305,15 +318,10 @@ fn held(
             (HoldKind::Pace, (why, Some(pace_wait.ceil() as u64)))
         }),
     ])?;
-    // The attempt this try was counted as is given back.
-    let attempts = match executor {
-        Executor::Delivery => c.attempts,
-        Executor::Claimed(n) => n - 1,
-    };
     Some(Step::Hold(Hold {
         kind,
         why,
-        attempts,
+        attempt,
         recheck,
     }))
 }

@@ -89,8 +89,18 @@ pub enum ConsumeOutcome {
 pub enum Executor {
     /// `/consume`: the attempt is counted when it executes.
     Delivery,
-    /// A built-in worker that claimed attempt `n` (fences every write).
-    Claimed(i32),
+    /// A built-in worker holding the claim of this attempt (it fences every write).
+    Claimed(ledger::commands::Attempt),
+}
+
+impl Executor {
+    /// The try this executor makes of a command whose row held `attempts` when it was locked.
+    fn attempt(self, attempts: i32) -> ledger::commands::Attempt {
+        match self {
+            Executor::Delivery => ledger::commands::Attempt::Uncounted { seen: attempts },
+            Executor::Claimed(a) => a,
+        }
+    }
 }
 
 /// A command loaded for execution, under its run's pinned (and stricter current) rules.
@@ -103,6 +113,8 @@ pub(crate) struct Loaded {
     pub(crate) keys: Vec<String>,
     pub(crate) rules: RuleSet,
     pub(crate) redrive_of: Option<i64>,
+    /// The try, as the ledger counts it (every state change is fenced by it).
+    pub(crate) attempt: ledger::commands::Attempt,
     /// Another execution holds the command's lease, for this many more seconds (0: none).
     lease_left: f64,
 }
@@ -130,17 +142,16 @@ impl Loaded {
     }
 
     /// What this command's audit rows say besides their items, for a try that began at
-    /// `started` (`attempts_inc`: 1 when the attempt was not counted at claim or lease time).
+    /// `started`.
     pub(crate) fn execution<'a>(
         &'a self,
         command_id: &'a str,
-        attempts_inc: i32,
         actor: &'a str,
         started: Instant,
     ) -> ledger::commands::Execution<'a> {
         ledger::commands::Execution {
             command_id,
-            attempts_inc,
+            attempt: self.attempt,
             elapsed_seconds: started.elapsed().as_secs_f64(),
             policy: &self.policy,
             policy_version: &self.policy_version,
@@ -156,9 +167,9 @@ impl Loaded {
 pub(super) enum Attempted {
     /// A decision, committed.
     Done(ConsumeOutcome),
-    /// An action with external calls: its command is leased as attempt `n`; the calls run
-    /// outside any transaction (see [`crate::effect`]).
-    External(Box<Loaded>, i32),
+    /// An action with external calls: its command is leased (`Loaded::attempt` is the lease's
+    /// counted attempt); the calls run outside any transaction (see [`external`]).
+    External(Box<Loaded>),
 }
 
 pub(super) enum Step {
@@ -168,12 +179,12 @@ pub(super) enum Step {
     Hold(Hold),
 }
 
-/// A hold the gate decided: its kind and why, the attempt count to keep, and when to check again
-/// (`recheck` seconds; `None`: the usual hold recheck).
+/// A hold: its kind and why, the try it gives back, and when to check again (`recheck`
+/// seconds; `None`: the usual hold recheck).
 pub(super) struct Hold {
     pub(super) kind: HoldKind,
     pub(super) why: String,
-    pub(super) attempts: i32,
+    pub(super) attempt: ledger::commands::Attempt,
     pub(super) recheck: Option<u64>,
 }
 
@@ -189,8 +200,12 @@ pub async fn execute(
     actor: &str,
 ) -> Result<ConsumeOutcome, Failure> {
     let started = Instant::now();
-    // The attempt count this call saw when it locked the command (deliveries only).
-    let mut seen: Option<i32> = None;
+    // The try whose failure would be recorded: a claim's from the start; a delivery's once the
+    // gate let it run (see `load::load`).
+    let mut tried: Option<ledger::commands::Attempt> = match executor {
+        Executor::Claimed(a) => Some(a),
+        Executor::Delivery => None,
+    };
     // Fast path for duplicate deliveries: a terminal state is final (a redrive re-queues the
     // command itself), so one indexed read answers without a transaction or a row lock.
     if let Executor::Delivery = executor {
@@ -208,7 +223,7 @@ pub async fn execute(
     let deadline = state.config.consume.command_deadline.std();
     let mut per_item = false;
     loop {
-        let tried = tokio::time::timeout(
+        let result = tokio::time::timeout(
             deadline,
             delete::attempt(
                 state,
@@ -217,7 +232,7 @@ pub async fn execute(
                 actor,
                 (per_item, pace_wait),
                 started,
-                &mut seen,
+                &mut tried,
             ),
         )
         .await
@@ -227,22 +242,36 @@ pub async fn execute(
                 state.config.consume.command_deadline
             ))))
         });
-        match tried {
-            Ok(Attempted::Done(outcome)) => return Ok(outcome),
-            Ok(Attempted::External(loaded, n)) => {
-                return crate::execute::external::run(
-                    state, command_id, *loaded, n, actor, started,
-                )
-                .await;
+        match result {
+            Ok(Attempted::Done(outcome)) => return Ok(delivered(executor, outcome)),
+            Ok(Attempted::External(loaded)) => {
+                let outcome =
+                    crate::execute::external::run(state, command_id, *loaded, actor, started)
+                        .await?;
+                return Ok(delivered(executor, outcome));
             }
             Err(AttemptError::BulkFailed(f)) if !per_item => {
                 info!(command_id, error = %f.message, "bulk delete failed permanently; retrying item by item");
                 per_item = true;
             }
             Err(AttemptError::BulkFailed(f)) | Err(AttemptError::Failed(f)) => {
-                return record_failure(state, command_id, executor, f, started, seen).await;
+                let outcome = record_failure(state, command_id, f, started, tried).await?;
+                return Ok(delivered(executor, outcome));
             }
         }
+    }
+}
+
+/// A delivery is never answered [`ConsumeOutcome::Stale`] (only a claim can be overtaken as
+/// such): a delivery whose try a newer attempt overtook (its lease for calls expired and
+/// another delivery leased the command) is a "not now" — the newer attempt decides.
+fn delivered(executor: Executor, outcome: ConsumeOutcome) -> ConsumeOutcome {
+    match (executor, outcome) {
+        (Executor::Delivery, ConsumeOutcome::Stale) => ConsumeOutcome::NotNow {
+            reason: "a newer attempt of this command took it over; it decides the outcome".into(),
+            retry_after_seconds: 1,
+        },
+        (_, outcome) => outcome,
     }
 }
 

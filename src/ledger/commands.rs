@@ -1,7 +1,10 @@
 //! A command's state changes (docs/design.md §2.4-§2.7): leased for external calls, succeeded with its
 //! audit rows, held, quarantined with a dead letter, or scheduled for another attempt. Each runs
 //! in the caller's transaction, which holds the command row's lock (taken by `FOR UPDATE` when
-//! the command was loaded), so two executions cannot both change it.
+//! the command was loaded), so two executions cannot both change it; and each is fenced by the
+//! [`Attempt`] the caller saw, in its own `WHERE`, so a write of an overtaken try changes nothing.
+//! The attempt arithmetic — what a result counts, what a hold or a release gives back — is
+//! [`Attempt`]'s alone.
 
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Postgres, QueryBuilder};
@@ -20,27 +23,93 @@ const HOLD_CLEARED: &str = "held_kind = null, held_reason = null, held_since = n
          + coalesce(extract(epoch from sweeper.now() - held_seen_at), 0), \
      held_seen_at = null";
 
+/// The try of a command a caller holds, as the ledger counts it: every state change of the
+/// command takes it, writes only while the row still holds [`Attempt::fence`] attempts, and
+/// records what the try counts as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attempt {
+    /// A delivery (`/consume`) that locked the row holding `seen` attempts: the try is counted
+    /// when it records its result (as attempt `seen + 1`).
+    Uncounted {
+        /// The attempt count the row held when the delivery locked it.
+        seen: i32,
+    },
+    /// A built-in worker's claim, or a delivery's lease for calls: the ledger counted the try as
+    /// attempt `n` when it was claimed or leased.
+    Counted {
+        /// The attempt number.
+        n: i32,
+    },
+}
+
+impl Attempt {
+    /// The attempt number this try runs as.
+    pub fn number(self) -> i32 {
+        match self {
+            Attempt::Uncounted { seen } => seen + 1,
+            Attempt::Counted { n } => n,
+        }
+    }
+
+    /// The attempt count the command row holds while this try is its latest.
+    pub fn fence(self) -> i32 {
+        match self {
+            Attempt::Uncounted { seen } => seen,
+            Attempt::Counted { n } => n,
+        }
+    }
+
+    /// The attempt count a try that is given back records (a hold, a release, a snooze): it
+    /// spent nothing.
+    pub fn given_back(self) -> i32 {
+        self.number() - 1
+    }
+}
+
+/// A state change found the command overtaken: its attempt count is no longer the try's
+/// [`Attempt::fence`] (another try of it recorded a result, or claimed it since). Nothing was
+/// written.
+fn overtaken(command_id: &str) -> sqlx::Error {
+    sqlx::Error::Protocol(format!(
+        "command {command_id} was overtaken by a newer attempt; nothing was written"
+    ))
+}
+
+/// `Ok` when a fenced write changed the command row, else [`overtaken`].
+fn fenced(command_id: &str, rows: u64) -> sqlx::Result<()> {
+    if rows == 0 {
+        Err(overtaken(command_id))
+    } else {
+        Ok(())
+    }
+}
+
 /// Leases the command to `owner` for `lease_seconds` as the delivery's attempt (counted before
 /// anything is called, so a delivery that kills the process every time still spends the
 /// budget). Returns the attempt number.
 pub async fn lease_for_delivery(
     conn: &mut PgConnection,
     command_id: &str,
+    attempt: Attempt,
     owner: uuid::Uuid,
     lease_seconds: f64,
-) -> sqlx::Result<i32> {
-    sqlx::query_scalar(
+) -> sqlx::Result<Attempt> {
+    let n: Option<i32> = sqlx::query_scalar(
         "update sweeper.commands
-            set state = 'leased', attempts = attempts + 1, lease_owner = $2,
+            set state = 'leased', attempts = $4, lease_owner = $2,
                 lease_until = sweeper.now() + make_interval(secs => $3)
-          where command_id = $1
+          where command_id = $1 and attempts = $5
       returning attempts",
     )
     .bind(command_id)
     .bind(owner)
     .bind(lease_seconds)
-    .fetch_one(conn)
-    .await
+    .bind(attempt.number())
+    .bind(attempt.fence())
+    .fetch_optional(conn)
+    .await?;
+    n.map(|n| Attempt::Counted { n })
+        .ok_or_else(|| overtaken(command_id))
 }
 
 /// Marks that the command's external calls start now (counted by `max_concurrent_commands`).
@@ -58,8 +127,8 @@ pub async fn mark_calling(conn: &mut PgConnection, command_id: &str) -> sqlx::Re
 pub struct Execution<'a> {
     /// The command.
     pub command_id: &'a str,
-    /// 1 when the attempt was not counted at claim time (a delivery), else 0.
-    pub attempts_inc: i32,
+    /// The try.
+    pub attempt: Attempt,
     /// Seconds the try took.
     pub elapsed_seconds: f64,
     /// The policy.
@@ -95,33 +164,37 @@ pub struct Audited<'a> {
 /// dead letter of it (or of the item it re-executes) resolved. Both paths end here: the delete
 /// path in its one transaction, an external action's command once every item's effect closed.
 pub async fn succeed_with_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Result<()> {
-    sqlx::query(&format!(
-        "with au as (
+    let done: Option<i32> = sqlx::query_scalar(&format!(
+        "with c as (
+             update sweeper.commands
+                set state = 'succeeded', attempts = $2, finished_at = sweeper.now(),
+                    lease_until = null, lease_owner = null, last_error = null, last_error_class = null,
+                    calling_since = null, {HOLD_CLEARED}
+              where command_id = $1 and attempts = $14
+          returning attempts, redrive_of),
+         au as (
              insert into sweeper.audit
                  (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
                   outcome, reason, actor, dry_run, recorded_at)
              select $4, $5, $6, $7, $8, $1, u.item_key, u.outcome, u.reason, $9, $10,
                     {RECORDED_AT}
-               from unnest($11::text[], $12::text[], $13::text[]) as u(item_key, outcome, reason)),
-         c as (
-             update sweeper.commands
-                set state = 'succeeded', attempts = attempts + $2, finished_at = sweeper.now(),
-                    lease_until = null, lease_owner = null, last_error = null, last_error_class = null,
-                    calling_since = null, {HOLD_CLEARED}
-              where command_id = $1
-          returning attempts, redrive_of),
+               from unnest($11::text[], $12::text[], $13::text[]) as u(item_key, outcome, reason)
+              where exists (select 1 from c)),
          a as (
              insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
              select $1, c.attempts, sweeper.now() - make_interval(secs => $3), sweeper.now(), 'succeeded'
-               from c)
-         update sweeper.dead_letters d
-            set status = 'resolved', resolved_at = sweeper.now()
-          where d.status = 'redriven'
-            and ((d.kind = 'command' and d.command_id = $1)
-                 or d.dead_letter_id = (select redrive_of from c))"
+               from c),
+         dl as (
+             update sweeper.dead_letters d
+                set status = 'resolved', resolved_at = sweeper.now()
+              where d.status = 'redriven'
+                and exists (select 1 from c)
+                and ((d.kind = 'command' and d.command_id = $1)
+                     or d.dead_letter_id = (select redrive_of from c)))
+         select attempts from c"
     ))
     .bind(a.execution.command_id)
-    .bind(a.execution.attempts_inc)
+    .bind(a.execution.attempt.number())
     .bind(a.execution.elapsed_seconds)
     .bind(a.execution.policy)
     .bind(a.execution.policy_version)
@@ -133,9 +206,11 @@ pub async fn succeed_with_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sql
     .bind(a.keys)
     .bind(a.outcomes)
     .bind(a.reasons)
-    .execute(conn)
+    .bind(a.execution.attempt.fence())
+    .fetch_optional(conn)
     .await?;
-    Ok(())
+    done.map(|_| ())
+        .ok_or_else(|| overtaken(a.execution.command_id))
 }
 
 /// A delete-rows command that ends in the statement that deletes its rows (see
@@ -157,10 +232,38 @@ pub struct DeletedInOne<'a> {
 /// `reason` — and this pushes the rest: the audit rows in the command's order, the command
 /// `succeeded` with its counts (its contribution to the run's), its attempt, a redriven dead
 /// letter resolved, and a final row `(deleted, already_absent, excluded, not_eligible, status,
-/// others_pending)` with the run's status and its other pending commands counted up to the cap.
+/// others_pending)` with the run's status and its other pending commands counted up to the cap —
+/// no row when the command was overtaken ([`Attempt::fence`]), and the caller's transaction
+/// rolls the delete back.
 pub fn push_succeed_after_delete(q: &mut QueryBuilder<'_, Postgres>, d: &DeletedInOne<'_>) {
+    q.push(format!(
+        ", tally as (
+             select count(*) filter (where outcome = 'deleted') as deleted,
+                    count(*) filter (where outcome = 'already_absent') as already_absent,
+                    count(*) filter (where outcome = 'excluded') as excluded,
+                    count(*) filter (where outcome = 'not_eligible') as not_eligible
+               from items),
+         c as (
+             update sweeper.commands cm
+                set state = 'succeeded', finished_at = sweeper.now(),
+                    lease_until = null, lease_owner = null, last_error = null,
+                    last_error_class = null, calling_since = null, {HOLD_CLEARED},
+                    deleted = cm.deleted + t.deleted,
+                    already_absent = cm.already_absent + t.already_absent,
+                    excluded = cm.excluded + t.excluded,
+                    not_eligible = cm.not_eligible + t.not_eligible,
+                    attempts = "
+    ));
+    q.push_bind(d.execution.attempt.number());
+    q.push(", failed = cm.failed - ");
+    q.push_bind(d.item_redrive as i64);
+    q.push(" from tally t where cm.command_id = ");
+    q.push_bind(d.execution.command_id.to_string());
+    q.push(" and cm.attempts = ");
+    q.push_bind(d.execution.attempt.fence());
     q.push(
-        ", au as (
+        " returning cm.attempts, cm.redrive_of),
+         au as (
              insert into sweeper.audit
                  (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
                   outcome, reason, actor, dry_run, recorded_at)
@@ -180,35 +283,11 @@ pub fn push_succeed_after_delete(q: &mut QueryBuilder<'_, Postgres>, d: &Deleted
     q.push(", i.item_key, i.outcome, i.reason, ");
     q.push_bind(d.execution.actor.to_string());
     q.push(format!(
-        ", false, {RECORDED_AT} from items i order by i.ord),
-         tally as (
-             select count(*) filter (where outcome = 'deleted') as deleted,
-                    count(*) filter (where outcome = 'already_absent') as already_absent,
-                    count(*) filter (where outcome = 'excluded') as excluded,
-                    count(*) filter (where outcome = 'not_eligible') as not_eligible
-               from items),
-         c as (
-             update sweeper.commands cm
-                set state = 'succeeded', finished_at = sweeper.now(),
-                    lease_until = null, lease_owner = null, last_error = null,
-                    last_error_class = null, calling_since = null, {HOLD_CLEARED},
-                    deleted = cm.deleted + t.deleted,
-                    already_absent = cm.already_absent + t.already_absent,
-                    excluded = cm.excluded + t.excluded,
-                    not_eligible = cm.not_eligible + t.not_eligible,
-                    attempts = cm.attempts + "
-    ));
-    q.push_bind(d.execution.attempts_inc);
-    q.push(", failed = cm.failed - ");
-    q.push_bind(d.item_redrive as i64);
-    q.push(" from tally t where cm.command_id = ");
-    q.push_bind(d.execution.command_id.to_string());
-    q.push(
-        " returning cm.attempts, cm.redrive_of),
+        ", false, {RECORDED_AT} from items i where exists (select 1 from c) order by i.ord),
          a as (
              insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
-             select ",
-    );
+             select "
+    ));
     q.push_bind(d.execution.command_id.to_string());
     q.push(", c.attempts, sweeper.now() - make_interval(secs => ");
     q.push_bind(d.execution.elapsed_seconds);
@@ -217,7 +296,7 @@ pub fn push_succeed_after_delete(q: &mut QueryBuilder<'_, Postgres>, d: &Deleted
          dl as (
              update sweeper.dead_letters d
                 set status = 'resolved', resolved_at = sweeper.now()
-              where d.status = 'redriven'
+              where d.status = 'redriven' and exists (select 1 from c)
                 and ((d.kind = 'command' and d.command_id = ",
     );
     q.push_bind(d.execution.command_id.to_string());
@@ -230,7 +309,7 @@ pub fn push_succeed_after_delete(q: &mut QueryBuilder<'_, Postgres>, d: &Deleted
     q.push_bind(d.execution.command_id.to_string());
     q.push(" and o.state in ('pending', 'leased') limit ");
     q.push_bind(d.others_cap);
-    q.push(") x) as others_pending from tally t, sweeper.runs r where r.run_id = ");
+    q.push(") x) as others_pending from tally t, c, sweeper.runs r where r.run_id = ");
     q.push_bind(d.execution.run_id.to_string());
 }
 
@@ -260,7 +339,7 @@ pub async fn append_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Res
     Ok(())
 }
 
-/// Holds a command (docs/design.md §14): pending again with `attempts` (its try given back), checked
+/// Holds a command (docs/design.md §14): pending again, its try given back, checked
 /// again after `recheck_seconds`; the time since the last check is credited to its age budget.
 /// A push command is marked due for publishing: a queue must bring it back (the relay skips it
 /// while its hold lasts, see [`super::released`]). Returns whether the hold began now (the
@@ -268,7 +347,7 @@ pub async fn append_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Res
 pub async fn hold(
     conn: &mut PgConnection,
     command_id: &str,
-    attempts: i32,
+    attempt: Attempt,
     recheck_seconds: f64,
     kind: &str,
     reason: &str,
@@ -285,18 +364,19 @@ pub async fn hold(
                     + coalesce(extract(epoch from sweeper.now() - held_seen_at), 0),
                 held_seen_at = sweeper.now(),
                 last_error = $5, last_error_class = null
-          where command_id = $1
+          where command_id = $1 and attempts = $6
           returning held_kind is distinct from (select o.held_kind from sweeper.commands o
                                                 where o.command_id = $1)",
     )
     .bind(command_id)
-    .bind(attempts)
+    .bind(attempt.given_back())
     .bind(recheck_seconds)
     .bind(kind)
     .bind(reason)
+    .bind(attempt.fence())
     .fetch_optional(conn)
-    .await
-    .map(|began| began.unwrap_or(false))
+    .await?
+    .ok_or_else(|| overtaken(command_id))
 }
 
 /// A try that failed, as the ledger records it.
@@ -308,7 +388,9 @@ pub struct Failed<'a> {
     pub run_id: &'a str,
     /// Its policy.
     pub policy: &'a str,
-    /// The attempt count to record.
+    /// The try that failed (the fence).
+    pub attempt: Attempt,
+    /// The attempt count to record (decided by [`crate::retry::decide`] from the try's number).
     pub attempts: i32,
     /// Seconds the try took.
     pub elapsed_seconds: f64,
@@ -324,13 +406,13 @@ pub struct Failed<'a> {
 /// dead letter reopens that dead letter instead (its failure appended to its attempts): the
 /// item has one dead letter, whichever way its redrive failed.
 pub async fn quarantine(conn: &mut PgConnection, f: &Failed<'_>) -> sqlx::Result<()> {
-    sqlx::query(&format!(
+    sqlx::query_scalar(&format!(
         "with c as (
              update sweeper.commands
                 set state = 'quarantined', attempts = $2, finished_at = sweeper.now(), calling_since = null,
                     {HOLD_CLEARED},
                     lease_until = null, lease_owner = null, last_error = $3, last_error_class = $4
-              where command_id = $1
+              where command_id = $1 and attempts = $8
           returning due_since, redrive_of),
          item as (
              update sweeper.dead_letters d
@@ -347,14 +429,16 @@ pub async fn quarantine(conn: &mut PgConnection, f: &Failed<'_>) -> sqlx::Result
          a as (
              insert into sweeper.attempts
                  (command_id, attempt_no, started_at, ended_at, outcome, class, error)
-             values ($1, $2, sweeper.now() - make_interval(secs => $5), sweeper.now(),
-                     'quarantined', $4, $3)
+             select $1, $2, sweeper.now() - make_interval(secs => $5), sweeper.now(),
+                    'quarantined', $4, $3
+               from c
              returning attempt_no, started_at, ended_at, outcome, class, error, delay_seconds),
          history as (
              select coalesce(jsonb_agg(h order by h.started_at), '[]'::jsonb) as attempts
                from (select attempt_no, started_at, ended_at, outcome, class, error, delay_seconds
                        from sweeper.attempts where command_id = $1
-                     union all select * from a) h)
+                     union all select * from a) h),
+         dl as (
          insert into sweeper.dead_letters
              (kind, run_id, policy, command_id, reason, class, attempts, first_failure_at,
               last_failure_at)
@@ -363,12 +447,13 @@ pub async fn quarantine(conn: &mut PgConnection, f: &Failed<'_>) -> sqlx::Result
                            where command_id = $1 and outcome <> 'succeeded'), sweeper.now()),
                 sweeper.now()
            from history
-          where not exists (select 1 from item)
+          where not exists (select 1 from item) and exists (select 1 from c)
          on conflict (command_id) where kind = 'command' and status in ('open', 'redriven')
          do update set status = 'open', reason = excluded.reason, class = excluded.class,
                        attempts = excluded.attempts, last_failure_at = excluded.last_failure_at,
                        failures = sweeper.dead_letters.failures + 1,
-                       resolved_at = null, resolved_by = null, resolution_reason = null"
+                       resolved_at = null, resolved_by = null, resolution_reason = null)
+         select count(*) from c"
     ))
     .bind(f.command_id)
     .bind(f.attempts)
@@ -377,9 +462,10 @@ pub async fn quarantine(conn: &mut PgConnection, f: &Failed<'_>) -> sqlx::Result
     .bind(f.elapsed_seconds)
     .bind(f.run_id)
     .bind(f.policy)
-    .execute(conn)
-    .await?;
-    Ok(())
+    .bind(f.attempt.fence())
+    .fetch_one(conn)
+    .await
+    .and_then(|n: i64| fenced(f.command_id, n as u64))
 }
 
 /// Schedules the next attempt `delay_seconds` from now after a failed try or a snooze, with the
@@ -391,7 +477,7 @@ pub async fn schedule_retry(
     delay_seconds: f64,
     snooze: bool,
 ) -> sqlx::Result<()> {
-    sqlx::query(&format!(
+    let rows = sqlx::query(&format!(
         "with c as (
              update sweeper.commands
                 set state = 'pending', attempts = $2, lease_until = null, lease_owner = null, calling_since = null,
@@ -399,10 +485,12 @@ pub async fn schedule_retry(
                     publish_due = publish_due or transport <> 'builtin',
                     last_error = $4, last_error_class = $5,
                     {HOLD_CLEARED}
-              where command_id = $1)
+              where command_id = $1 and attempts = $8
+          returning 1)
          insert into sweeper.attempts
              (command_id, attempt_no, started_at, ended_at, outcome, class, error, delay_seconds)
-         values ($1, $2, sweeper.now() - make_interval(secs => $6), sweeper.now(), $7, $5, $4, $3)"
+         select $1, $2, sweeper.now() - make_interval(secs => $6), sweeper.now(), $7, $5, $4, $3
+           from c"
     ))
     .bind(f.command_id)
     .bind(f.attempts)
@@ -411,7 +499,8 @@ pub async fn schedule_retry(
     .bind(f.class)
     .bind(f.elapsed_seconds)
     .bind(if snooze { "snoozed" } else { "failed" })
+    .bind(f.attempt.fence())
     .execute(conn)
     .await?;
-    Ok(())
+    fenced(f.command_id, rows.rows_affected())
 }

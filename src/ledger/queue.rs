@@ -4,19 +4,21 @@
 
 use sqlx::PgPool;
 
+use super::commands::Attempt;
+
 /// Claims up to `limit` due built-in commands (pending and due, or leased with an expired
 /// lease; their run not held by the identity guard, a suspension or an approval, their policy not
 /// in `held_policies`, which this replica's governor or active hours hold) in one statement,
 /// `FOR UPDATE SKIP LOCKED`: each gets a lease of `lease_seconds` owned by `owner` and its
-/// attempt number. Returns `(command_id, attempt)`.
+/// attempt number. Returns each command with its [`Attempt`].
 pub async fn claim(
     pool: &PgPool,
     owner: uuid::Uuid,
     lease_seconds: f64,
     limit: i64,
     held_policies: &[String],
-) -> sqlx::Result<Vec<(String, i32)>> {
-    sqlx::query_as(&format!(
+) -> sqlx::Result<Vec<(String, Attempt)>> {
+    let claimed: Vec<(String, i32)> = sqlx::query_as(&format!(
         "update sweeper.commands c
             set state = 'leased', attempts = c.attempts + 1, lease_owner = $2, calling_since = null,
                 lease_until = (select sweeper.now()) + make_interval(secs => $1)
@@ -38,7 +40,11 @@ pub async fn claim(
     .bind(limit)
     .bind(held_policies)
     .fetch_all(pool)
-    .await
+    .await?;
+    Ok(claimed
+        .into_iter()
+        .map(|(id, n)| (id, Attempt::Counted { n }))
+        .collect())
 }
 
 /// Gives a claimed command back without spending its attempt (suspended, held, this replica's
@@ -47,22 +53,23 @@ pub async fn claim(
 pub async fn release(
     pool: &PgPool,
     command_id: &str,
-    attempt: i32,
+    attempt: Attempt,
     retry_after_seconds: f64,
     reason: &str,
 ) -> sqlx::Result<()> {
     sqlx::query(
         "update sweeper.commands
-            set state = 'pending', lease_until = null, lease_owner = null, attempts = attempts - 1,
+            set state = 'pending', lease_until = null, lease_owner = null, attempts = $5,
                 next_attempt_at = greatest(next_attempt_at,
                                            sweeper.now() + make_interval(secs => $3)),
                 last_error = $4
           where command_id = $1 and state = 'leased' and attempts = $2",
     )
     .bind(command_id)
-    .bind(attempt)
+    .bind(attempt.fence())
     .bind(retry_after_seconds)
     .bind(reason)
+    .bind(attempt.given_back())
     .execute(pool)
     .await?;
     Ok(())
@@ -70,7 +77,7 @@ pub async fn release(
 
 /// Puts a claimed command back for a retry in a second, keeping its spent attempt (its try could
 /// not record a result). Fenced by `attempt`.
-pub async fn give_back(pool: &PgPool, command_id: &str, attempt: i32) -> sqlx::Result<()> {
+pub async fn give_back(pool: &PgPool, command_id: &str, attempt: Attempt) -> sqlx::Result<()> {
     sqlx::query(
         "update sweeper.commands
             set state = 'pending', lease_until = null, lease_owner = null,
@@ -78,7 +85,7 @@ pub async fn give_back(pool: &PgPool, command_id: &str, attempt: i32) -> sqlx::R
           where command_id = $1 and state = 'leased' and attempts = $2",
     )
     .bind(command_id)
-    .bind(attempt)
+    .bind(attempt.fence())
     .execute(pool)
     .await?;
     Ok(())

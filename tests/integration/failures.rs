@@ -543,9 +543,14 @@ async fn a_stale_worker_cannot_overwrite_a_newer_attempt_and_leases_are_reclaime
         other => panic!("{other:?}"),
     }
     // The first worker wakes up and tries to finish attempt 1.
-    let late = sweeper::execute::execute(&app.state, &command, Executor::Claimed(1), "stale")
-        .await
-        .unwrap();
+    let late = sweeper::execute::execute(
+        &app.state,
+        &command,
+        Executor::Claimed(sweeper::ledger::commands::Attempt::Counted { n: 1 }),
+        "stale",
+    )
+    .await
+    .unwrap();
     assert!(
         matches!(
             late,
