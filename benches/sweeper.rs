@@ -242,9 +242,14 @@ async fn in_process(db: &str, batch: usize, conns: usize) -> f64 {
                 let Some(id) = q.lock().await.pop() else {
                     return;
                 };
-                sweeper::execute::execute(&s, &id, sweeper::execute::Executor::Delivery, "bench")
-                    .await
-                    .unwrap();
+                sweeper::execute::execute(
+                    &s,
+                    &id,
+                    sweeper::execute::Executor::Delivery { push: false },
+                    "bench",
+                )
+                .await
+                .unwrap();
             }
         }));
     }

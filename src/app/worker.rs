@@ -43,23 +43,15 @@ pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<(String, Attempt)
     .map_err(|e| Failure::from_db(&e))
 }
 
-/// Executes one claimed command; a "not now" gives it back without spending its attempt.
+/// Executes one claimed command (a "not now" is given back by the execution, without spending
+/// its attempt).
 async fn run_claimed(
     state: &AppState,
     command_id: &str,
     attempt: Attempt,
 ) -> Result<ConsumeOutcome, Failure> {
     crate::crash_point!("worker_after_claim");
-    let outcome =
-        execute::execute(state, command_id, Executor::Claimed(attempt), BUILTIN_ACTOR).await?;
-    if let ConsumeOutcome::NotNow {
-        retry_after_seconds,
-        reason,
-    } = &outcome
-    {
-        release(state, command_id, attempt, *retry_after_seconds, reason).await?;
-    }
-    Ok(outcome)
+    execute::execute(state, command_id, Executor::Claimed(attempt), BUILTIN_ACTOR).await
 }
 
 /// Claims one due built-in command and executes it. Tests drive the queue deterministically
@@ -71,27 +63,6 @@ pub async fn run_one_command(state: &AppState) -> Result<WorkerStep, Failure> {
             run_claimed(state, &command_id, attempt).await?,
         )),
     }
-}
-
-/// Gives a claimed command back without spending its attempt (suspended, held, or this
-/// replica's configuration is behind): it is due again after `retry_after_seconds`, and its
-/// `last_error` says why.
-async fn release(
-    state: &AppState,
-    command_id: &str,
-    attempt: Attempt,
-    retry_after_seconds: u64,
-    reason: &str,
-) -> Result<(), Failure> {
-    ledger::queue::release(
-        &state.pool,
-        command_id,
-        attempt,
-        retry_after_seconds as f64,
-        reason,
-    )
-    .await
-    .map_err(|e| Failure::from_db(&e))
 }
 
 /// After a try that could not record its result (the ledger was unreachable), puts the command

@@ -18,7 +18,7 @@ pub(super) async fn load(
     // deadline passing or an error while it rolls back or commits the hold must not be recorded
     // as a failure of the attempt it saw (that spent an attempt of a command that was not even
     // due). A claim's try is its claim's, whatever happens.
-    let delivery = matches!(executor, Executor::Delivery);
+    let delivery = matches!(executor, Executor::Delivery { .. });
     if delivery {
         *tried = None;
     }

@@ -87,8 +87,13 @@ pub enum ConsumeOutcome {
 /// Who executes a command: an HTTP delivery, or a built-in worker holding a claim.
 #[derive(Debug, Clone, Copy)]
 pub enum Executor {
-    /// `/consume`: the attempt is counted when it executes.
-    Delivery,
+    /// `/consume`: the attempt is counted when it executes. `push`: a push transport delivered
+    /// it (an authenticated push credential, or a Pub/Sub push body), which does not redeliver on
+    /// its own schedule: its "not now" is a committed republish.
+    Delivery {
+        /// Whether a push transport delivered it.
+        push: bool,
+    },
     /// A built-in worker holding the claim of this attempt (it fences every write).
     Claimed(ledger::commands::Attempt),
 }
@@ -97,7 +102,7 @@ impl Executor {
     /// The try this executor makes of a command whose row held `attempts` when it was locked.
     fn attempt(self, attempts: i32) -> ledger::commands::Attempt {
         match self {
-            Executor::Delivery => ledger::commands::Attempt::Uncounted { seen: attempts },
+            Executor::Delivery { .. } => ledger::commands::Attempt::Uncounted { seen: attempts },
             Executor::Claimed(a) => a,
         }
     }
@@ -204,11 +209,11 @@ pub async fn execute(
     // gate let it run (see `load::load`).
     let mut tried: Option<ledger::commands::Attempt> = match executor {
         Executor::Claimed(a) => Some(a),
-        Executor::Delivery => None,
+        Executor::Delivery { .. } => None,
     };
     // Fast path for duplicate deliveries: a terminal state is final (a redrive re-queues the
     // command itself), so one indexed read answers without a transaction or a row lock.
-    if let Executor::Delivery = executor {
+    if let Executor::Delivery { .. } = executor {
         let terminal = crate::ledger::terminal_state(&state.pool, command_id)
             .await
             .map_err(|e| Failure::from_db(&e))?;
@@ -243,12 +248,14 @@ pub async fn execute(
             ))))
         });
         match result {
-            Ok(Attempted::Done(outcome)) => return Ok(delivered(executor, outcome)),
+            Ok(Attempted::Done(outcome)) => {
+                return settle(state, command_id, executor, outcome).await;
+            }
             Ok(Attempted::External(loaded)) => {
                 let outcome =
                     crate::execute::external::run(state, command_id, *loaded, actor, started)
                         .await?;
-                return Ok(delivered(executor, outcome));
+                return settle(state, command_id, executor, outcome).await;
             }
             Err(AttemptError::BulkFailed(f)) if !per_item => {
                 info!(command_id, error = %f.message, "bulk delete failed permanently; retrying item by item");
@@ -256,23 +263,60 @@ pub async fn execute(
             }
             Err(AttemptError::BulkFailed(f)) | Err(AttemptError::Failed(f)) => {
                 let outcome = record_failure(state, command_id, f, started, tried).await?;
-                return Ok(delivered(executor, outcome));
+                return settle(state, command_id, executor, outcome).await;
             }
         }
     }
 }
 
-/// A delivery is never answered [`ConsumeOutcome::Stale`] (only a claim can be overtaken as
-/// such): a delivery whose try a newer attempt overtook (its lease for calls expired and
-/// another delivery leased the command) is a "not now" — the newer attempt decides.
-fn delivered(executor: Executor, outcome: ConsumeOutcome) -> ConsumeOutcome {
-    match (executor, outcome) {
-        (Executor::Delivery, ConsumeOutcome::Stale) => ConsumeOutcome::NotNow {
+/// Commits what a "not now" means for the executor, so its caller only answers: a claim is
+/// given back without spending its attempt; a push delivery's command is due for publishing
+/// again (the push transport is then acknowledged); a generic envelope's sender retries on its
+/// own. A delivery is never answered [`ConsumeOutcome::Stale`] (only a claim can be overtaken
+/// as such): a delivery whose try a newer attempt overtook is a "not now" — the newer attempt
+/// decides. `Err` when the ledger could not record it.
+async fn settle(
+    state: &AppState,
+    command_id: &str,
+    executor: Executor,
+    outcome: ConsumeOutcome,
+) -> Result<ConsumeOutcome, Failure> {
+    let outcome = match (executor, outcome) {
+        (Executor::Delivery { .. }, ConsumeOutcome::Stale) => ConsumeOutcome::NotNow {
             reason: "a newer attempt of this command took it over; it decides the outcome".into(),
             retry_after_seconds: 1,
         },
         (_, outcome) => outcome,
-    }
+    };
+    let ConsumeOutcome::NotNow {
+        reason,
+        retry_after_seconds,
+    } = &outcome
+    else {
+        return Ok(outcome);
+    };
+    let committed = match executor {
+        Executor::Claimed(attempt) => {
+            ledger::queue::release(
+                &state.pool,
+                command_id,
+                attempt,
+                *retry_after_seconds as f64,
+                reason,
+            )
+            .await
+        }
+        // Pub/Sub ignores Retry-After and slows the whole subscription after nacks; QStash
+        // spends one of its few retries on every non-2xx: publish again when due instead.
+        Executor::Delivery { push: true } => {
+            ledger::outbox::request_republish(&state.pool, command_id, *retry_after_seconds)
+                .await
+                .map(|_| ())
+        }
+        Executor::Delivery { push: false } => Ok(()),
+    };
+    committed.map_err(|e| Failure::from_db(&e))?;
+    Ok(outcome)
 }
 
 /// Longest a command waits in-process for its pace's start; a later start holds it (kind

@@ -1,7 +1,8 @@
 //! docs/design.md §5's answer table as a pure function: what `/consume` answers for each outcome, on the
 //! generic envelope (plain HTTP semantics) and on push transports (every "not now" is a
-//! committed republish plus an acknowledgement, every delivery that can never succeed an
-//! acknowledgement). The HTTP layer only turns an [`Answer`] into a response.
+//! republish the execution committed, plus an acknowledgement; every delivery that can never
+//! succeed an acknowledgement). The HTTP layer only turns an [`Answer`] into a response; it
+//! writes nothing to the ledger.
 
 use serde_json::{Value, json};
 
@@ -12,8 +13,8 @@ use crate::execute::ConsumeOutcome;
 pub enum Answer {
     /// 200 with this body.
     Ok(Value),
-    /// A push delivery that is "not now": commit a republish due in `retry_after_seconds`, then
-    /// answer 200 with `body`.
+    /// A push delivery that is "not now": the execution committed a republish due in
+    /// `retry_after_seconds`; answer 200 with `body`.
     Republish {
         /// The 200 body.
         body: Value,
@@ -74,7 +75,16 @@ pub fn answer(command_id: &str, outcome: ConsumeOutcome, push: bool) -> Answer {
             reason,
             retry_after_seconds,
         },
-        ConsumeOutcome::Stale => unreachable!("deliveries hold no claim"),
+        // The execution answers a delivery that a newer attempt overtook as a "not now"
+        // (`execute::settle`); a stale claim only reaches the built-in queue's worker.
+        ConsumeOutcome::Stale => answer(
+            command_id,
+            ConsumeOutcome::NotNow {
+                reason: "a newer attempt of this command took it over".into(),
+                retry_after_seconds: 1,
+            },
+            push,
+        ),
     }
 }
 

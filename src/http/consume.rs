@@ -164,7 +164,7 @@ async fn consume(
     let outcome = execute::execute(
         &state,
         &envelope.command_id,
-        Executor::Delivery,
+        Executor::Delivery { push },
         &caller.0.subject,
     )
     .await
@@ -178,22 +178,8 @@ async fn consume(
     }
     match answer(&envelope.command_id, outcome, push) {
         Answer::Ok(body) => Ok((StatusCode::OK, Json(body)).into_response()),
-        Answer::Republish {
-            body,
-            retry_after_seconds,
-        } => {
-            // Pub/Sub ignores Retry-After and slows the whole subscription after nacks; QStash
-            // spends one of its few retries on every non-2xx: commit "publish again when due",
-            // then acknowledge.
-            crate::ledger::outbox::request_republish(
-                &state.pool,
-                &envelope.command_id,
-                retry_after_seconds,
-            )
-            .await
-            .map_err(|e| Problem::unavailable(e, retry_after))?;
-            Ok((StatusCode::OK, Json(body)).into_response())
-        }
+        // The execution committed the republish: acknowledge.
+        Answer::Republish { body, .. } => Ok((StatusCode::OK, Json(body)).into_response()),
         Answer::NotNow {
             reason,
             retry_after_seconds,

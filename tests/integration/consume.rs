@@ -321,7 +321,7 @@ async fn a_stricter_configuration_mid_run_wins_and_older_replicas_wait() {
     let outcome = sweeper::execute::execute(
         &old.state(),
         &command,
-        sweeper::execute::Executor::Delivery,
+        sweeper::execute::Executor::Delivery { push: false },
         "old",
     )
     .await

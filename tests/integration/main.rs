@@ -3,6 +3,7 @@
 mod architecture;
 mod audit;
 mod cli;
+mod command_states;
 mod common;
 mod consume;
 mod contract;
