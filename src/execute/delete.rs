@@ -126,9 +126,9 @@ async fn delete_in_one_statement(
     loaded: Box<Loaded>,
 ) -> Result<Attempted, AttemptError> {
     let rules = &loaded.rules;
-    let mut q = push_items(rules, &loaded.keys);
-    ledger::commands::push_succeed_after_delete(
-        &mut q,
+    let mut q = ledger::commands::delete_in_one(
+        rules,
+        &loaded.keys,
         &ledger::commands::DeletedInOne {
             execution: loaded.execution(command_id, actor, started),
             item_redrive: loaded.redrive_of.is_some(),
@@ -175,56 +175,6 @@ async fn delete_in_one_statement(
         counts,
         run_status,
     }))
-}
-
-/// `with cand as (...), del as (...), items as (...)`: the candidates locked in key order and
-/// classified, the eligible ones deleted with every predicate repeated (a row the delete did not
-/// remove is reported as it is, never as deleted), and one row per key of the command in its
-/// order (`ord, item_key, outcome, reason`; a key with no row is `already_absent`; a selection's
-/// row that no longer matches is `not_eligible` with the predicate it fails).
-fn push_items(rules: &RuleSet, keys: &[String]) -> QueryBuilder<'static, Postgres> {
-    let mut q = QueryBuilder::new("with cand as (select ");
-    q.push(rules.key_sql());
-    q.push("::text as item_key, ");
-    rules.push_old_enough(&mut q);
-    q.push(" as old_enough, ");
-    rules.push_excluded_reason(&mut q);
-    q.push(" as reason, ");
-    rules.push_not_eligible_reason(&mut q);
-    q.push(" as not_eligible_reason from ");
-    q.push(rules.table_sql());
-    q.push(" where ");
-    rules.push_key_in(&mut q, keys.to_vec());
-    q.push(format!(
-        " order by {} for update), del as (delete from ",
-        rules.key_sql()
-    ));
-    q.push(rules.table_sql());
-    q.push(format!(
-        " where {} = any(cast(array(select item_key from cand where old_enough and reason is null) as {}[])) and ",
-        rules.key_sql(),
-        rules.key_type()
-    ));
-    rules.push_eligible(&mut q);
-    q.push(format!(
-        " returning {}::text as item_key), items as (
-             select u.ord, u.item_key,
-                    case when d.item_key is not null then 'deleted'
-                         when c.item_key is null then 'already_absent'
-                         when c.reason is not null then 'excluded'
-                         else 'not_eligible' end as outcome,
-                    case when d.item_key is null then coalesce(c.reason, c.not_eligible_reason) end
-                        as reason
-               from unnest(",
-        rules.key_sql()
-    ));
-    q.push_bind(keys.to_vec());
-    q.push(
-        "::text[]) with ordinality as u(item_key, ord)
-               left join cand c on c.item_key = u.item_key
-               left join del d on d.item_key = u.item_key)",
-    );
-    q
 }
 
 /// An action with external calls: no transaction may span them (docs/design.md §2.6), so the command is
@@ -308,26 +258,26 @@ async fn classify(
     let rows = q.build().fetch_all(&mut **tx).await?;
     let mut outcomes: ItemOutcomes = HashMap::new();
     let mut eligible = Vec::new();
+    // What an eligible item ends in here: deleted, or in a dry run what it would do.
+    let effect = if loaded.dry_run && rules.action.once_per_window() {
+        Outcome::WouldCall // it would call, not delete
+    } else if loaded.dry_run {
+        Outcome::WouldDelete
+    } else {
+        Outcome::Deleted
+    };
     for r in &rows {
         let key: String = r.get("item_key");
-        let old_enough: bool = r.get("old_enough");
-        let reason: Option<String> = r.get("reason");
-        let o = match (reason, old_enough) {
-            (Some(reason), _) => (Outcome::Excluded, Some(reason)),
-            (None, false) => (Outcome::NotEligible, r.get("not_eligible_reason")),
-            (None, true) => {
-                eligible.push(key.clone());
-                let o = if loaded.dry_run && rules.action.once_per_window() {
-                    Outcome::WouldCall // it would call, not delete
-                } else if loaded.dry_run {
-                    Outcome::WouldDelete
-                } else {
-                    Outcome::Deleted
-                };
-                (o, None)
-            }
-        };
-        outcomes.insert(key, o);
+        let judged = ledger::outcome::Judgement::of(
+            true,
+            r.get("reason"),
+            r.get("old_enough"),
+            r.get("not_eligible_reason"),
+        );
+        if judged == ledger::outcome::Judgement::Eligible {
+            eligible.push(key.clone());
+        }
+        outcomes.insert(key, judged.outcome(effect));
     }
     Ok((outcomes, eligible))
 }

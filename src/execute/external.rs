@@ -24,6 +24,7 @@ use sqlx::Row;
 use super::call::CallResult;
 use super::close::{Closed, close};
 use crate::execute::{ConsumeOutcome, Loaded, Outcome, record_failure};
+use crate::ledger::outcome::Judgement;
 use crate::policy::ActionSpec;
 use crate::retry::{Failure, FailureClass};
 use crate::state::AppState;
@@ -46,10 +47,8 @@ fn db(e: sqlx::Error) -> Failure {
 }
 
 fn parse_outcome(s: Option<&str>) -> Outcome {
-    match s {
-        Some("deleted") => Outcome::Deleted,
-        Some("reconciled") => Outcome::Reconciled,
-        Some("called") => Outcome::Called,
+    match s.and_then(Outcome::parse) {
+        Some(o @ (Outcome::Deleted | Outcome::Reconciled | Outcome::Called)) => o,
         _ => Outcome::AlreadyAbsent,
     }
 }
@@ -86,31 +85,32 @@ async fn begin(
             row.get::<Option<String>, _>("prior_outcome").as_deref(),
         )));
     }
-    if !found {
+    let judged = Judgement::of(
+        found,
+        row.get("reason"),
+        row.get::<Option<bool>, _>("old_enough").unwrap_or(false),
+        row.get("not_eligible_reason"),
+    );
+    match judged {
         // Gone: the desired end state. An effect of ours left `calling` is closed with it.
-        return Ok(if own_open("calling") {
-            Decision::Called(Outcome::AlreadyAbsent)
-        } else {
-            Decision::Final(Outcome::AlreadyAbsent, None)
-        });
-    }
-    let reason: Option<String> = row.get("reason");
-    let old_enough: bool = row.get::<Option<bool>, _>("old_enough").unwrap_or(false);
-    if reason.is_some() || !old_enough {
-        if own_open("calling") {
+        Judgement::Absent if own_open("calling") => {
+            return Ok(Decision::Called(Outcome::AlreadyAbsent));
+        }
+        Judgement::Excluded(_) | Judgement::NotEligible(_) if own_open("calling") => {
+            let now = match &judged {
+                Judgement::Excluded(r) => format!("excluded ({r})"),
+                _ => "not eligible".to_string(),
+            };
             return Ok(Decision::FailedOpen(format!(
-                "the row became {} while its effect was open (a call may have been made); an \
-                 operator decides",
-                reason
-                    .as_deref()
-                    .map(|r| format!("excluded ({r})"))
-                    .unwrap_or_else(|| "not eligible".into())
+                "the row became {now} while its effect was open (a call may have been made); an \
+                 operator decides"
             )));
         }
-        return Ok(match reason {
-            Some(r) => Decision::Final(Outcome::Excluded, Some(r)),
-            None => Decision::Final(Outcome::NotEligible, row.get("not_eligible_reason")),
-        });
+        Judgement::Eligible => {}
+        final_without_call => {
+            let (outcome, reason) = final_without_call.outcome(Outcome::AlreadyAbsent);
+            return Ok(Decision::Final(outcome, reason));
+        }
     }
     match row.get::<Option<i32>, _>("opened_n") {
         Some(n) => Ok(Decision::Call {

@@ -226,23 +226,75 @@ pub struct DeletedInOne<'a> {
     pub others_cap: i64,
 }
 
-/// The ledger's half of the one statement that executes a delete-rows command. The caller has
-/// pushed `with items as (...)` — one row per key of the command: `ord` (its position),
-/// `item_key`, `outcome` (`deleted`, `already_absent`, `excluded` or `not_eligible`) and
-/// `reason` — and this pushes the rest: the audit rows in the command's order, the command
-/// `succeeded` with its counts (its contribution to the run's), its attempt, a redriven dead
-/// letter resolved, and a final row `(deleted, already_absent, excluded, not_eligible, status,
+/// The target's side of [`delete_in_one`], built by the policy layer; every value a bound
+/// parameter.
+pub trait DeleteTarget {
+    /// Pushes `select <key>::text as item_key, <old enough> as old_enough, <first exclusion> as
+    /// reason, <first failed predicate> as not_eligible_reason from <table> where <key> in
+    /// <keys> order by <key> for update`: the candidates locked in key order (overlapping runs
+    /// cannot deadlock).
+    fn push_candidates(&self, q: &mut QueryBuilder<'static, Postgres>, keys: &[String]);
+    /// Pushes `delete from <table> where <key> in (the keys of candidates \`cand\` that are old
+    /// enough and not excluded) and <eligible> returning <key>::text as item_key`: every
+    /// predicate repeated in the delete itself.
+    fn push_delete_qualifying(&self, q: &mut QueryBuilder<'static, Postgres>);
+}
+
+/// The one statement that executes a delete-rows command (docs/design.md §2.4), whole: the
+/// candidates locked in key order and judged ([`super::outcome::Judgement`]), the qualifying ones
+/// deleted with every predicate repeated (a row the delete did not remove is reported as it is,
+/// never as deleted), one audit row per key in the command's order (a key with no row is
+/// `already_absent`), the command `succeeded` with its counts and attempt, a redriven dead letter
+/// resolved, and a final row `(deleted, already_absent, excluded, not_eligible, status,
 /// others_pending)` with the run's status and its other pending commands counted up to the cap —
 /// no row when the command was overtaken ([`Attempt::fence`]), and the caller's transaction
 /// rolls the delete back.
-pub fn push_succeed_after_delete(q: &mut QueryBuilder<'_, Postgres>, d: &DeletedInOne<'_>) {
+pub fn delete_in_one(
+    target: &impl DeleteTarget,
+    keys: &[String],
+    d: &DeletedInOne<'_>,
+) -> QueryBuilder<'static, Postgres> {
+    use super::outcome::{Judgement, Outcome};
+    let mut q = QueryBuilder::new("with cand as (");
+    target.push_candidates(&mut q, keys);
+    q.push("), del as (");
+    target.push_delete_qualifying(&mut q);
+    let (outcome, reason) = Judgement::outcome_sql("d.item_key is not null", Outcome::Deleted);
     q.push(format!(
-        ", tally as (
-             select count(*) filter (where outcome = 'deleted') as deleted,
-                    count(*) filter (where outcome = 'already_absent') as already_absent,
-                    count(*) filter (where outcome = 'excluded') as excluded,
-                    count(*) filter (where outcome = 'not_eligible') as not_eligible
-               from items),
+        "), items as (
+             select u.ord, u.item_key, {outcome} as outcome, {reason} as reason
+               from unnest("
+    ));
+    q.push_bind(keys.to_vec());
+    q.push(
+        "::text[]) with ordinality as u(item_key, ord)
+               left join cand c on c.item_key = u.item_key
+               left join del d on d.item_key = u.item_key)",
+    );
+    push_succeed_after_delete(&mut q, d);
+    q
+}
+
+/// The outcomes an item of a delete-rows command ends in within the one statement (a failed
+/// item needs the item-by-item path).
+pub const DELETE_OUTCOMES: [super::Outcome; 4] = [
+    super::Outcome::Deleted,
+    super::Outcome::AlreadyAbsent,
+    super::Outcome::Excluded,
+    super::Outcome::NotEligible,
+];
+
+/// The ledger's half of [`delete_in_one`], after `items` (one row per key: `ord`, `item_key`,
+/// `outcome`, `reason`).
+fn push_succeed_after_delete(q: &mut QueryBuilder<'_, Postgres>, d: &DeletedInOne<'_>) {
+    // The outcomes a delete-rows command's items can end in; each is a count column.
+    let tally = DELETE_OUTCOMES
+        .iter()
+        .map(|o| format!("count(*) filter (where outcome = '{0}') as {0}", o.as_str()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    q.push(format!(
+        ", tally as (select {tally} from items),
          c as (
              update sweeper.commands cm
                 set state = 'succeeded', finished_at = sweeper.now(),

@@ -55,6 +55,11 @@ impl Outcome {
             Outcome::WouldCall => "would_call",
         }
     }
+
+    /// The outcome named `s`, if any.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|o| o.as_str() == s)
+    }
 }
 
 /// Outcome counts of one command, or of a run (the `sweeper.runs` columns of the same names).
@@ -108,6 +113,101 @@ impl Counts {
             Outcome::Reconciled => self.reconciled += 1,
             Outcome::Called => self.called += 1,
             Outcome::WouldCall => self.would_call += 1,
+        }
+    }
+}
+
+/// What the snapshot that acts on an item says of it, before its effect: the one derivation of
+/// an item's outcome, shared by the one-statement delete ([`Judgement::outcome_sql`]), the
+/// item-by-item and dry-run path, and an action with external calls.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Judgement {
+    /// No row with the key: `already_absent`.
+    Absent,
+    /// An exclusion holds the row: `excluded`, with the exclusion's name.
+    Excluded(String),
+    /// The row is not (or no longer) eligible: `not_eligible`, with the predicate it fails.
+    NotEligible(Option<String>),
+    /// The row qualifies: its outcome is the effect's.
+    Eligible,
+}
+
+impl Judgement {
+    /// The judgement of a row `found` or not, with its first exclusion `reason`, whether it is
+    /// `old_enough` (and matches the selection), and the predicate it fails if not. An exclusion
+    /// comes first: a held row is excluded whatever its age.
+    pub fn of(
+        found: bool,
+        reason: Option<String>,
+        old_enough: bool,
+        not_eligible_reason: Option<String>,
+    ) -> Self {
+        match (found, reason, old_enough) {
+            (false, ..) => Judgement::Absent,
+            (true, Some(r), _) => Judgement::Excluded(r),
+            (true, None, false) => Judgement::NotEligible(not_eligible_reason),
+            (true, None, true) => Judgement::Eligible,
+        }
+    }
+
+    /// The item's outcome and reason when an eligible item ends in `effect` (`deleted`,
+    /// `would_delete`, ...).
+    pub fn outcome(self, effect: Outcome) -> (Outcome, Option<String>) {
+        match self {
+            Judgement::Absent => (Outcome::AlreadyAbsent, None),
+            Judgement::Excluded(r) => (Outcome::Excluded, Some(r)),
+            Judgement::NotEligible(r) => (Outcome::NotEligible, r),
+            Judgement::Eligible => (effect, None),
+        }
+    }
+
+    /// The same derivation in SQL, `(outcome, reason)` expressions over a candidate row `c`
+    /// (`c.item_key` NULL when no row has the key; `c.reason`, `c.old_enough`,
+    /// `c.not_eligible_reason`) and whether the effect removed it (`done`, an SQL condition):
+    /// an eligible row the effect did not remove is `not_eligible`, never `effect`.
+    pub(crate) fn outcome_sql(done: &str, effect: Outcome) -> (String, String) {
+        let outcome = format!(
+            "case when c.item_key is null then '{absent}'
+                  when c.reason is not null then '{excluded}'
+                  when not c.old_enough then '{not_eligible}'
+                  when {done} then '{effect}'
+                  else '{not_eligible}' end",
+            absent = Outcome::AlreadyAbsent.as_str(),
+            excluded = Outcome::Excluded.as_str(),
+            not_eligible = Outcome::NotEligible.as_str(),
+            effect = effect.as_str(),
+        );
+        let reason =
+            format!("case when not ({done}) then coalesce(c.reason, c.not_eligible_reason) end");
+        (outcome, reason)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_exclusion_comes_before_age_and_a_missing_row_before_both() {
+        let of = |found, reason: Option<&str>, old| {
+            Judgement::of(found, reason.map(String::from), old, Some("select".into()))
+                .outcome(Outcome::Deleted)
+        };
+        assert_eq!(
+            of(false, Some("hold"), true),
+            (Outcome::AlreadyAbsent, None)
+        );
+        assert_eq!(
+            of(true, Some("hold"), false),
+            (Outcome::Excluded, Some("hold".into()))
+        );
+        assert_eq!(
+            of(true, None, false),
+            (Outcome::NotEligible, Some("select".into()))
+        );
+        assert_eq!(of(true, None, true), (Outcome::Deleted, None));
+        for o in Outcome::ALL {
+            assert_eq!(Outcome::parse(o.as_str()), Some(o));
         }
     }
 }

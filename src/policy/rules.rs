@@ -480,3 +480,33 @@ impl crate::ledger::effects::ItemQuery for RuleSet {
         q.push(format!(" as {})", self.key_type()));
     }
 }
+
+impl crate::ledger::commands::DeleteTarget for RuleSet {
+    fn push_candidates(&self, q: &mut QueryBuilder<'static, Postgres>, keys: &[String]) {
+        q.push("select ");
+        q.push(self.key_sql());
+        q.push("::text as item_key, ");
+        self.push_old_enough(q);
+        q.push(" as old_enough, ");
+        self.push_excluded_reason(q);
+        q.push(" as reason, ");
+        self.push_not_eligible_reason(q);
+        q.push(" as not_eligible_reason from ");
+        q.push(self.table_sql());
+        q.push(" where ");
+        self.push_key_in(q, keys.to_vec());
+        q.push(format!(" order by {} for update", self.key_sql()));
+    }
+
+    fn push_delete_qualifying(&self, q: &mut QueryBuilder<'static, Postgres>) {
+        q.push("delete from ");
+        q.push(self.table_sql());
+        q.push(format!(
+            " where {} = any(cast(array(select item_key from cand where old_enough and reason is null) as {}[])) and ",
+            self.key_sql(),
+            self.key_type()
+        ));
+        self.push_eligible(q);
+        q.push(format!(" returning {}::text as item_key", self.key_sql()));
+    }
+}
