@@ -12,7 +12,7 @@ use tracing::{debug, warn};
 
 use crate::execute::{self, ConsumeOutcome, Executor};
 use crate::ledger;
-use crate::ledger::commands::Attempt;
+use crate::ledger::commands::CommandTry;
 use crate::retry::Failure;
 use crate::state::AppState;
 
@@ -31,7 +31,7 @@ pub enum WorkerStep {
 /// Claims up to `limit` due built-in commands (pending and due, or leased with an expired
 /// lease) in one short transaction: each gets a lease owned by this replica and its attempt
 /// number, which fences everything its execution writes.
-pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<(String, Attempt)>, Failure> {
+pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<CommandTry>, Failure> {
     ledger::queue::claim(
         &state.pool,
         state.replica_id,
@@ -45,13 +45,10 @@ pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<(String, Attempt)
 
 /// Executes one claimed command (a "not now" is given back by the execution, without spending
 /// its attempt).
-async fn run_claimed(
-    state: &AppState,
-    command_id: &str,
-    attempt: Attempt,
-) -> Result<ConsumeOutcome, Failure> {
+async fn run_claimed(state: &AppState, claim: CommandTry) -> Result<ConsumeOutcome, Failure> {
     crate::crash_point!("worker_after_claim");
-    execute::execute(state, command_id, Executor::Claimed(attempt), BUILTIN_ACTOR).await
+    let command_id = claim.command_id().to_string();
+    execute::execute(state, &command_id, Executor::Claimed(claim), BUILTIN_ACTOR).await
 }
 
 /// Claims one due built-in command and executes it. Tests drive the queue deterministically
@@ -59,22 +56,17 @@ async fn run_claimed(
 pub async fn run_one_command(state: &AppState) -> Result<WorkerStep, Failure> {
     match claim(state, 1).await?.pop() {
         None => Ok(WorkerStep::Idle),
-        Some((command_id, attempt)) => Ok(WorkerStep::Ran(
-            run_claimed(state, &command_id, attempt).await?,
-        )),
+        Some(claim) => Ok(WorkerStep::Ran(run_claimed(state, claim).await?)),
     }
 }
 
 /// After a try that could not record its result (the ledger was unreachable), puts the command
 /// back for a retry in a second, keeping its spent attempt. Best effort, a few times: if the
 /// ledger stays away, the lease's expiry gives the command back instead.
-async fn give_back(state: &AppState, command_id: &str, attempt: Attempt) {
+async fn give_back(state: &AppState, claim: &CommandTry) {
     for pause_ms in [100, 500, 2_000] {
         tokio::time::sleep(std::time::Duration::from_millis(pause_ms)).await;
-        if ledger::queue::give_back(&state.pool, command_id, attempt)
-            .await
-            .is_ok()
-        {
+        if claim.give_back(&state.pool).await.is_ok() {
             return;
         }
     }
@@ -100,16 +92,17 @@ pub async fn worker_loop(state: AppState, worker_no: usize, shutdown: Cancellati
         let notified = state.wake_workers.notified();
         match claim(&state, batch).await {
             Ok(claimed) if !claimed.is_empty() => {
-                for (command_id, attempt) in claimed {
+                for claim in claimed {
                     // On shutdown the rest stay leased to this replica and are released.
                     if shutdown.is_cancelled() {
                         return;
                     }
-                    match run_claimed(&state, &command_id, attempt).await {
+                    let command_id = claim.command_id().to_string();
+                    match run_claimed(&state, claim.clone()).await {
                         Ok(outcome) => debug!(worker_no, ?outcome, "command done"),
                         Err(f) => {
                             warn!(worker_no, command_id, error = %f.message, "command step failed");
-                            give_back(&state, &command_id, attempt).await;
+                            give_back(&state, &claim).await;
                         }
                     }
                 }

@@ -62,16 +62,16 @@ pub(super) async fn close(
     }
     // The audit rows; when every item is done, in the same statement the command succeeds.
     let audited = crate::ledger::commands::Audited {
-        execution: l.execution(command_id, actor, started),
+        execution: l.execution(actor, started),
         dry_run: false,
         keys: &columns.keys,
         outcomes: &columns.outcomes,
         reasons: &columns.reasons,
     };
     if complete {
-        crate::ledger::commands::succeed_with_audit(&mut tx, &audited).await
+        l.command.succeed_with_audit(&mut tx, &audited).await
     } else {
-        crate::ledger::commands::append_audit(&mut tx, &audited).await
+        l.command.append_audit(&mut tx, &audited).await
     }
     .map_err(db)?;
     let recorded = finish_in_run(

@@ -14,11 +14,11 @@ use super::*;
 pub(super) async fn attempt(
     state: &AppState,
     command_id: &str,
-    executor: Executor,
+    executor: &Executor,
     actor: &str,
     (per_item, pace_wait): (bool, f64),
     started: Instant,
-    tried: &mut Option<ledger::commands::Attempt>,
+    tried: &mut Option<ledger::commands::CommandTry>,
 ) -> Result<Attempted, AttemptError> {
     let mut tx = state.pool.begin().await?;
     let loaded =
@@ -67,17 +67,19 @@ pub(super) async fn attempt(
 
     // One statement: the audit rows, the command done, its attempt recorded, a redriven dead
     // letter resolved; its counts recorded next.
-    ledger::commands::succeed_with_audit(
-        &mut tx,
-        &ledger::commands::Audited {
-            execution: loaded.execution(command_id, actor, started),
-            dry_run: loaded.dry_run,
-            keys: &a_keys,
-            outcomes: &a_outcomes,
-            reasons: &a_reasons,
-        },
-    )
-    .await?;
+    loaded
+        .command
+        .succeed_with_audit(
+            &mut tx,
+            &ledger::commands::Audited {
+                execution: loaded.execution(actor, started),
+                dry_run: loaded.dry_run,
+                keys: &a_keys,
+                outcomes: &a_outcomes,
+                reasons: &a_reasons,
+            },
+        )
+        .await?;
     let recorded = finish_in_run(
         &mut tx,
         state,
@@ -126,11 +128,11 @@ async fn delete_in_one_statement(
     loaded: Box<Loaded>,
 ) -> Result<Attempted, AttemptError> {
     let rules = &loaded.rules;
-    let mut q = ledger::commands::delete_in_one(
+    let mut q = loaded.command.delete_in_one(
         rules,
         &loaded.keys,
         &ledger::commands::DeletedInOne {
-            execution: loaded.execution(command_id, actor, started),
+            execution: loaded.execution(actor, started),
             item_redrive: loaded.redrive_of.is_some(),
             others_cap: super::finish::others_cap(state, &loaded.policy),
         },
@@ -186,7 +188,7 @@ async fn lease_for_calls(
     mut tx: Transaction<'_, Postgres>,
     command_id: &str,
     mut loaded: Box<Loaded>,
-    tried: &mut Option<ledger::commands::Attempt>,
+    tried: &mut Option<ledger::commands::CommandTry>,
 ) -> Result<Attempted, AttemptError> {
     // max_concurrent_commands: the slot taken in `load` ends with this transaction, so
     // the commands calling right now are counted instead, serialized per policy.
@@ -212,7 +214,7 @@ async fn lease_for_calls(
     }
     // No transaction may span the calls: the command is leased instead (docs/design.md §5,
     // concurrent deliveries), and a delivery that finds a live lease is a "not now".
-    if let ledger::commands::Attempt::Uncounted { .. } = loaded.attempt {
+    if let ledger::commands::Attempt::Uncounted { .. } = loaded.command.attempt() {
         if loaded.lease_left > 0.0 {
             tx.rollback().await?;
             return Ok(Attempted::Done(ConsumeOutcome::NotNow {
@@ -224,17 +226,17 @@ async fn lease_for_calls(
         }
         // The delivery counts as an attempt before anything is called, so a delivery that
         // crashes the process every time still spends the budget.
-        loaded.attempt = ledger::commands::lease_for_delivery(
-            &mut tx,
-            command_id,
-            loaded.attempt,
-            state.replica_id,
-            state.config.queue.lease.seconds() as f64,
-        )
-        .await?;
-        *tried = Some(loaded.attempt);
+        loaded.command = loaded
+            .command
+            .lease_for_calls(
+                &mut tx,
+                state.replica_id,
+                state.config.queue.lease.seconds() as f64,
+            )
+            .await?;
+        *tried = Some(loaded.command.clone());
     }
-    ledger::commands::mark_calling(&mut tx, command_id).await?;
+    loaded.command.mark_calling(&mut tx).await?;
     tx.commit().await?;
     Ok(Attempted::External(loaded))
 }

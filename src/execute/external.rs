@@ -135,8 +135,8 @@ pub(crate) async fn run(
     actor: &str,
     started: Instant,
 ) -> Result<ConsumeOutcome, Failure> {
-    let attempt = l.attempt;
-    let n = attempt.number();
+    let attempt = l.command.clone();
+    let n = attempt.attempt().number();
     let dep = l.rules.action.dependency().unwrap_or_default().to_string();
     let Some(rt) = state.dependencies.get(&dep) else {
         let f = Failure::permanent(format!(

@@ -111,11 +111,11 @@ pub(crate) async fn record_failure(
     command_id: &str,
     f: Failure,
     started: Instant,
-    tried: Option<ledger::commands::Attempt>,
+    tried: Option<ledger::commands::CommandTry>,
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
     // Only a delivery is without a try: it failed before the gate let it run.
-    let Some(attempt) = tried else {
+    let Some(command) = tried else {
         return busy(state, command_id, f).await;
     };
     if f.class == FailureClass::Held(HoldKind::Schema)
@@ -142,6 +142,7 @@ pub(crate) async fn record_failure(
             state: cmd_state,
         });
     }
+    let attempt = command.attempt();
     if attempts != attempt.fence() {
         return Ok(match attempt {
             // A newer claim took the command over.
@@ -172,10 +173,9 @@ pub(crate) async fn record_failure(
         &mut rand::rng(),
     );
     let failed = |attempts| Failed {
-        command_id,
+        command: &command,
         run_id: &run_id,
         policy: &policy,
-        attempt,
         attempts,
         elapsed,
     };
@@ -184,7 +184,7 @@ pub(crate) async fn record_failure(
             let hold = super::Hold {
                 kind,
                 why: f.message.clone(),
-                attempt,
+                command: command.clone(),
                 recheck: None,
             };
             hold_command(state, tx, command_id, hold).await
@@ -262,10 +262,9 @@ async fn lock_failed(
 
 /// The command a failed try was of, with the attempt count to record.
 struct Failed<'a> {
-    command_id: &'a str,
+    command: &'a ledger::commands::CommandTry,
     run_id: &'a str,
     policy: &'a str,
-    attempt: ledger::commands::Attempt,
     attempts: i32,
     /// Seconds the try took.
     elapsed: f64,
@@ -275,10 +274,8 @@ impl<'a> Failed<'a> {
     /// The ledger's record of this failed try, with its error and class.
     fn recorded(&self, error: &'a str, class: &'a str) -> ledger::commands::Failed<'a> {
         ledger::commands::Failed {
-            command_id: self.command_id,
             run_id: self.run_id,
             policy: self.policy,
-            attempt: self.attempt,
             attempts: self.attempts,
             elapsed_seconds: self.elapsed,
             error,
@@ -297,7 +294,7 @@ pub(super) async fn hold_command(
     super::Hold {
         kind,
         why,
-        attempt,
+        command,
         recheck,
     }: super::Hold,
 ) -> Result<ConsumeOutcome, Failure> {
@@ -305,16 +302,10 @@ pub(super) async fn hold_command(
     let recheck = recheck
         .unwrap_or_else(|| state.config.hold_recheck_seconds())
         .max(1);
-    let began = ledger::commands::hold(
-        &mut tx,
-        command_id,
-        attempt,
-        recheck as f64,
-        kind.as_str(),
-        &why,
-    )
-    .await
-    .map_err(db)?;
+    let began = command
+        .hold(&mut tx, recheck as f64, kind.as_str(), &why)
+        .await
+        .map_err(db)?;
     tx.commit().await.map_err(db)?;
     if began {
         info!(command_id, kind = kind.as_str(), reason = %why, "command held");
@@ -336,14 +327,15 @@ async fn quarantine_command(
     reason: String,
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
-    ledger::commands::quarantine(&mut tx, &c.recorded(&reason, class.as_str()))
+    c.command
+        .quarantine(&mut tx, &c.recorded(&reason, class.as_str()))
         .await
         .map_err(db)?;
     let recorded = finish_in_run(
         &mut tx,
         state,
         c.policy,
-        c.command_id,
+        c.command.command_id(),
         &Counts::default(),
         true,
         false,
@@ -353,10 +345,10 @@ async fn quarantine_command(
     tx.commit().await.map_err(db)?;
     complete_after(state, c.run_id, c.policy, recorded, None).await;
     crate::metrics::quarantined(class);
-    warn!(command_id = c.command_id, class = class.as_str(), error = %reason,
+    warn!(command_id = c.command.command_id(), class = class.as_str(), error = %reason,
           attempts = c.attempts, "command quarantined");
     Ok(ConsumeOutcome::Quarantined {
-        command_id: c.command_id.to_string(),
+        command_id: c.command.command_id().to_string(),
         error: reason,
     })
 }
@@ -371,17 +363,18 @@ async fn schedule_retry(
     snooze: bool,
 ) -> Result<ConsumeOutcome, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
-    ledger::commands::schedule_retry(
-        &mut tx,
-        &c.recorded(&f.message, f.class.as_str()),
-        delay,
-        snooze,
-    )
-    .await
-    .map_err(db)?;
+    c.command
+        .schedule_retry(
+            &mut tx,
+            &c.recorded(&f.message, f.class.as_str()),
+            delay,
+            snooze,
+        )
+        .await
+        .map_err(db)?;
     tx.commit().await.map_err(db)?;
     crate::metrics::attempt_failed(f.class);
-    warn!(command_id = c.command_id, class = f.class.as_str(), error = %f.message,
+    warn!(command_id = c.command.command_id(), class = f.class.as_str(), error = %f.message,
           attempt = c.attempts, retry_in_seconds = delay, "not done; next attempt scheduled");
     // The answer names the class, never the error text (which may quote customer data); the
     // ledger keeps the text for operators.

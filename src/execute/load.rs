@@ -9,8 +9,8 @@ pub(super) async fn load(
     state: &AppState,
     tx: &mut Transaction<'_, Postgres>,
     command_id: &str,
-    executor: Executor,
-    tried: &mut Option<ledger::commands::Attempt>,
+    executor: &Executor,
+    tried: &mut Option<ledger::commands::CommandTry>,
     pace_wait: f64,
 ) -> Result<Step, AttemptError> {
     // A delivery's `tried` is set only while this try may run (or the gate counts it as a
@@ -25,9 +25,12 @@ pub(super) async fn load(
     let Some(c) = lock_command(state, tx, command_id).await? else {
         return unknown_command(tx, command_id).await;
     };
-    let attempt = executor.attempt(c.attempts);
+    let command = match executor {
+        Executor::Claimed(claim) => claim.clone(),
+        Executor::Delivery { .. } => ledger::commands::CommandTry::locked(command_id, c.attempts),
+    };
     if delivery {
-        *tried = Some(attempt);
+        *tried = Some(command.clone());
     }
     if let Some(step) = gate(state, &c, command_id, executor)? {
         if delivery {
@@ -40,7 +43,7 @@ pub(super) async fn load(
     } else {
         crate::holds::after_hold(state, tx, &c.policy, c.window_at).await?
     };
-    if let Some(step) = held(state, &c, attempt, pace_wait, after) {
+    if let Some(step) = held(state, &c, &command, pace_wait, after) {
         if delivery {
             *tried = None;
         }
@@ -56,7 +59,7 @@ pub(super) async fn load(
         keys: c.item_keys,
         rules,
         redrive_of: c.redrive_of,
-        attempt,
+        command,
         lease_left: c.lease_left,
     })))
 }
@@ -189,7 +192,7 @@ fn gate(
     state: &AppState,
     c: &LockedCommand,
     command_id: &str,
-    executor: Executor,
+    executor: &Executor,
 ) -> Result<Option<Step>, AttemptError> {
     let not_now = |reason: String, retry_after_seconds: u64| {
         Ok(Some(Step::Done(ConsumeOutcome::NotNow {
@@ -203,8 +206,8 @@ fn gate(
             state: c.state.clone(),
         })));
     }
-    if let Executor::Claimed(a) = executor
-        && c.attempts != a.fence()
+    if let Executor::Claimed(claim) = executor
+        && c.attempts != claim.attempt().fence()
     {
         return Ok(Some(Step::Done(ConsumeOutcome::Stale)));
     }
@@ -222,10 +225,10 @@ fn gate(
         return not_now(reason, due_in.ceil() as u64);
     }
     let policy = &c.policy;
-    if let (Executor::Claimed(a), Some(p)) = (executor, state.config.policy(policy))
-        && a.number() > p.retry.max_attempts as i32
+    if let (Executor::Claimed(claim), Some(p)) = (executor, state.config.policy(policy))
+        && claim.attempt().number() > p.retry.max_attempts as i32
     {
-        let n = a.number();
+        let n = claim.attempt().number();
         // Claims count attempts even when the worker dies before recording a result, so a
         // command that keeps killing or hanging its workers still ends in quarantine.
         return Err(AttemptError::Failed(Failure::transient(format!(
@@ -278,7 +281,7 @@ fn gate(
 fn held(
     state: &AppState,
     c: &LockedCommand,
-    attempt: ledger::commands::Attempt,
+    command: &ledger::commands::CommandTry,
     pace_wait: f64,
     after: Option<String>,
 ) -> Option<Step> {
@@ -321,7 +324,7 @@ fn held(
     Some(Step::Hold(Hold {
         kind,
         why,
-        attempt,
+        command: command.clone(),
         recheck,
     }))
 }

@@ -85,7 +85,7 @@ pub enum ConsumeOutcome {
 }
 
 /// Who executes a command: an HTTP delivery, or a built-in worker holding a claim.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub enum Executor {
     /// `/consume`: the attempt is counted when it executes. `push`: a push transport delivered
     /// it (an authenticated push credential, or a Pub/Sub push body), which does not redeliver on
@@ -94,18 +94,8 @@ pub enum Executor {
         /// Whether a push transport delivered it.
         push: bool,
     },
-    /// A built-in worker holding the claim of this attempt (it fences every write).
-    Claimed(ledger::commands::Attempt),
-}
-
-impl Executor {
-    /// The try this executor makes of a command whose row held `attempts` when it was locked.
-    fn attempt(self, attempts: i32) -> ledger::commands::Attempt {
-        match self {
-            Executor::Delivery { .. } => ledger::commands::Attempt::Uncounted { seen: attempts },
-            Executor::Claimed(a) => a,
-        }
-    }
+    /// A built-in worker holding this claim (its attempt fences every write).
+    Claimed(ledger::commands::CommandTry),
 }
 
 /// A command loaded for execution, under its run's pinned (and stricter current) rules.
@@ -118,8 +108,8 @@ pub(crate) struct Loaded {
     pub(crate) keys: Vec<String>,
     pub(crate) rules: RuleSet,
     pub(crate) redrive_of: Option<i64>,
-    /// The try, as the ledger counts it (every state change is fenced by it).
-    pub(crate) attempt: ledger::commands::Attempt,
+    /// The try, as the ledger counts it: its methods are the command's state changes.
+    pub(crate) command: ledger::commands::CommandTry,
     /// Another execution holds the command's lease, for this many more seconds (0: none).
     lease_left: f64,
 }
@@ -150,13 +140,10 @@ impl Loaded {
     /// `started`.
     pub(crate) fn execution<'a>(
         &'a self,
-        command_id: &'a str,
         actor: &'a str,
         started: Instant,
     ) -> ledger::commands::Execution<'a> {
         ledger::commands::Execution {
-            command_id,
-            attempt: self.attempt,
             elapsed_seconds: started.elapsed().as_secs_f64(),
             policy: &self.policy,
             policy_version: &self.policy_version,
@@ -189,7 +176,7 @@ pub(super) enum Step {
 pub(super) struct Hold {
     pub(super) kind: HoldKind,
     pub(super) why: String,
-    pub(super) attempt: ledger::commands::Attempt,
+    pub(super) command: ledger::commands::CommandTry,
     pub(super) recheck: Option<u64>,
 }
 
@@ -207,8 +194,8 @@ pub async fn execute(
     let started = Instant::now();
     // The try whose failure would be recorded: a claim's from the start; a delivery's once the
     // gate let it run (see `load::load`).
-    let mut tried: Option<ledger::commands::Attempt> = match executor {
-        Executor::Claimed(a) => Some(a),
+    let mut tried: Option<ledger::commands::CommandTry> = match &executor {
+        Executor::Claimed(claim) => Some(claim.clone()),
         Executor::Delivery { .. } => None,
     };
     // Fast path for duplicate deliveries: a terminal state is final (a redrive re-queues the
@@ -233,7 +220,7 @@ pub async fn execute(
             delete::attempt(
                 state,
                 command_id,
-                executor,
+                &executor,
                 actor,
                 (per_item, pace_wait),
                 started,
@@ -249,13 +236,13 @@ pub async fn execute(
         });
         match result {
             Ok(Attempted::Done(outcome)) => {
-                return settle(state, command_id, executor, outcome).await;
+                return settle(state, command_id, &executor, outcome).await;
             }
             Ok(Attempted::External(loaded)) => {
                 let outcome =
                     crate::execute::external::run(state, command_id, *loaded, actor, started)
                         .await?;
-                return settle(state, command_id, executor, outcome).await;
+                return settle(state, command_id, &executor, outcome).await;
             }
             Err(AttemptError::BulkFailed(f)) if !per_item => {
                 info!(command_id, error = %f.message, "bulk delete failed permanently; retrying item by item");
@@ -263,7 +250,7 @@ pub async fn execute(
             }
             Err(AttemptError::BulkFailed(f)) | Err(AttemptError::Failed(f)) => {
                 let outcome = record_failure(state, command_id, f, started, tried).await?;
-                return settle(state, command_id, executor, outcome).await;
+                return settle(state, command_id, &executor, outcome).await;
             }
         }
     }
@@ -278,7 +265,7 @@ pub async fn execute(
 async fn settle(
     state: &AppState,
     command_id: &str,
-    executor: Executor,
+    executor: &Executor,
     outcome: ConsumeOutcome,
 ) -> Result<ConsumeOutcome, Failure> {
     let outcome = match (executor, outcome) {
@@ -296,15 +283,10 @@ async fn settle(
         return Ok(outcome);
     };
     let committed = match executor {
-        Executor::Claimed(attempt) => {
-            ledger::queue::release(
-                &state.pool,
-                command_id,
-                attempt,
-                *retry_after_seconds as f64,
-                reason,
-            )
-            .await
+        Executor::Claimed(claim) => {
+            claim
+                .release(&state.pool, *retry_after_seconds as f64, reason)
+                .await
         }
         // Pub/Sub ignores Retry-After and slows the whole subscription after nacks; QStash
         // spends one of its few retries on every non-2xx: publish again when due instead.

@@ -84,51 +84,10 @@ fn fenced(command_id: &str, rows: u64) -> sqlx::Result<()> {
     }
 }
 
-/// Leases the command to `owner` for `lease_seconds` as the delivery's attempt (counted before
-/// anything is called, so a delivery that kills the process every time still spends the
-/// budget). Returns the attempt number.
-pub async fn lease_for_delivery(
-    conn: &mut PgConnection,
-    command_id: &str,
-    attempt: Attempt,
-    owner: uuid::Uuid,
-    lease_seconds: f64,
-) -> sqlx::Result<Attempt> {
-    let n: Option<i32> = sqlx::query_scalar(
-        "update sweeper.commands
-            set state = 'leased', attempts = $4, lease_owner = $2,
-                lease_until = sweeper.now() + make_interval(secs => $3)
-          where command_id = $1 and attempts = $5
-      returning attempts",
-    )
-    .bind(command_id)
-    .bind(owner)
-    .bind(lease_seconds)
-    .bind(attempt.number())
-    .bind(attempt.fence())
-    .fetch_optional(conn)
-    .await?;
-    n.map(|n| Attempt::Counted { n })
-        .ok_or_else(|| overtaken(command_id))
-}
-
-/// Marks that the command's external calls start now (counted by `max_concurrent_commands`).
-pub async fn mark_calling(conn: &mut PgConnection, command_id: &str) -> sqlx::Result<()> {
-    sqlx::query("update sweeper.commands set calling_since = sweeper.now() where command_id = $1")
-        .bind(command_id)
-        .execute(conn)
-        .await?;
-    Ok(())
-}
-
 /// What every audit row of one execution of a command says besides its item: the command, its
 /// run and policy version, window, cutoff and actor, and the attempt it ran as.
 #[derive(Debug, Clone, Copy)]
 pub struct Execution<'a> {
-    /// The command.
-    pub command_id: &'a str,
-    /// The try.
-    pub attempt: Attempt,
     /// Seconds the try took.
     pub elapsed_seconds: f64,
     /// The policy.
@@ -160,59 +119,6 @@ pub struct Audited<'a> {
     pub reasons: &'a [Option<String>],
 }
 
-/// One statement: the audit rows, the command `succeeded`, its attempt recorded, and a redriven
-/// dead letter of it (or of the item it re-executes) resolved. Both paths end here: the delete
-/// path in its one transaction, an external action's command once every item's effect closed.
-pub async fn succeed_with_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Result<()> {
-    let done: Option<i32> = sqlx::query_scalar(&format!(
-        "with c as (
-             update sweeper.commands
-                set state = 'succeeded', attempts = $2, finished_at = sweeper.now(),
-                    lease_until = null, lease_owner = null, last_error = null, last_error_class = null,
-                    calling_since = null, {HOLD_CLEARED}
-              where command_id = $1 and attempts = $14
-          returning attempts, redrive_of),
-         au as (
-             insert into sweeper.audit
-                 (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
-                  outcome, reason, actor, dry_run, recorded_at)
-             select $4, $5, $6, $7, $8, $1, u.item_key, u.outcome, u.reason, $9, $10,
-                    {RECORDED_AT}
-               from unnest($11::text[], $12::text[], $13::text[]) as u(item_key, outcome, reason)
-              where exists (select 1 from c)),
-         a as (
-             insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
-             select $1, c.attempts, sweeper.now() - make_interval(secs => $3), sweeper.now(), 'succeeded'
-               from c),
-         dl as (
-             update sweeper.dead_letters d
-                set status = 'resolved', resolved_at = sweeper.now()
-              where d.status = 'redriven'
-                and exists (select 1 from c)
-                and ((d.kind = 'command' and d.command_id = $1)
-                     or d.dead_letter_id = (select redrive_of from c)))
-         select attempts from c"
-    ))
-    .bind(a.execution.command_id)
-    .bind(a.execution.attempt.number())
-    .bind(a.execution.elapsed_seconds)
-    .bind(a.execution.policy)
-    .bind(a.execution.policy_version)
-    .bind(a.execution.run_id)
-    .bind(a.execution.window)
-    .bind(a.execution.cutoff)
-    .bind(a.execution.actor)
-    .bind(a.dry_run)
-    .bind(a.keys)
-    .bind(a.outcomes)
-    .bind(a.reasons)
-    .bind(a.execution.attempt.fence())
-    .fetch_optional(conn)
-    .await?;
-    done.map(|_| ())
-        .ok_or_else(|| overtaken(a.execution.command_id))
-}
-
 /// A delete-rows command that ends in the statement that deletes its rows (see
 /// [`push_succeed_after_delete`]).
 #[derive(Debug)]
@@ -240,41 +146,6 @@ pub trait DeleteTarget {
     fn push_delete_qualifying(&self, q: &mut QueryBuilder<'static, Postgres>);
 }
 
-/// The one statement that executes a delete-rows command (docs/design.md §2.4), whole: the
-/// candidates locked in key order and judged ([`super::outcome::Judgement`]), the qualifying ones
-/// deleted with every predicate repeated (a row the delete did not remove is reported as it is,
-/// never as deleted), one audit row per key in the command's order (a key with no row is
-/// `already_absent`), the command `succeeded` with its counts and attempt, a redriven dead letter
-/// resolved, and a final row `(deleted, already_absent, excluded, not_eligible, status,
-/// others_pending)` with the run's status and its other pending commands counted up to the cap —
-/// no row when the command was overtaken ([`Attempt::fence`]), and the caller's transaction
-/// rolls the delete back.
-pub fn delete_in_one(
-    target: &impl DeleteTarget,
-    keys: &[String],
-    d: &DeletedInOne<'_>,
-) -> QueryBuilder<'static, Postgres> {
-    use super::outcome::{Judgement, Outcome};
-    let mut q = QueryBuilder::new("with cand as (");
-    target.push_candidates(&mut q, keys);
-    q.push("), del as (");
-    target.push_delete_qualifying(&mut q);
-    let (outcome, reason) = Judgement::outcome_sql("d.item_key is not null", Outcome::Deleted);
-    q.push(format!(
-        "), items as (
-             select u.ord, u.item_key, {outcome} as outcome, {reason} as reason
-               from unnest("
-    ));
-    q.push_bind(keys.to_vec());
-    q.push(
-        "::text[]) with ordinality as u(item_key, ord)
-               left join cand c on c.item_key = u.item_key
-               left join del d on d.item_key = u.item_key)",
-    );
-    push_succeed_after_delete(&mut q, d);
-    q
-}
-
 /// The outcomes an item of a delete-rows command ends in within the one statement (a failed
 /// item needs the item-by-item path).
 pub const DELETE_OUTCOMES: [super::Outcome; 4] = [
@@ -284,164 +155,13 @@ pub const DELETE_OUTCOMES: [super::Outcome; 4] = [
     super::Outcome::NotEligible,
 ];
 
-/// The ledger's half of [`delete_in_one`], after `items` (one row per key: `ord`, `item_key`,
-/// `outcome`, `reason`).
-fn push_succeed_after_delete(q: &mut QueryBuilder<'_, Postgres>, d: &DeletedInOne<'_>) {
-    // The outcomes a delete-rows command's items can end in; each is a count column.
-    let tally = DELETE_OUTCOMES
-        .iter()
-        .map(|o| format!("count(*) filter (where outcome = '{0}') as {0}", o.as_str()))
-        .collect::<Vec<_>>()
-        .join(", ");
-    q.push(format!(
-        ", tally as (select {tally} from items),
-         c as (
-             update sweeper.commands cm
-                set state = 'succeeded', finished_at = sweeper.now(),
-                    lease_until = null, lease_owner = null, last_error = null,
-                    last_error_class = null, calling_since = null, {HOLD_CLEARED},
-                    deleted = cm.deleted + t.deleted,
-                    already_absent = cm.already_absent + t.already_absent,
-                    excluded = cm.excluded + t.excluded,
-                    not_eligible = cm.not_eligible + t.not_eligible,
-                    attempts = "
-    ));
-    q.push_bind(d.execution.attempt.number());
-    q.push(", failed = cm.failed - ");
-    q.push_bind(d.item_redrive as i64);
-    q.push(" from tally t where cm.command_id = ");
-    q.push_bind(d.execution.command_id.to_string());
-    q.push(" and cm.attempts = ");
-    q.push_bind(d.execution.attempt.fence());
-    q.push(
-        " returning cm.attempts, cm.redrive_of),
-         au as (
-             insert into sweeper.audit
-                 (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
-                  outcome, reason, actor, dry_run, recorded_at)
-             select ",
-    );
-    q.push_bind(d.execution.policy.to_string());
-    q.push(", ");
-    q.push_bind(d.execution.policy_version.to_string());
-    q.push(", ");
-    q.push_bind(d.execution.run_id.to_string());
-    q.push(", ");
-    q.push_bind(d.execution.window);
-    q.push(", ");
-    q.push_bind(d.execution.cutoff);
-    q.push(", ");
-    q.push_bind(d.execution.command_id.to_string());
-    q.push(", i.item_key, i.outcome, i.reason, ");
-    q.push_bind(d.execution.actor.to_string());
-    q.push(format!(
-        ", false, {RECORDED_AT} from items i where exists (select 1 from c) order by i.ord),
-         a as (
-             insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
-             select "
-    ));
-    q.push_bind(d.execution.command_id.to_string());
-    q.push(", c.attempts, sweeper.now() - make_interval(secs => ");
-    q.push_bind(d.execution.elapsed_seconds);
-    q.push(
-        "), sweeper.now(), 'succeeded' from c),
-         dl as (
-             update sweeper.dead_letters d
-                set status = 'resolved', resolved_at = sweeper.now()
-              where d.status = 'redriven' and exists (select 1 from c)
-                and ((d.kind = 'command' and d.command_id = ",
-    );
-    q.push_bind(d.execution.command_id.to_string());
-    q.push(
-        ") or d.dead_letter_id = (select redrive_of from c)))
-         select t.deleted, t.already_absent, t.excluded, t.not_eligible, r.status,
-                (select count(*) from (select 1 from sweeper.commands o
-                                        where o.run_id = r.run_id and o.command_id <> ",
-    );
-    q.push_bind(d.execution.command_id.to_string());
-    q.push(" and o.state in ('pending', 'leased') limit ");
-    q.push_bind(d.others_cap);
-    q.push(") x) as others_pending from tally t, c, sweeper.runs r where r.run_id = ");
-    q.push_bind(d.execution.run_id.to_string());
-}
-
-/// The audit rows of the items of a command that is not done yet (an external action's command
-/// finishes its items over several attempts).
-pub async fn append_audit(conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Result<()> {
-    sqlx::query(&format!(
-        "insert into sweeper.audit
-                 (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
-                  outcome, reason, actor, dry_run, recorded_at)
-             select $1, $2, $3, $4, $5, $6, u.item_key, u.outcome, u.reason, $7, false,
-                    {RECORDED_AT}
-               from unnest($8::text[], $9::text[], $10::text[]) as u(item_key, outcome, reason)"
-    ))
-    .bind(a.execution.policy)
-    .bind(a.execution.policy_version)
-    .bind(a.execution.run_id)
-    .bind(a.execution.window)
-    .bind(a.execution.cutoff)
-    .bind(a.execution.command_id)
-    .bind(a.execution.actor)
-    .bind(a.keys)
-    .bind(a.outcomes)
-    .bind(a.reasons)
-    .execute(conn)
-    .await?;
-    Ok(())
-}
-
-/// Holds a command (docs/design.md §14): pending again, its try given back, checked
-/// again after `recheck_seconds`; the time since the last check is credited to its age budget.
-/// A push command is marked due for publishing: a queue must bring it back (the relay skips it
-/// while its hold lasts, see [`super::released`]). Returns whether the hold began now (the
-/// command was not held before).
-pub async fn hold(
-    conn: &mut PgConnection,
-    command_id: &str,
-    attempt: Attempt,
-    recheck_seconds: f64,
-    kind: &str,
-    reason: &str,
-) -> sqlx::Result<bool> {
-    sqlx::query_scalar(
-        "update sweeper.commands
-            set state = 'pending', attempts = $2, lease_until = null, lease_owner = null,
-                calling_since = null,
-                next_attempt_at = sweeper.now() + make_interval(secs => $3),
-                publish_due = publish_due or transport <> 'builtin',
-                held_kind = $4, held_reason = $5,
-                held_since = coalesce(held_since, sweeper.now()),
-                age_credit_seconds = age_credit_seconds
-                    + coalesce(extract(epoch from sweeper.now() - held_seen_at), 0),
-                held_seen_at = sweeper.now(),
-                last_error = $5, last_error_class = null
-          where command_id = $1 and attempts = $6
-          returning held_kind is distinct from (select o.held_kind from sweeper.commands o
-                                                where o.command_id = $1)",
-    )
-    .bind(command_id)
-    .bind(attempt.given_back())
-    .bind(recheck_seconds)
-    .bind(kind)
-    .bind(reason)
-    .bind(attempt.fence())
-    .fetch_optional(conn)
-    .await?
-    .ok_or_else(|| overtaken(command_id))
-}
-
 /// A try that failed, as the ledger records it.
 #[derive(Debug)]
 pub struct Failed<'a> {
-    /// The command.
-    pub command_id: &'a str,
     /// Its run.
     pub run_id: &'a str,
     /// Its policy.
     pub policy: &'a str,
-    /// The try that failed (the fence).
-    pub attempt: Attempt,
     /// The attempt count to record (decided by [`crate::retry::decide`] from the try's number).
     pub attempts: i32,
     /// Seconds the try took.
@@ -452,107 +172,426 @@ pub struct Failed<'a> {
     pub class: &'a str,
 }
 
-/// Quarantines the command: its state, the attempt, and a dead letter with its attempt history
-/// (the open one counts one more failure if the command was quarantined before; a redrive's
-/// resolution is cleared, since it resolved nothing). A one-item redrive command of an item
-/// dead letter reopens that dead letter instead (its failure appended to its attempts): the
-/// item has one dead letter, whichever way its redrive failed.
-pub async fn quarantine(conn: &mut PgConnection, f: &Failed<'_>) -> sqlx::Result<()> {
-    sqlx::query_scalar(&format!(
-        "with c as (
-             update sweeper.commands
-                set state = 'quarantined', attempts = $2, finished_at = sweeper.now(), calling_since = null,
-                    {HOLD_CLEARED},
-                    lease_until = null, lease_owner = null, last_error = $3, last_error_class = $4
-              where command_id = $1 and attempts = $8
-          returning due_since, redrive_of),
-         item as (
-             update sweeper.dead_letters d
-                set status = 'open', reason = $3, class = $4, last_failure_at = sweeper.now(),
-                    failures = d.failures + 1,
-                    attempts = d.attempts || jsonb_build_array(jsonb_build_object(
-                        'attempt_no', d.failures + 1, 'started_at', sweeper.now(),
-                        'ended_at', sweeper.now(), 'outcome', 'quarantined', 'class', $4,
-                        'error', $3, 'delay_seconds', null, 'command_id', $1::text)),
-                    resolved_at = null, resolved_by = null, resolution_reason = null
-               from c
-              where d.dead_letter_id = c.redrive_of and d.kind = 'item'
-          returning d.dead_letter_id),
-         a as (
-             insert into sweeper.attempts
-                 (command_id, attempt_no, started_at, ended_at, outcome, class, error)
-             select $1, $2, sweeper.now() - make_interval(secs => $5), sweeper.now(),
-                    'quarantined', $4, $3
-               from c
-             returning attempt_no, started_at, ended_at, outcome, class, error, delay_seconds),
-         history as (
-             select coalesce(jsonb_agg(h order by h.started_at), '[]'::jsonb) as attempts
-               from (select attempt_no, started_at, ended_at, outcome, class, error, delay_seconds
-                       from sweeper.attempts where command_id = $1
-                     union all select * from a) h),
-         dl as (
-         insert into sweeper.dead_letters
-             (kind, run_id, policy, command_id, reason, class, attempts, first_failure_at,
-              last_failure_at)
-         select 'command', $6, $7, $1, $3, $4, history.attempts,
-                coalesce((select min(started_at) from sweeper.attempts
-                           where command_id = $1 and outcome <> 'succeeded'), sweeper.now()),
-                sweeper.now()
-           from history
-          where not exists (select 1 from item) and exists (select 1 from c)
-         on conflict (command_id) where kind = 'command' and status in ('open', 'redriven')
-         do update set status = 'open', reason = excluded.reason, class = excluded.class,
-                       attempts = excluded.attempts, last_failure_at = excluded.last_failure_at,
-                       failures = sweeper.dead_letters.failures + 1,
-                       resolved_at = null, resolved_by = null, resolution_reason = null)
-         select count(*) from c"
-    ))
-    .bind(f.command_id)
-    .bind(f.attempts)
-    .bind(f.error)
-    .bind(f.class)
-    .bind(f.elapsed_seconds)
-    .bind(f.run_id)
-    .bind(f.policy)
-    .bind(f.attempt.fence())
-    .fetch_one(conn)
-    .await
-    .and_then(|n: i64| fenced(f.command_id, n as u64))
+/// A try of one command, as the ledger counts it: created by the gate's lock of a delivery
+/// ([`CommandTry::locked`]) or by the built-in queue's claim ([`CommandTry::claimed`]), and its methods are the only changes of the
+/// command's state — each writes only while the row still holds the try's
+/// [`Attempt::fence`], in its own `WHERE`, and records what [`Attempt`] says the try counts as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommandTry {
+    command_id: String,
+    attempt: Attempt,
 }
 
-/// Schedules the next attempt `delay_seconds` from now after a failed try or a snooze, with the
-/// attempt row (outcome `failed` or `snoozed`) and its delay. A push command is marked due for
-/// publishing (whoever delivered this try), so the relay publishes it again when it is due.
-pub async fn schedule_retry(
-    conn: &mut PgConnection,
-    f: &Failed<'_>,
-    delay_seconds: f64,
-    snooze: bool,
-) -> sqlx::Result<()> {
-    let rows = sqlx::query(&format!(
-        "with c as (
-             update sweeper.commands
-                set state = 'pending', attempts = $2, lease_until = null, lease_owner = null, calling_since = null,
+impl CommandTry {
+    fn new(command_id: &str, attempt: Attempt) -> Self {
+        CommandTry {
+            command_id: command_id.to_string(),
+            attempt,
+        }
+    }
+
+    /// A delivery's try of a command whose row it locked holding `seen` attempts (the gate's
+    /// lock, `FOR UPDATE`, in the caller's transaction).
+    pub fn locked(command_id: &str, seen: i32) -> Self {
+        Self::new(command_id, Attempt::Uncounted { seen })
+    }
+
+    /// A claim of attempt `n` of the command, as [`super::queue::claim`] makes it (public so a
+    /// test can hold the claim of a worker that was overtaken).
+    pub fn claimed(command_id: &str, n: i32) -> Self {
+        Self::new(command_id, Attempt::Counted { n })
+    }
+
+    /// The command.
+    pub fn command_id(&self) -> &str {
+        &self.command_id
+    }
+
+    /// The try's attempt.
+    pub fn attempt(&self) -> Attempt {
+        self.attempt
+    }
+
+    /// Leases the command to `owner` for `lease_seconds` as a delivery's attempt, for its external
+    /// calls (counted before
+    /// anything is called, so a delivery that kills the process every time still spends the
+    /// budget). Returns the counted try.
+    pub async fn lease_for_calls(
+        &self,
+        conn: &mut PgConnection,
+        owner: uuid::Uuid,
+        lease_seconds: f64,
+    ) -> sqlx::Result<CommandTry> {
+        let n: Option<i32> = sqlx::query_scalar(
+            "update sweeper.commands
+                set state = 'leased', attempts = $4, lease_owner = $2,
+                    lease_until = sweeper.now() + make_interval(secs => $3)
+              where command_id = $1 and attempts = $5
+          returning attempts",
+        )
+        .bind(&self.command_id)
+        .bind(owner)
+        .bind(lease_seconds)
+        .bind(self.attempt.number())
+        .bind(self.attempt.fence())
+        .fetch_optional(conn)
+        .await?;
+        n.map(|n| CommandTry::claimed(&self.command_id, n))
+            .ok_or_else(|| overtaken(&self.command_id))
+    }
+
+    /// Marks that the command's external calls start now (counted by `max_concurrent_commands`).
+    pub async fn mark_calling(&self, conn: &mut PgConnection) -> sqlx::Result<()> {
+        sqlx::query(
+            "update sweeper.commands set calling_since = sweeper.now() where command_id = $1",
+        )
+        .bind(&self.command_id)
+        .execute(conn)
+        .await?;
+        Ok(())
+    }
+
+    /// One statement: the audit rows, the command `succeeded`, its attempt recorded, and a redriven
+    /// dead letter of it (or of the item it re-executes) resolved. Both paths end here: the delete
+    /// path in its one transaction, an external action's command once every item's effect closed.
+    pub async fn succeed_with_audit(
+        &self,
+        conn: &mut PgConnection,
+        a: &Audited<'_>,
+    ) -> sqlx::Result<()> {
+        let done: Option<i32> = sqlx::query_scalar(&format!(
+            "with c as (
+                 update sweeper.commands
+                    set state = 'succeeded', attempts = $2, finished_at = sweeper.now(),
+                        lease_until = null, lease_owner = null, last_error = null, last_error_class = null,
+                        calling_since = null, {HOLD_CLEARED}
+                  where command_id = $1 and attempts = $14
+              returning attempts, redrive_of),
+             au as (
+                 insert into sweeper.audit
+                     (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
+                      outcome, reason, actor, dry_run, recorded_at)
+                 select $4, $5, $6, $7, $8, $1, u.item_key, u.outcome, u.reason, $9, $10,
+                        {RECORDED_AT}
+                   from unnest($11::text[], $12::text[], $13::text[]) as u(item_key, outcome, reason)
+                  where exists (select 1 from c)),
+             a as (
+                 insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
+                 select $1, c.attempts, sweeper.now() - make_interval(secs => $3), sweeper.now(), 'succeeded'
+                   from c),
+             dl as (
+                 update sweeper.dead_letters d
+                    set status = 'resolved', resolved_at = sweeper.now()
+                  where d.status = 'redriven'
+                    and exists (select 1 from c)
+                    and ((d.kind = 'command' and d.command_id = $1)
+                         or d.dead_letter_id = (select redrive_of from c)))
+             select attempts from c"
+        ))
+        .bind(&self.command_id)
+        .bind(self.attempt.number())
+        .bind(a.execution.elapsed_seconds)
+        .bind(a.execution.policy)
+        .bind(a.execution.policy_version)
+        .bind(a.execution.run_id)
+        .bind(a.execution.window)
+        .bind(a.execution.cutoff)
+        .bind(a.execution.actor)
+        .bind(a.dry_run)
+        .bind(a.keys)
+        .bind(a.outcomes)
+        .bind(a.reasons)
+        .bind(self.attempt.fence())
+        .fetch_optional(conn)
+        .await?;
+        done.map(|_| ()).ok_or_else(|| overtaken(&self.command_id))
+    }
+
+    /// The one statement that executes a delete-rows command (docs/design.md §2.4), whole: the
+    /// candidates locked in key order and judged ([`super::outcome::Judgement`]), the qualifying ones
+    /// deleted with every predicate repeated (a row the delete did not remove is reported as it is,
+    /// never as deleted), one audit row per key in the command's order (a key with no row is
+    /// `already_absent`), the command `succeeded` with its counts and attempt, a redriven dead letter
+    /// resolved, and a final row `(deleted, already_absent, excluded, not_eligible, status,
+    /// others_pending)` with the run's status and its other pending commands counted up to the cap —
+    /// no row when the command was overtaken ([`Attempt::fence`]), and the caller's transaction
+    /// rolls the delete back.
+    pub fn delete_in_one(
+        &self,
+        target: &impl DeleteTarget,
+        keys: &[String],
+        d: &DeletedInOne<'_>,
+    ) -> QueryBuilder<'static, Postgres> {
+        use super::outcome::{Judgement, Outcome};
+        let mut q = QueryBuilder::new("with cand as (");
+        target.push_candidates(&mut q, keys);
+        q.push("), del as (");
+        target.push_delete_qualifying(&mut q);
+        let (outcome, reason) = Judgement::outcome_sql("d.item_key is not null", Outcome::Deleted);
+        q.push(format!(
+            "), items as (
+                 select u.ord, u.item_key, {outcome} as outcome, {reason} as reason
+                   from unnest("
+        ));
+        q.push_bind(keys.to_vec());
+        q.push(
+            "::text[]) with ordinality as u(item_key, ord)
+                   left join cand c on c.item_key = u.item_key
+                   left join del d on d.item_key = u.item_key)",
+        );
+        self.push_succeed_after_delete(&mut q, d);
+        q
+    }
+
+    /// The ledger's half of [`delete_in_one`], after `items` (one row per key: `ord`, `item_key`,
+    /// `outcome`, `reason`).
+    fn push_succeed_after_delete(&self, q: &mut QueryBuilder<'_, Postgres>, d: &DeletedInOne<'_>) {
+        // The outcomes a delete-rows command's items can end in; each is a count column.
+        let tally = DELETE_OUTCOMES
+            .iter()
+            .map(|o| format!("count(*) filter (where outcome = '{0}') as {0}", o.as_str()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        q.push(format!(
+            ", tally as (select {tally} from items),
+             c as (
+                 update sweeper.commands cm
+                    set state = 'succeeded', finished_at = sweeper.now(),
+                        lease_until = null, lease_owner = null, last_error = null,
+                        last_error_class = null, calling_since = null, {HOLD_CLEARED},
+                        deleted = cm.deleted + t.deleted,
+                        already_absent = cm.already_absent + t.already_absent,
+                        excluded = cm.excluded + t.excluded,
+                        not_eligible = cm.not_eligible + t.not_eligible,
+                        attempts = "
+        ));
+        q.push_bind(self.attempt.number());
+        q.push(", failed = cm.failed - ");
+        q.push_bind(d.item_redrive as i64);
+        q.push(" from tally t where cm.command_id = ");
+        q.push_bind(self.command_id.clone());
+        q.push(" and cm.attempts = ");
+        q.push_bind(self.attempt.fence());
+        q.push(
+            " returning cm.attempts, cm.redrive_of),
+             au as (
+                 insert into sweeper.audit
+                     (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
+                      outcome, reason, actor, dry_run, recorded_at)
+                 select ",
+        );
+        q.push_bind(d.execution.policy.to_string());
+        q.push(", ");
+        q.push_bind(d.execution.policy_version.to_string());
+        q.push(", ");
+        q.push_bind(d.execution.run_id.to_string());
+        q.push(", ");
+        q.push_bind(d.execution.window);
+        q.push(", ");
+        q.push_bind(d.execution.cutoff);
+        q.push(", ");
+        q.push_bind(self.command_id.clone());
+        q.push(", i.item_key, i.outcome, i.reason, ");
+        q.push_bind(d.execution.actor.to_string());
+        q.push(format!(
+            ", false, {RECORDED_AT} from items i where exists (select 1 from c) order by i.ord),
+             a as (
+                 insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
+                 select "
+        ));
+        q.push_bind(self.command_id.clone());
+        q.push(", c.attempts, sweeper.now() - make_interval(secs => ");
+        q.push_bind(d.execution.elapsed_seconds);
+        q.push(
+            "), sweeper.now(), 'succeeded' from c),
+             dl as (
+                 update sweeper.dead_letters d
+                    set status = 'resolved', resolved_at = sweeper.now()
+                  where d.status = 'redriven' and exists (select 1 from c)
+                    and ((d.kind = 'command' and d.command_id = ",
+        );
+        q.push_bind(self.command_id.clone());
+        q.push(
+            ") or d.dead_letter_id = (select redrive_of from c)))
+             select t.deleted, t.already_absent, t.excluded, t.not_eligible, r.status,
+                    (select count(*) from (select 1 from sweeper.commands o
+                                            where o.run_id = r.run_id and o.command_id <> ",
+        );
+        q.push_bind(self.command_id.clone());
+        q.push(" and o.state in ('pending', 'leased') limit ");
+        q.push_bind(d.others_cap);
+        q.push(") x) as others_pending from tally t, c, sweeper.runs r where r.run_id = ");
+        q.push_bind(d.execution.run_id.to_string());
+    }
+
+    /// The audit rows of the items of a command that is not done yet (an external action's command
+    /// finishes its items over several attempts).
+    pub async fn append_audit(&self, conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Result<()> {
+        sqlx::query(&format!(
+            "insert into sweeper.audit
+                     (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
+                      outcome, reason, actor, dry_run, recorded_at)
+                 select $1, $2, $3, $4, $5, $6, u.item_key, u.outcome, u.reason, $7, false,
+                        {RECORDED_AT}
+                   from unnest($8::text[], $9::text[], $10::text[]) as u(item_key, outcome, reason)"
+        ))
+        .bind(a.execution.policy)
+        .bind(a.execution.policy_version)
+        .bind(a.execution.run_id)
+        .bind(a.execution.window)
+        .bind(a.execution.cutoff)
+        .bind(&self.command_id)
+        .bind(a.execution.actor)
+        .bind(a.keys)
+        .bind(a.outcomes)
+        .bind(a.reasons)
+        .execute(conn)
+        .await?;
+        Ok(())
+    }
+
+    /// Holds a command (docs/design.md §14): pending again, its try given back, checked
+    /// again after `recheck_seconds`; the time since the last check is credited to its age budget.
+    /// A push command is marked due for publishing: a queue must bring it back (the relay skips it
+    /// while its hold lasts, see [`super::released`]). Returns whether the hold began now (the
+    /// command was not held before).
+    pub async fn hold(
+        &self,
+        conn: &mut PgConnection,
+        recheck_seconds: f64,
+        kind: &str,
+        reason: &str,
+    ) -> sqlx::Result<bool> {
+        sqlx::query_scalar(
+            "update sweeper.commands
+                set state = 'pending', attempts = $2, lease_until = null, lease_owner = null,
+                    calling_since = null,
                     next_attempt_at = sweeper.now() + make_interval(secs => $3),
                     publish_due = publish_due or transport <> 'builtin',
-                    last_error = $4, last_error_class = $5,
-                    {HOLD_CLEARED}
-              where command_id = $1 and attempts = $8
-          returning 1)
-         insert into sweeper.attempts
-             (command_id, attempt_no, started_at, ended_at, outcome, class, error, delay_seconds)
-         select $1, $2, sweeper.now() - make_interval(secs => $6), sweeper.now(), $7, $5, $4, $3
-           from c"
-    ))
-    .bind(f.command_id)
-    .bind(f.attempts)
-    .bind(delay_seconds)
-    .bind(f.error)
-    .bind(f.class)
-    .bind(f.elapsed_seconds)
-    .bind(if snooze { "snoozed" } else { "failed" })
-    .bind(f.attempt.fence())
-    .execute(conn)
-    .await?;
-    fenced(f.command_id, rows.rows_affected())
+                    held_kind = $4, held_reason = $5,
+                    held_since = coalesce(held_since, sweeper.now()),
+                    age_credit_seconds = age_credit_seconds
+                        + coalesce(extract(epoch from sweeper.now() - held_seen_at), 0),
+                    held_seen_at = sweeper.now(),
+                    last_error = $5, last_error_class = null
+              where command_id = $1 and attempts = $6
+              returning held_kind is distinct from (select o.held_kind from sweeper.commands o
+                                                    where o.command_id = $1)",
+        )
+        .bind(&self.command_id)
+        .bind(self.attempt.given_back())
+        .bind(recheck_seconds)
+        .bind(kind)
+        .bind(reason)
+        .bind(self.attempt.fence())
+        .fetch_optional(conn)
+        .await?
+        .ok_or_else(|| overtaken(&self.command_id))
+    }
+
+    /// Schedules the next attempt `delay_seconds` from now after a failed try or a snooze, with the
+    /// attempt row (outcome `failed` or `snoozed`) and its delay. A push command is marked due for
+    /// publishing (whoever delivered this try), so the relay publishes it again when it is due.
+    pub async fn schedule_retry(
+        &self,
+        conn: &mut PgConnection,
+        f: &Failed<'_>,
+        delay_seconds: f64,
+        snooze: bool,
+    ) -> sqlx::Result<()> {
+        let rows = sqlx::query(&format!(
+            "with c as (
+                 update sweeper.commands
+                    set state = 'pending', attempts = $2, lease_until = null, lease_owner = null, calling_since = null,
+                        next_attempt_at = sweeper.now() + make_interval(secs => $3),
+                        publish_due = publish_due or transport <> 'builtin',
+                        last_error = $4, last_error_class = $5,
+                        {HOLD_CLEARED}
+                  where command_id = $1 and attempts = $8
+              returning 1)
+             insert into sweeper.attempts
+                 (command_id, attempt_no, started_at, ended_at, outcome, class, error, delay_seconds)
+             select $1, $2, sweeper.now() - make_interval(secs => $6), sweeper.now(), $7, $5, $4, $3
+               from c"
+        ))
+        .bind(&self.command_id)
+        .bind(f.attempts)
+        .bind(delay_seconds)
+        .bind(f.error)
+        .bind(f.class)
+        .bind(f.elapsed_seconds)
+        .bind(if snooze { "snoozed" } else { "failed" })
+        .bind(self.attempt.fence())
+        .execute(conn)
+        .await?;
+        fenced(&self.command_id, rows.rows_affected())
+    }
+
+    /// Quarantines the command: its state, the attempt, and a dead letter with its attempt history
+    /// (the open one counts one more failure if the command was quarantined before; a redrive's
+    /// resolution is cleared, since it resolved nothing). A one-item redrive command of an item
+    /// dead letter reopens that dead letter instead (its failure appended to its attempts): the
+    /// item has one dead letter, whichever way its redrive failed.
+    pub async fn quarantine(&self, conn: &mut PgConnection, f: &Failed<'_>) -> sqlx::Result<()> {
+        sqlx::query_scalar(&format!(
+            "with c as (
+                 update sweeper.commands
+                    set state = 'quarantined', attempts = $2, finished_at = sweeper.now(), calling_since = null,
+                        {HOLD_CLEARED},
+                        lease_until = null, lease_owner = null, last_error = $3, last_error_class = $4
+                  where command_id = $1 and attempts = $8
+              returning due_since, redrive_of),
+             item as (
+                 update sweeper.dead_letters d
+                    set status = 'open', reason = $3, class = $4, last_failure_at = sweeper.now(),
+                        failures = d.failures + 1,
+                        attempts = d.attempts || jsonb_build_array(jsonb_build_object(
+                            'attempt_no', d.failures + 1, 'started_at', sweeper.now(),
+                            'ended_at', sweeper.now(), 'outcome', 'quarantined', 'class', $4,
+                            'error', $3, 'delay_seconds', null, 'command_id', $1::text)),
+                        resolved_at = null, resolved_by = null, resolution_reason = null
+                   from c
+                  where d.dead_letter_id = c.redrive_of and d.kind = 'item'
+              returning d.dead_letter_id),
+             a as (
+                 insert into sweeper.attempts
+                     (command_id, attempt_no, started_at, ended_at, outcome, class, error)
+                 select $1, $2, sweeper.now() - make_interval(secs => $5), sweeper.now(),
+                        'quarantined', $4, $3
+                   from c
+                 returning attempt_no, started_at, ended_at, outcome, class, error, delay_seconds),
+             history as (
+                 select coalesce(jsonb_agg(h order by h.started_at), '[]'::jsonb) as attempts
+                   from (select attempt_no, started_at, ended_at, outcome, class, error, delay_seconds
+                           from sweeper.attempts where command_id = $1
+                         union all select * from a) h),
+             dl as (
+             insert into sweeper.dead_letters
+                 (kind, run_id, policy, command_id, reason, class, attempts, first_failure_at,
+                  last_failure_at)
+             select 'command', $6, $7, $1, $3, $4, history.attempts,
+                    coalesce((select min(started_at) from sweeper.attempts
+                               where command_id = $1 and outcome <> 'succeeded'), sweeper.now()),
+                    sweeper.now()
+               from history
+              where not exists (select 1 from item) and exists (select 1 from c)
+             on conflict (command_id) where kind = 'command' and status in ('open', 'redriven')
+             do update set status = 'open', reason = excluded.reason, class = excluded.class,
+                           attempts = excluded.attempts, last_failure_at = excluded.last_failure_at,
+                           failures = sweeper.dead_letters.failures + 1,
+                           resolved_at = null, resolved_by = null, resolution_reason = null)
+             select count(*) from c"
+        ))
+        .bind(&self.command_id)
+        .bind(f.attempts)
+        .bind(f.error)
+        .bind(f.class)
+        .bind(f.elapsed_seconds)
+        .bind(f.run_id)
+        .bind(f.policy)
+        .bind(self.attempt.fence())
+        .fetch_one(conn)
+        .await
+        .and_then(|n: i64| fenced(&self.command_id, n as u64))
+    }
 }

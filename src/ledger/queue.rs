@@ -4,20 +4,20 @@
 
 use sqlx::PgPool;
 
-use super::commands::Attempt;
+use super::commands::CommandTry;
 
 /// Claims up to `limit` due built-in commands (pending and due, or leased with an expired
 /// lease; their run not held by the identity guard, a suspension or an approval, their policy not
 /// in `held_policies`, which this replica's governor or active hours hold) in one statement,
 /// `FOR UPDATE SKIP LOCKED`: each gets a lease of `lease_seconds` owned by `owner` and its
-/// attempt number. Returns each command with its [`Attempt`].
+/// attempt number. Returns each claim's [`CommandTry`].
 pub async fn claim(
     pool: &PgPool,
     owner: uuid::Uuid,
     lease_seconds: f64,
     limit: i64,
     held_policies: &[String],
-) -> sqlx::Result<Vec<(String, Attempt)>> {
+) -> sqlx::Result<Vec<CommandTry>> {
     let claimed: Vec<(String, i32)> = sqlx::query_as(&format!(
         "update sweeper.commands c
             set state = 'leased', attempts = c.attempts + 1, lease_owner = $2, calling_since = null,
@@ -43,52 +43,8 @@ pub async fn claim(
     .await?;
     Ok(claimed
         .into_iter()
-        .map(|(id, n)| (id, Attempt::Counted { n }))
+        .map(|(id, n)| CommandTry::claimed(&id, n))
         .collect())
-}
-
-/// Gives a claimed command back without spending its attempt (suspended, held, this replica's
-/// configuration behind): pending again, due no earlier than `retry_after_seconds`, `last_error`
-/// saying why (not a failure: the class stays null). Fenced by `attempt`.
-pub async fn release(
-    pool: &PgPool,
-    command_id: &str,
-    attempt: Attempt,
-    retry_after_seconds: f64,
-    reason: &str,
-) -> sqlx::Result<()> {
-    sqlx::query(
-        "update sweeper.commands
-            set state = 'pending', lease_until = null, lease_owner = null, attempts = $5,
-                next_attempt_at = greatest(next_attempt_at,
-                                           sweeper.now() + make_interval(secs => $3)),
-                last_error = $4
-          where command_id = $1 and state = 'leased' and attempts = $2",
-    )
-    .bind(command_id)
-    .bind(attempt.fence())
-    .bind(retry_after_seconds)
-    .bind(reason)
-    .bind(attempt.given_back())
-    .execute(pool)
-    .await?;
-    Ok(())
-}
-
-/// Puts a claimed command back for a retry in a second, keeping its spent attempt (its try could
-/// not record a result). Fenced by `attempt`.
-pub async fn give_back(pool: &PgPool, command_id: &str, attempt: Attempt) -> sqlx::Result<()> {
-    sqlx::query(
-        "update sweeper.commands
-            set state = 'pending', lease_until = null, lease_owner = null,
-                next_attempt_at = sweeper.now() + interval '1 second'
-          where command_id = $1 and state = 'leased' and attempts = $2",
-    )
-    .bind(command_id)
-    .bind(attempt.fence())
-    .execute(pool)
-    .await?;
-    Ok(())
 }
 
 /// Gives back every command `owner` holds a lease on, without spending their attempts (its
@@ -125,4 +81,49 @@ pub async fn reserve_pace(
     .fetch_one(pool)
     .await?;
     Ok(row.0.zip(row.1))
+}
+
+impl CommandTry {
+    /// Gives a claimed command back without spending its attempt (suspended, held, this replica's
+    /// configuration behind): pending again, due no earlier than `retry_after_seconds`, `last_error`
+    /// saying why (not a failure: the class stays null). Fenced by `attempt`.
+    pub async fn release(
+        &self,
+        pool: &PgPool,
+        retry_after_seconds: f64,
+        reason: &str,
+    ) -> sqlx::Result<()> {
+        sqlx::query(
+            "update sweeper.commands
+                set state = 'pending', lease_until = null, lease_owner = null, attempts = $5,
+                    next_attempt_at = greatest(next_attempt_at,
+                                               sweeper.now() + make_interval(secs => $3)),
+                    last_error = $4
+              where command_id = $1 and state = 'leased' and attempts = $2",
+        )
+        .bind(self.command_id())
+        .bind(self.attempt().fence())
+        .bind(retry_after_seconds)
+        .bind(reason)
+        .bind(self.attempt().given_back())
+        .execute(pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Puts a claimed command back for a retry in a second, keeping its spent attempt (its try could
+    /// not record a result). Fenced by `attempt`.
+    pub async fn give_back(&self, pool: &PgPool) -> sqlx::Result<()> {
+        sqlx::query(
+            "update sweeper.commands
+                set state = 'pending', lease_until = null, lease_owner = null,
+                    next_attempt_at = sweeper.now() + interval '1 second'
+              where command_id = $1 and state = 'leased' and attempts = $2",
+        )
+        .bind(self.command_id())
+        .bind(self.attempt().fence())
+        .execute(pool)
+        .await?;
+        Ok(())
+    }
 }

@@ -1,10 +1,11 @@
 //! A command's state changes against the real ledger, one test per transition: each writes only
 //! while the row holds the try's fence ([`Attempt::fence`]) and records the attempt count
 //! [`Attempt`] computes; an overtaken try writes nothing, audit rows and dead letters included.
+//! A try is a [`CommandTry`]: a delivery's from the gate's lock, a worker's from its claim.
 
 use chrono::Utc;
 use sqlx::PgPool;
-use sweeper::ledger::commands::{self, Attempt, Audited, Execution, Failed};
+use sweeper::ledger::commands::{Attempt, Audited, CommandTry, Execution, Failed};
 
 use crate::common::*;
 
@@ -42,12 +43,10 @@ async fn count(pool: &PgPool, sql: &str, command_id: &str) -> i64 {
         .unwrap()
 }
 
-fn failed<'a>(command_id: &'a str, run_id: &'a str, attempt: Attempt, attempts: i32) -> Failed<'a> {
+fn failed(run_id: &str, attempts: i32) -> Failed<'_> {
     Failed {
-        command_id,
         run_id,
         policy: "ticket-retention",
-        attempt,
         attempts,
         elapsed_seconds: 0.1,
         error: "boom",
@@ -78,24 +77,24 @@ async fn a_hold_gives_the_try_back_and_an_overtaken_hold_writes_nothing() {
     let (app, _, c) = one_command().await;
     set_attempts(&app.pool, &c, 2).await;
     let mut conn = app.pool.acquire().await.unwrap();
-    let stale = commands::hold(&mut conn, &c, Attempt::Counted { n: 1 }, 5.0, "pace", "x").await;
+    // A claim of attempt 1, overtaken by attempt 2: writes nothing.
+    let stale = CommandTry::claimed(&c, 1)
+        .hold(&mut conn, 5.0, "pace", "x")
+        .await;
     assert!(stale.is_err());
     assert_eq!(row(&app.pool, &c).await, ("pending".into(), 2));
-    let began = commands::hold(&mut conn, &c, Attempt::Counted { n: 2 }, 5.0, "pace", "x")
+    // The claim of attempt 2 is given back: 1 attempt spent.
+    let began = CommandTry::claimed(&c, 2)
+        .hold(&mut conn, 5.0, "pace", "x")
         .await
         .unwrap();
     assert!(began);
     assert_eq!(row(&app.pool, &c).await, ("pending".into(), 1));
-    let again = commands::hold(
-        &mut conn,
-        &c,
-        Attempt::Uncounted { seen: 1 },
-        5.0,
-        "pace",
-        "x",
-    )
-    .await
-    .unwrap();
+    // A delivery that saw 1 attempt keeps it.
+    let again = CommandTry::locked(&c, 1)
+        .hold(&mut conn, 5.0, "pace", "x")
+        .await
+        .unwrap();
     assert!(!again, "the same hold continues");
     assert_eq!(row(&app.pool, &c).await, ("pending".into(), 1));
 }
@@ -105,14 +104,16 @@ async fn a_retry_or_a_quarantine_of_an_overtaken_try_writes_no_attempt_and_no_de
     let (app, run_id, c) = one_command().await;
     set_attempts(&app.pool, &c, 3).await;
     let mut conn = app.pool.acquire().await.unwrap();
-    let overtaken = Attempt::Uncounted { seen: 2 };
+    let overtaken = CommandTry::locked(&c, 2);
     assert!(
-        commands::schedule_retry(&mut conn, &failed(&c, &run_id, overtaken, 3), 5.0, false)
+        overtaken
+            .schedule_retry(&mut conn, &failed(&run_id, 3), 5.0, false)
             .await
             .is_err()
     );
     assert!(
-        commands::quarantine(&mut conn, &failed(&c, &run_id, overtaken, 3))
+        overtaken
+            .quarantine(&mut conn, &failed(&run_id, 3))
             .await
             .is_err()
     );
@@ -122,13 +123,13 @@ async fn a_retry_or_a_quarantine_of_an_overtaken_try_writes_no_attempt_and_no_de
     assert_eq!(count(&app.pool, letters_sql, &c).await, 0);
     assert_eq!(row(&app.pool, &c).await, ("pending".into(), 3));
     // The try the row holds: the retry records attempt 4, the quarantine its dead letter.
-    let current = Attempt::Uncounted { seen: 3 };
-    commands::schedule_retry(&mut conn, &failed(&c, &run_id, current, 4), 5.0, false)
+    CommandTry::locked(&c, 3)
+        .schedule_retry(&mut conn, &failed(&run_id, 4), 5.0, false)
         .await
         .unwrap();
     assert_eq!(row(&app.pool, &c).await, ("pending".into(), 4));
-    let next = Attempt::Uncounted { seen: 4 };
-    commands::quarantine(&mut conn, &failed(&c, &run_id, next, 5))
+    CommandTry::locked(&c, 4)
+        .quarantine(&mut conn, &failed(&run_id, 5))
         .await
         .unwrap();
     assert_eq!(row(&app.pool, &c).await, ("quarantined".into(), 5));
@@ -141,32 +142,20 @@ async fn a_success_of_an_overtaken_try_writes_no_audit_row_and_a_lease_counts_th
     let (app, run_id, c) = one_command().await;
     let mut conn = app.pool.acquire().await.unwrap();
     // A delivery leases for calls: counted now, as attempt 1.
-    let leased = commands::lease_for_delivery(
-        &mut conn,
-        &c,
-        Attempt::Uncounted { seen: 0 },
-        uuid::Uuid::new_v4(),
-        30.0,
-    )
-    .await
-    .unwrap();
-    assert_eq!(leased, Attempt::Counted { n: 1 });
+    let leased = CommandTry::locked(&c, 0)
+        .lease_for_calls(&mut conn, uuid::Uuid::new_v4(), 30.0)
+        .await
+        .unwrap();
+    assert_eq!(leased.attempt(), Attempt::Counted { n: 1 });
     assert_eq!(row(&app.pool, &c).await, ("leased".into(), 1));
     // A second delivery that saw 0 attempts is overtaken.
-    let late = commands::lease_for_delivery(
-        &mut conn,
-        &c,
-        Attempt::Uncounted { seen: 0 },
-        uuid::Uuid::new_v4(),
-        30.0,
-    )
-    .await;
+    let late = CommandTry::locked(&c, 0)
+        .lease_for_calls(&mut conn, uuid::Uuid::new_v4(), 30.0)
+        .await;
     assert!(late.is_err());
     let keys = vec!["1".to_string()];
-    let audited = |attempt| Audited {
+    let audited = Audited {
         execution: Execution {
-            command_id: &c,
-            attempt,
             elapsed_seconds: 0.1,
             policy: "ticket-retention",
             policy_version: "v",
@@ -181,14 +170,18 @@ async fn a_success_of_an_overtaken_try_writes_no_audit_row_and_a_lease_counts_th
         reasons: &[None],
     };
     let audit_sql = "select count(*) from sweeper.audit where command_id = $1";
+    let stale_claim = sweeper::app::worker::claim(&app.state, 1).await.unwrap();
+    assert!(stale_claim.is_empty(), "leased, its lease not expired");
     assert!(
-        commands::succeed_with_audit(&mut conn, &audited(Attempt::Counted { n: 2 }))
+        CommandTry::locked(&c, 0)
+            .succeed_with_audit(&mut conn, &audited)
             .await
             .is_err()
     );
     assert_eq!(count(&app.pool, audit_sql, &c).await, 0);
     assert_eq!(row(&app.pool, &c).await, ("leased".into(), 1));
-    commands::succeed_with_audit(&mut conn, &audited(leased))
+    leased
+        .succeed_with_audit(&mut conn, &audited)
         .await
         .unwrap();
     assert_eq!(count(&app.pool, audit_sql, &c).await, 1);
@@ -199,15 +192,18 @@ async fn a_success_of_an_overtaken_try_writes_no_audit_row_and_a_lease_counts_th
 async fn a_release_gives_the_claim_back_and_a_stale_release_changes_nothing() {
     let (app, _, c) = one_command().await;
     let claimed = sweeper::app::worker::claim(&app.state, 1).await.unwrap();
-    let (id, attempt) = claimed.into_iter().next().unwrap();
-    assert_eq!(id, c);
-    assert_eq!(attempt, Attempt::Counted { n: 1 });
-    sweeper::ledger::queue::release(&app.pool, &c, Attempt::Counted { n: 2 }, 1.0, "x")
+    let claim = claimed.into_iter().next().unwrap();
+    assert_eq!(claim.command_id(), c);
+    assert_eq!(claim.attempt(), Attempt::Counted { n: 1 });
+    // Another replica claimed it again after its lease expired: this claim is stale.
+    sqlx::query("update sweeper.commands set attempts = 2 where command_id = $1")
+        .bind(&c)
+        .execute(&app.pool)
         .await
         .unwrap();
-    assert_eq!(row(&app.pool, &c).await, ("leased".into(), 1));
-    sweeper::ledger::queue::release(&app.pool, &c, attempt, 1.0, "x")
-        .await
-        .unwrap();
+    claim.release(&app.pool, 1.0, "x").await.unwrap();
+    assert_eq!(row(&app.pool, &c).await, ("leased".into(), 2));
+    set_attempts(&app.pool, &c, 1).await;
+    claim.release(&app.pool, 1.0, "x").await.unwrap();
     assert_eq!(row(&app.pool, &c).await, ("pending".into(), 0));
 }

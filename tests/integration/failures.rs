@@ -546,7 +546,7 @@ async fn a_stale_worker_cannot_overwrite_a_newer_attempt_and_leases_are_reclaime
     let late = sweeper::execute::execute(
         &app.state,
         &command,
-        Executor::Claimed(sweeper::ledger::commands::Attempt::Counted { n: 1 }),
+        Executor::Claimed(sweeper::ledger::commands::CommandTry::claimed(&command, 1)),
         "stale",
     )
     .await
