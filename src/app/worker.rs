@@ -10,7 +10,7 @@
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::execute::{self, ConsumeOutcome, Executor};
+use crate::execute::{self, Ended, Executor};
 use crate::ledger;
 use crate::ledger::commands::CommandTry;
 use crate::retry::Failure;
@@ -25,7 +25,7 @@ pub enum WorkerStep {
     /// Nothing was due.
     Idle,
     /// A command was claimed and driven to this outcome.
-    Ran(ConsumeOutcome),
+    Ran(Ended),
 }
 
 /// Claims up to `limit` due built-in commands (pending and due, or leased with an expired
@@ -45,7 +45,7 @@ pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<CommandTry>, Fail
 
 /// Executes one claimed command (a "not now" is given back by the execution, without spending
 /// its attempt).
-async fn run_claimed(state: &AppState, claim: CommandTry) -> Result<ConsumeOutcome, Failure> {
+async fn run_claimed(state: &AppState, claim: CommandTry) -> Result<Ended, Failure> {
     crate::crash_point!("worker_after_claim");
     let command_id = claim.command_id().to_string();
     execute::execute(state, &command_id, Executor::Claimed(claim), BUILTIN_ACTOR).await

@@ -23,7 +23,7 @@ use sqlx::Row;
 
 use super::call::CallResult;
 use super::close::{Closed, close};
-use crate::execute::{ConsumeOutcome, Loaded, Outcome, record_failure};
+use crate::execute::{ConsumeOutcome, Ended, Loaded, Outcome, Overtaken, record_failure};
 use crate::ledger::outcome::Judgement;
 use crate::policy::ActionSpec;
 use crate::retry::{Failure, FailureClass};
@@ -134,7 +134,7 @@ pub(crate) async fn run(
     l: Loaded,
     actor: &str,
     started: Instant,
-) -> Result<ConsumeOutcome, Failure> {
+) -> Result<Ended, Failure> {
     let attempt = l.command.clone();
     let n = attempt.attempt().number();
     let dep = l.rules.action.dependency().unwrap_or_default().to_string();
@@ -216,6 +216,7 @@ pub(crate) async fn run(
         })
     });
 
+    crate::pause_point!("effect_before_close", command_id);
     let closed = close(
         state,
         &l,
@@ -229,7 +230,7 @@ pub(crate) async fn run(
     )
     .await;
     match (closed, unfinished) {
-        (Ok(Closed::Stale), _) => Ok(ConsumeOutcome::Stale),
+        (Ok(Closed::Stale), _) => Ok(ConsumeOutcome::Stale(Overtaken)),
         (Ok(Closed::Done { counts, run_status }), None) => {
             crate::metrics::attempt_succeeded();
             Ok(ConsumeOutcome::Executed {

@@ -112,7 +112,7 @@ pub(crate) async fn record_failure(
     f: Failure,
     started: Instant,
     tried: Option<ledger::commands::CommandTry>,
-) -> Result<ConsumeOutcome, Failure> {
+) -> Result<Ended, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
     // Only a delivery is without a try: it failed before the gate let it run.
     let Some(command) = tried else {
@@ -146,7 +146,7 @@ pub(crate) async fn record_failure(
     if attempts != attempt.fence() {
         return Ok(match attempt {
             // A newer claim took the command over.
-            ledger::commands::Attempt::Counted { .. } => ConsumeOutcome::Stale,
+            ledger::commands::Attempt::Counted { .. } => ConsumeOutcome::Stale(Overtaken),
             // A concurrent delivery of the same command already recorded this round's
             // failure: one failure, one attempt; this one just comes back when the next
             // attempt is due.
@@ -203,7 +203,7 @@ pub(crate) async fn record_failure(
 /// A delivery that failed before it could lock its command row executed nothing: not an
 /// attempt. If the ledger answers, the row was busy (a concurrent delivery executing it, a lock
 /// or deadline wait): a "not now", not an unreachable ledger (docs/design.md §5).
-async fn busy(state: &AppState, command_id: &str, f: Failure) -> Result<ConsumeOutcome, Failure> {
+async fn busy(state: &AppState, command_id: &str, f: Failure) -> Result<Ended, Failure> {
     let answers = sqlx::query("select 1 from sweeper.commands where command_id = $1")
         .bind(command_id)
         .fetch_optional(&state.pool)
@@ -297,7 +297,7 @@ pub(super) async fn hold_command(
         command,
         recheck,
     }: super::Hold,
-) -> Result<ConsumeOutcome, Failure> {
+) -> Result<Ended, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
     let recheck = recheck
         .unwrap_or_else(|| state.config.hold_recheck_seconds())
@@ -325,7 +325,7 @@ async fn quarantine_command(
     c: Failed<'_>,
     class: FailureClass,
     reason: String,
-) -> Result<ConsumeOutcome, Failure> {
+) -> Result<Ended, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
     c.command
         .quarantine(&mut tx, &c.recorded(&reason, class.as_str()))
@@ -361,7 +361,7 @@ async fn schedule_retry(
     f: &Failure,
     delay: f64,
     snooze: bool,
-) -> Result<ConsumeOutcome, Failure> {
+) -> Result<Ended, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
     c.command
         .schedule_retry(

@@ -209,7 +209,7 @@ fn gate(
     if let Executor::Claimed(claim) = executor
         && c.attempts != claim.attempt().fence()
     {
-        return Ok(Some(Step::Done(ConsumeOutcome::Stale)));
+        return Ok(Some(Step::Done(ConsumeOutcome::Stale(Overtaken))));
     }
     let due_in = c.due_in_seconds;
     if due_in > 0.0 {

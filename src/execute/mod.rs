@@ -38,8 +38,10 @@ pub use crate::transport::Envelope;
 pub use crate::ledger::outcome::{Counts, Outcome};
 
 /// What executing a command ended in. The HTTP layer maps each to docs/design.md §5's answer.
+/// `Stale` is the one outcome only a built-in worker's claim can end in: it is uninhabited in a
+/// delivery's outcome (the default `Stale = Infallible`), and a claim's is [`Ended`].
 #[derive(Debug, Clone)]
-pub enum ConsumeOutcome {
+pub enum ConsumeOutcome<Stale = std::convert::Infallible> {
     /// The command ran and committed now.
     Executed {
         /// The command.
@@ -81,7 +83,58 @@ pub enum ConsumeOutcome {
         command_id: String,
     },
     /// The built-in queue's claim was overtaken (its attempt is no longer the command's latest).
-    Stale,
+    Stale(Stale),
+}
+
+/// A claim that a newer attempt overtook: nothing it did was recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Overtaken;
+
+/// What an execution ended in before its executor is answered: a claim may be overtaken.
+pub type Ended = ConsumeOutcome<Overtaken>;
+
+/// The "not now" of a delivery whose try a newer attempt overtook (its lease for calls expired
+/// and another delivery leased the command): the newer attempt decides.
+fn overtaken_delivery<S>() -> ConsumeOutcome<S> {
+    ConsumeOutcome::NotNow {
+        reason: "a newer attempt of this command took it over; it decides the outcome".into(),
+        retry_after_seconds: 1,
+    }
+}
+
+impl Ended {
+    /// This outcome as a delivery's: an overtaken try is a "not now".
+    pub fn for_delivery(self) -> ConsumeOutcome {
+        match self {
+            ConsumeOutcome::Executed {
+                command_id,
+                counts,
+                run_status,
+            } => ConsumeOutcome::Executed {
+                command_id,
+                counts,
+                run_status,
+            },
+            ConsumeOutcome::Duplicate { command_id, state } => {
+                ConsumeOutcome::Duplicate { command_id, state }
+            }
+            ConsumeOutcome::Quarantined { command_id, error } => {
+                ConsumeOutcome::Quarantined { command_id, error }
+            }
+            ConsumeOutcome::NotNow {
+                reason,
+                retry_after_seconds,
+            } => ConsumeOutcome::NotNow {
+                reason,
+                retry_after_seconds,
+            },
+            ConsumeOutcome::UnknownOfTerminalRun { command_id } => {
+                ConsumeOutcome::UnknownOfTerminalRun { command_id }
+            }
+            ConsumeOutcome::Unknown { command_id } => ConsumeOutcome::Unknown { command_id },
+            ConsumeOutcome::Stale(Overtaken) => overtaken_delivery(),
+        }
+    }
 }
 
 /// Who executes a command: an HTTP delivery, or a built-in worker holding a claim.
@@ -158,14 +211,14 @@ impl Loaded {
 /// What one try led to.
 pub(super) enum Attempted {
     /// A decision, committed.
-    Done(ConsumeOutcome),
+    Done(Ended),
     /// An action with external calls: its command is leased (`Loaded::attempt` is the lease's
     /// counted attempt); the calls run outside any transaction (see [`external`]).
     External(Box<Loaded>),
 }
 
 pub(super) enum Step {
-    Done(ConsumeOutcome),
+    Done(Ended),
     Run(Box<Loaded>),
     /// Held (docs/design.md §14): given back without spending its attempt.
     Hold(Hold),
@@ -180,6 +233,19 @@ pub(super) struct Hold {
     pub(super) recheck: Option<u64>,
 }
 
+/// Executes a delivery of `command_id` (`push`: by a push transport) to a committed decision,
+/// answered as a delivery's outcome (never stale).
+pub async fn deliver(
+    state: &AppState,
+    command_id: &str,
+    push: bool,
+    actor: &str,
+) -> Result<ConsumeOutcome, Failure> {
+    execute(state, command_id, Executor::Delivery { push }, actor)
+        .await
+        .map(Ended::for_delivery)
+}
+
 /// Executes `command_id` to a committed decision.
 ///
 /// Each try runs under `consume.command_deadline`; a try that exceeds it is rolled back and
@@ -190,7 +256,7 @@ pub async fn execute(
     command_id: &str,
     executor: Executor,
     actor: &str,
-) -> Result<ConsumeOutcome, Failure> {
+) -> Result<Ended, Failure> {
     let started = Instant::now();
     // The try whose failure would be recorded: a claim's from the start; a delivery's once the
     // gate let it run (see `load::load`).
@@ -266,13 +332,10 @@ async fn settle(
     state: &AppState,
     command_id: &str,
     executor: &Executor,
-    outcome: ConsumeOutcome,
-) -> Result<ConsumeOutcome, Failure> {
+    outcome: Ended,
+) -> Result<Ended, Failure> {
     let outcome = match (executor, outcome) {
-        (Executor::Delivery { .. }, ConsumeOutcome::Stale) => ConsumeOutcome::NotNow {
-            reason: "a newer attempt of this command took it over; it decides the outcome".into(),
-            retry_after_seconds: 1,
-        },
+        (Executor::Delivery { .. }, ConsumeOutcome::Stale(Overtaken)) => overtaken_delivery(),
         (_, outcome) => outcome,
     };
     let ConsumeOutcome::NotNow {

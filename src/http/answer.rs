@@ -75,16 +75,8 @@ pub fn answer(command_id: &str, outcome: ConsumeOutcome, push: bool) -> Answer {
             reason,
             retry_after_seconds,
         },
-        // The execution answers a delivery that a newer attempt overtook as a "not now"
-        // (`execute::settle`); a stale claim only reaches the built-in queue's worker.
-        ConsumeOutcome::Stale => answer(
-            command_id,
-            ConsumeOutcome::NotNow {
-                reason: "a newer attempt of this command took it over".into(),
-                retry_after_seconds: 1,
-            },
-            push,
-        ),
+        // A delivery is never stale (only a claim is): the variant has no value here.
+        ConsumeOutcome::Stale(never) => match never {},
     }
 }
 

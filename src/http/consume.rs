@@ -161,14 +161,9 @@ async fn consume(
         // the queue does not redeliver it for ever (docs/design.md §5).
         Err(why) => return quarantine_and_ack(&state, &body, &why, &caller).await,
     };
-    let outcome = execute::execute(
-        &state,
-        &envelope.command_id,
-        Executor::Delivery { push },
-        &caller.0.subject,
-    )
-    .await
-    .map_err(|f| Problem::unavailable(f.message, retry_after))?;
+    let outcome = execute::deliver(&state, &envelope.command_id, push, &caller.0.subject)
+        .await
+        .map_err(|f| Problem::unavailable(f.message, retry_after))?;
     if let ConsumeOutcome::Unknown { command_id } = &outcome {
         info!(
             command_id,

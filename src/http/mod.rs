@@ -32,7 +32,7 @@ use tracing::{error, info};
 
 use crate::auth::token::Refusal;
 use crate::auth::{self, Principal};
-use crate::execute::{self, ConsumeOutcome, Executor};
+use crate::execute::{self, ConsumeOutcome};
 use crate::state::AppState;
 use crate::trigger::{TriggerError, TriggerOutcome, WindowHints};
 use answer::{Answer, answer};

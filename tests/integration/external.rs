@@ -645,6 +645,97 @@ async fn objects_in_a_local_directory_are_deleted_with_their_rows() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A delivery whose lease for calls expired while it called (paused before its closing
+/// transaction), so that a second delivery leased the command and finished it, is answered
+/// "not now" when it comes back — it was overtaken; before, that outcome reached the answer table
+/// as a claim's `Stale` and panicked. Nothing is recorded twice.
+#[tokio::test]
+async fn a_delivery_overtaken_while_it_called_is_not_now_and_records_nothing_twice() {
+    let dir =
+        std::env::temp_dir().join(format!("sweeper-objects-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(dir.join("u")).unwrap();
+    let config = format!(
+        "[[dependency]]\nname = \"files\"\nkind = \"local\"\nroot = \"{}\"\n",
+        dir.display()
+    ) + &upload_policy("uploads", "files", "\"delete_row\"");
+    let app = spawn(0, config).await;
+    sqlx::raw_sql(
+        "insert into ext.uploads (id, object_key, expired_at)
+         select g, 'u/' || g || '.bin', timestamptz '2026-08-01' from generate_series(1, 5) g",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let run_id = run(&app, "uploads", "2026-09-01").await;
+    app.wait_planned(&run_id).await;
+    let command = app.command_ids(&run_id).await.remove(0);
+    sweeper::failpoints::pause_at("effect_before_close", &command, Duration::from_secs(3));
+    let first = {
+        let app_client = app.client.clone();
+        let url = format!("{}/consume", app.base);
+        let token = app.token(&["consume"]);
+        let command = command.clone();
+        tokio::spawn(async move {
+            let r = app_client
+                .post(url)
+                .bearer_auth(token)
+                .json(&serde_json::json!({"command_id": command}))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        })
+    };
+    // The first delivery leased attempt 1 and called; its lease expires while it waits.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let state: String =
+            sqlx::query_scalar("select state from sweeper.commands where command_id = $1")
+                .bind(&command)
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+        if state == "leased" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the first delivery never leased");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query(
+        "update sweeper.commands set lease_until = sweeper.now() - interval '1 second'
+          where command_id = $1",
+    )
+    .bind(&command)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    sweeper::failpoints::pause_at("effect_before_close", &command, Duration::ZERO);
+    let second = app.consume(&command).await;
+    assert_eq!(second.status, 200, "{:?}", second.body);
+    assert_eq!(second.body["result"], "executed", "{:?}", second.body);
+    let (status, answer) = first.await.unwrap();
+    assert_eq!(status, 503, "{answer}");
+    assert_eq!(answer["type"], "urn:sweeper:problem:not-now", "{answer}");
+    let (state, attempts): (String, i32) =
+        sqlx::query_as("select state, attempts from sweeper.commands where command_id = $1")
+            .bind(&command)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), attempts), ("succeeded", 2));
+    let per_item: Vec<i64> = sqlx::query_scalar(
+        "select count(*) from sweeper.audit where command_id = $1 group by item_key",
+    )
+    .bind(&command)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(per_item, vec![1; 5], "one audit row per item");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[tokio::test]
 async fn a_row_changed_during_the_call_is_kept_and_becomes_a_dead_letter() {
     // The provider changes the row (as a concurrent writer would) while answering.

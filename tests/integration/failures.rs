@@ -554,7 +554,7 @@ async fn a_stale_worker_cannot_overwrite_a_newer_attempt_and_leases_are_reclaime
     assert!(
         matches!(
             late,
-            ConsumeOutcome::Duplicate { .. } | ConsumeOutcome::Stale
+            ConsumeOutcome::Duplicate { .. } | ConsumeOutcome::Stale(_)
         ),
         "{late:?}"
     );
