@@ -37,7 +37,6 @@ pub(super) async fn close(
     state: &AppState,
     l: &Loaded,
     command_id: &str,
-    n: i32,
     called: &[(String, Outcome)],
     finals: &[Final],
     complete: bool,
@@ -46,7 +45,16 @@ pub(super) async fn close(
 ) -> Result<Closed, Failure> {
     let r = &l.rules;
     let mut tx = state.pool.begin().await.map_err(db)?;
-    if !still_ours(state, &mut tx, command_id, n).await? {
+    let ours = l
+        .command
+        .lock_if_leased(
+            &mut tx,
+            state.config.consume.lock_timeout.seconds(),
+            state.config.consume.statement_timeout.seconds(),
+        )
+        .await
+        .map_err(db)?;
+    if !ours {
         return Ok(Closed::Stale);
     }
     let mut outcomes: Vec<Final> = finals.to_vec();
@@ -104,35 +112,6 @@ pub(super) async fn close(
         counts: columns.counts,
         run_status,
     })
-}
-
-/// The attempt fence: locks the command row (with this transaction's lock and statement
-/// timeouts) and says whether it is still leased to attempt `n`.
-async fn still_ours(
-    state: &AppState,
-    tx: &mut Transaction<'_, Postgres>,
-    command_id: &str,
-    n: i32,
-) -> Result<bool, Failure> {
-    let fence: Option<(i32, String)> = sqlx::query_as(
-        "select attempts, state from sweeper.commands
-          where command_id = $1
-            and set_config('lock_timeout', $2, true) is not null
-            and set_config('statement_timeout', $3, true) is not null
-          for update",
-    )
-    .bind(command_id)
-    .bind(format!("{}s", state.config.consume.lock_timeout.seconds()))
-    .bind(format!(
-        "{}s",
-        state.config.consume.statement_timeout.seconds()
-    ))
-    .fetch_optional(&mut **tx)
-    .await
-    .map_err(db)?;
-    Ok(fence
-        .as_ref()
-        .is_some_and(|(a, s)| *a == n && s == crate::ledger::CommandState::Leased.as_str()))
 }
 
 /// The called effects' row changes: locks the rows in key order (overlapping runs cannot

@@ -221,7 +221,6 @@ pub(crate) async fn run(
         state,
         &l,
         command_id,
-        n,
         &called,
         &finals,
         unfinished.is_none(),

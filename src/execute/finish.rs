@@ -125,10 +125,10 @@ pub(crate) async fn record_failure(
         state.catalog.forget(&p.spec.target.table);
     }
     let mut tx = state.pool.begin().await.map_err(db)?;
-    let Some(row) = lock_failed(&mut tx, command_id).await.map_err(db)? else {
+    let Some(row) = command.lock_after_failure(&mut tx).await.map_err(db)? else {
         return Err(f);
     };
-    let FailedRow {
+    let ledger::commands::FailedRow {
         state: cmd_state,
         attempts,
         run_id,
@@ -220,44 +220,6 @@ async fn busy(state: &AppState, command_id: &str, f: Failure) -> Result<Ended, F
         ),
         retry_after_seconds: state.config.consume.retry_after.seconds() as u64,
     })
-}
-
-/// The failed command's row, locked: its state and attempts, its run and policy, its age
-/// against `max_age` (seconds, less the credit a redrive gave) and when it is next due.
-struct FailedRow {
-    state: String,
-    attempts: i32,
-    run_id: String,
-    policy: String,
-    age_seconds: f64,
-    due_in_seconds: f64,
-}
-
-async fn lock_failed(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    command_id: &str,
-) -> sqlx::Result<Option<FailedRow>> {
-    let row = sqlx::query(
-        "select c.state, c.attempts, c.run_id, r.policy,
-                extract(epoch from sweeper.now() - c.due_since)::float8 - c.age_credit_seconds
-                    - coalesce(extract(epoch from sweeper.now() - c.held_seen_at)::float8, 0)
-                    as age_seconds,
-                greatest(1, extract(epoch from c.next_attempt_at - sweeper.now()))::float8
-                    as due_in_seconds
-           from sweeper.commands c join sweeper.runs r using (run_id)
-          where c.command_id = $1 for update of c",
-    )
-    .bind(command_id)
-    .fetch_optional(&mut **tx)
-    .await?;
-    Ok(row.map(|row| FailedRow {
-        state: row.get("state"),
-        attempts: row.get("attempts"),
-        run_id: row.get("run_id"),
-        policy: row.get("policy"),
-        age_seconds: row.get("age_seconds"),
-        due_in_seconds: row.get("due_in_seconds"),
-    }))
 }
 
 /// The command a failed try was of, with the attempt count to record.

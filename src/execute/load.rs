@@ -3,6 +3,7 @@
 //! and build the rules it runs under (the stricter of the pinned and the current version).
 
 use super::*;
+use ledger::commands::Locked as LockedCommand;
 
 /// Locks the command row and decides whether to run it.
 pub(super) async fn load(
@@ -22,12 +23,8 @@ pub(super) async fn load(
     if delivery {
         *tried = None;
     }
-    let Some(c) = lock_command(state, tx, command_id).await? else {
+    let Some((c, command)) = lock_command(state, tx, command_id, executor).await? else {
         return unknown_command(tx, command_id).await;
-    };
-    let command = match executor {
-        Executor::Claimed(claim) => claim.clone(),
-        Executor::Delivery { .. } => ledger::commands::CommandTry::locked(command_id, c.attempts),
     };
     if delivery {
         *tried = Some(command.clone());
@@ -64,51 +61,15 @@ pub(super) async fn load(
     })))
 }
 
-/// The command row, locked, with what the gate needs to know about its run and policy.
-#[derive(sqlx::FromRow)]
-struct LockedCommand {
-    state: String,
-    item_keys: Vec<String>,
-    attempts: i32,
-    run_id: String,
-    held_kind: Option<String>,
-    held_reason: Option<String>,
-    due_in_seconds: f64,
-    redrive_of: Option<i64>,
-    policy: String,
-    policy_version: String,
-    window_at: DateTime<Utc>,
-    cutoff: DateTime<Utc>,
-    dry_run: bool,
-    /// Seconds another execution's lease still runs (0: none).
-    lease_left: f64,
-    suspended: bool,
-    /// Why the identity guard holds every policy (NULL: it does not).
-    identity_held: Option<String>,
-    /// The blast-radius guard's decision on the run (NULL: not guarded).
-    approval: Option<String>,
-    /// The newest version any replica registered.
-    current_version: String,
-    /// Whether this transaction took one of the policy's `max_concurrent_commands` slots.
-    slot_free: bool,
-}
-
-/// The advisory-lock key (hashed with `hashtext`, the slot number as the second key) of
-/// `policy`'s `max_concurrent_commands` slots. Public so a test can hold a slot as another
-/// replica would.
-pub fn slot_lock_key(policy: &str) -> String {
-    format!("sweeper:{policy}")
-}
-
-/// One statement: lock the command row; read its run, its policy's suspension and current
-/// version; set this transaction's lock and statement timeouts; and take one of the policy's
-/// `max_concurrent_commands` slots (transaction-scoped advisory locks shared by all replicas,
-/// released at commit, rollback or crash). `None` when the ledger has no such command.
+/// One statement ([`ledger::commands::lock`]): the command row locked with what the gate needs,
+/// this transaction's lock and statement timeouts set, one of the policy's
+/// `max_concurrent_commands` slots taken (the slots as this replica's governor scales them).
 async fn lock_command(
     state: &AppState,
     tx: &mut Transaction<'_, Postgres>,
     command_id: &str,
-) -> sqlx::Result<Option<LockedCommand>> {
+    executor: &Executor,
+) -> sqlx::Result<Option<(LockedCommand, ledger::commands::CommandTry)>> {
     let (names, caps): (Vec<&str>, Vec<i32>) = state
         .config
         .policies
@@ -120,39 +81,21 @@ async fn lock_command(
             (p.name.as_str(), slots as i32)
         })
         .unzip();
-    sqlx::query_as(
-        "select c.state, c.item_keys, c.attempts, c.run_id, c.held_kind, c.held_reason,
-                greatest(0, extract(epoch from c.next_attempt_at - (select sweeper.now())))::float8
-                    as due_in_seconds,
-                c.redrive_of, r.policy, r.policy_version, r.window_at, r.cutoff, r.dry_run,
-                case when c.state = 'leased' and c.lease_until > sweeper.now()
-                     then extract(epoch from c.lease_until - sweeper.now())::float8
-                     else 0 end as lease_left,
-                coalesce(ps.suspended, false) as suspended,
-                (select i.held_detail from sweeper.database_identity i) as identity_held,
-                r.approval,
-                (select v.version from sweeper.policy_versions v where v.policy = r.policy
-                  order by v.seq desc limit 1) as current_version,
-                set_config('lock_timeout', $2, true) is not null as timeouts_set,
-                set_config('statement_timeout', $3, true) is not null as timeouts_set2,
-                exists (select 1
-                          from generate_series(0, coalesce((select cap from unnest($4::text[], $5::int4[])
-                                                                  as caps(policy, cap)
-                                                             where caps.policy = r.policy), 1) - 1) s
-                         where pg_try_advisory_xact_lock(hashtext($6 || r.policy), s))
-                    as slot_free
-           from sweeper.commands c join sweeper.runs r using (run_id)
-           left join sweeper.policy_state ps on ps.policy = r.policy
-          where c.command_id = $1
-          for update of c",
+    let claim = match executor {
+        Executor::Claimed(claim) => Some(claim),
+        Executor::Delivery { .. } => None,
+    };
+    ledger::commands::lock(
+        tx,
+        command_id,
+        claim,
+        &ledger::commands::GateLimits {
+            lock_timeout_seconds: state.config.consume.lock_timeout.seconds(),
+            statement_timeout_seconds: state.config.consume.statement_timeout.seconds(),
+            policies: &names,
+            slots: &caps,
+        },
     )
-    .bind(command_id)
-    .bind(format!("{}s", state.config.consume.lock_timeout.seconds()))
-    .bind(format!("{}s", state.config.consume.statement_timeout.seconds()))
-    .bind(&names)
-    .bind(&caps)
-    .bind(slot_lock_key(""))
-    .fetch_optional(&mut **tx)
     .await
 }
 

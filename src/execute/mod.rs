@@ -17,9 +17,9 @@ mod load;
 pub mod present;
 mod store;
 
+pub use crate::ledger::commands::slot_lock_key;
 pub use envelope::{RAW_BODY_LIMIT, quarantine_envelope};
 pub(crate) use finish::{complete_after, finish_in_run, record_failure, record_item_dead_letters};
-pub use load::slot_lock_key;
 
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;

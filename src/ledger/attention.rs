@@ -118,9 +118,9 @@ pub async fn facts(
                 rc.last_error as retry_error, rc.last_error_class as retry_class,
                 rc.attempts as retry_attempts, rc.next_attempt_at as retry_next_at,
                 coalesce(rc.state = 'leased', false) as retry_trying_now,
-                coalesce(hc.held_kind, case when not p.done and p.held_kind not in {live}
+                coalesce(hc.held_kind, case when not p.done and p.held_kind in {recorded}
                                             then p.held_kind end) as held_kind,
-                coalesce(hc.held_reason, case when not p.done and p.held_kind not in {live}
+                coalesce(hc.held_reason, case when not p.done and p.held_kind in {recorded}
                                               then p.held_reason end) as held_reason,
                 coalesce(case when not p.done then p.failures end, 0) as planning_failures,
                 case when not p.done then p.last_error end as planning_error,
@@ -144,11 +144,11 @@ pub async fn facts(
            left join lateral (
                select c.held_kind, c.held_reason from sweeper.commands c
                 where c.run_id = r.run_id and c.held_since is not null
-                  and c.state in ('pending', 'leased') and c.held_kind not in {live}
+                  and c.state in ('pending', 'leased') and c.held_kind in {recorded}
                 order by c.held_since limit 1) hc on true
            left join sweeper.planning_jobs p on p.run_id = r.run_id
           where r.run_id = any($1)",
-        live = super::live_kinds_sql()
+        recorded = super::recorded_kinds_sql()
     );
     let rows: Vec<Facts> = sqlx::query_as(&sql).bind(run_ids).fetch_all(pool).await?;
     Ok(rows.into_iter().map(|f| (f.run_id.clone(), f)).collect())

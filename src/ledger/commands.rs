@@ -7,7 +7,7 @@
 //! [`Attempt`]'s alone.
 
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, Postgres, QueryBuilder};
+use sqlx::{PgConnection, Postgres, QueryBuilder, Row};
 
 /// `recorded_at` of a statement's audit rows: the ledger's clock read once per statement (an
 /// uncorrelated subquery is evaluated once). The column's default, `sweeper.now()`, is a
@@ -163,6 +163,7 @@ pub struct Failed<'a> {
     /// Its policy.
     pub policy: &'a str,
     /// The attempt count to record (decided by [`crate::retry::decide`] from the try's number).
+    /// The attempts it has counted.
     pub attempts: i32,
     /// Seconds the try took.
     pub elapsed_seconds: f64,
@@ -210,6 +211,60 @@ impl CommandTry {
     /// The try's attempt.
     pub fn attempt(&self) -> Attempt {
         self.attempt
+    }
+
+    /// Locks the command's row again after this try failed (its transaction rolled back): what
+    /// deciding the failure needs. `None` when the ledger has no such command.
+    pub async fn lock_after_failure(
+        &self,
+        conn: &mut PgConnection,
+    ) -> sqlx::Result<Option<FailedRow>> {
+        let row = sqlx::query(
+            "select c.state, c.attempts, c.run_id, r.policy,
+                    extract(epoch from sweeper.now() - c.due_since)::float8 - c.age_credit_seconds
+                        - coalesce(extract(epoch from sweeper.now() - c.held_seen_at)::float8, 0)
+                        as age_seconds,
+                    greatest(1, extract(epoch from c.next_attempt_at - sweeper.now()))::float8
+                        as due_in_seconds
+               from sweeper.commands c join sweeper.runs r using (run_id)
+              where c.command_id = $1 for update of c",
+        )
+        .bind(&self.command_id)
+        .fetch_optional(conn)
+        .await?;
+        Ok(row.map(|row| FailedRow {
+            state: row.get("state"),
+            attempts: row.get("attempts"),
+            run_id: row.get("run_id"),
+            policy: row.get("policy"),
+            age_seconds: row.get("age_seconds"),
+            due_in_seconds: row.get("due_in_seconds"),
+        }))
+    }
+
+    /// The fence of a closing transaction: locks the command row (with this transaction's lock
+    /// and statement timeouts, seconds) and says whether it is still leased to this try.
+    pub async fn lock_if_leased(
+        &self,
+        conn: &mut PgConnection,
+        lock_timeout_seconds: i64,
+        statement_timeout_seconds: i64,
+    ) -> sqlx::Result<bool> {
+        let row: Option<(i32, String)> = sqlx::query_as(
+            "select attempts, state from sweeper.commands
+              where command_id = $1
+                and set_config('lock_timeout', $2, true) is not null
+                and set_config('statement_timeout', $3, true) is not null
+              for update",
+        )
+        .bind(&self.command_id)
+        .bind(format!("{lock_timeout_seconds}s"))
+        .bind(format!("{statement_timeout_seconds}s"))
+        .fetch_optional(conn)
+        .await?;
+        Ok(row.is_some_and(|(a, s)| {
+            a == self.attempt.fence() && s == super::CommandState::Leased.as_str()
+        }))
     }
 
     /// Leases the command to `owner` for `lease_seconds` as a delivery's attempt, for its external
@@ -594,4 +649,141 @@ impl CommandTry {
         .await
         .and_then(|n: i64| fenced(&self.command_id, n as u64))
     }
+}
+
+/// The command row, locked, with what the gate needs to know about its run and policy.
+#[derive(Debug, sqlx::FromRow)]
+pub struct Locked {
+    /// Its state.
+    pub state: String,
+    /// Its items.
+    pub item_keys: Vec<String>,
+    /// The attempts it has counted.
+    pub attempts: i32,
+    /// Its run.
+    pub run_id: String,
+    /// The hold recorded on it, if any.
+    pub held_kind: Option<String>,
+    /// Why.
+    pub held_reason: Option<String>,
+    /// Seconds until its next attempt is due (0: due).
+    pub due_in_seconds: f64,
+    /// The dead letter it re-executes, if any.
+    pub redrive_of: Option<i64>,
+    /// The run's policy.
+    pub policy: String,
+    /// The version the run is pinned to.
+    pub policy_version: String,
+    /// The run's window.
+    pub window_at: DateTime<Utc>,
+    /// The run's cutoff.
+    pub cutoff: DateTime<Utc>,
+    /// Whether the run is a dry run.
+    pub dry_run: bool,
+    /// Seconds another execution's lease still runs (0: none).
+    pub lease_left: f64,
+    /// Whether the policy is suspended.
+    pub suspended: bool,
+    /// Why the identity guard holds every policy (NULL: it does not).
+    pub identity_held: Option<String>,
+    /// The blast-radius guard's decision on the run (NULL: not guarded).
+    pub approval: Option<String>,
+    /// The newest version any replica registered.
+    pub current_version: String,
+    /// Whether this transaction took one of the policy's `max_concurrent_commands` slots.
+    pub slot_free: bool,
+}
+
+/// The advisory-lock key (hashed with `hashtext`, the slot number as the second key) of
+/// `policy`'s `max_concurrent_commands` slots. Public so a test can hold a slot as another
+/// replica would.
+pub fn slot_lock_key(policy: &str) -> String {
+    format!("sweeper:{policy}")
+}
+
+/// What the gate's [`lock`] enforces besides the row lock: this transaction's lock and
+/// statement timeouts (seconds) and each configured policy's concurrency slots.
+#[derive(Debug)]
+pub struct GateLimits<'a> {
+    /// `lock_timeout` for the transaction.
+    pub lock_timeout_seconds: i64,
+    /// `statement_timeout` for the transaction.
+    pub statement_timeout_seconds: i64,
+    /// The configured policies.
+    pub policies: &'a [&'a str],
+    /// Their `max_concurrent_commands` slots, as this replica's governor scales them.
+    pub slots: &'a [i32],
+}
+
+/// One statement: lock the command row; read its run, its policy's suspension and current
+/// version; set this transaction's lock and statement timeouts; and take one of the policy's
+/// `max_concurrent_commands` slots (transaction-scoped advisory locks shared by all replicas,
+/// released at commit, rollback or crash). `None` when the ledger has no such command. Returns
+/// the row and the try: `claim` when a built-in worker holds one, else a delivery's try of the
+/// attempts the row holds ([`CommandTry::locked`]).
+pub async fn lock(
+    conn: &mut PgConnection,
+    command_id: &str,
+    claim: Option<&CommandTry>,
+    limits: &GateLimits<'_>,
+) -> sqlx::Result<Option<(Locked, CommandTry)>> {
+    let locked: Option<Locked> = sqlx::query_as(
+        "select c.state, c.item_keys, c.attempts, c.run_id, c.held_kind, c.held_reason,
+                greatest(0, extract(epoch from c.next_attempt_at - (select sweeper.now())))::float8
+                    as due_in_seconds,
+                c.redrive_of, r.policy, r.policy_version, r.window_at, r.cutoff, r.dry_run,
+                case when c.state = 'leased' and c.lease_until > sweeper.now()
+                     then extract(epoch from c.lease_until - sweeper.now())::float8
+                     else 0 end as lease_left,
+                coalesce(ps.suspended, false) as suspended,
+                (select i.held_detail from sweeper.database_identity i) as identity_held,
+                r.approval,
+                (select v.version from sweeper.policy_versions v where v.policy = r.policy
+                  order by v.seq desc limit 1) as current_version,
+                set_config('lock_timeout', $2, true) is not null as timeouts_set,
+                set_config('statement_timeout', $3, true) is not null as timeouts_set2,
+                exists (select 1
+                          from generate_series(0, coalesce((select cap from unnest($4::text[], $5::int4[])
+                                                                  as caps(policy, cap)
+                                                             where caps.policy = r.policy), 1) - 1) s
+                         where pg_try_advisory_xact_lock(hashtext($6 || r.policy), s))
+                    as slot_free
+           from sweeper.commands c join sweeper.runs r using (run_id)
+           left join sweeper.policy_state ps on ps.policy = r.policy
+          where c.command_id = $1
+          for update of c",
+    )
+    .bind(command_id)
+    .bind(format!("{}s", limits.lock_timeout_seconds))
+    .bind(format!("{}s", limits.statement_timeout_seconds))
+    .bind(limits.policies)
+    .bind(limits.slots)
+    .bind(slot_lock_key(""))
+    .fetch_optional(conn)
+    .await?;
+    Ok(locked.map(|l| {
+        let command = match claim {
+            Some(claim) => claim.clone(),
+            None => CommandTry::locked(command_id, l.attempts),
+        };
+        (l, command)
+    }))
+}
+
+/// The failed command's row, locked: its state and attempts, its run and policy, its age
+/// against `max_age` (seconds, less the credit a redrive gave) and when it is next due.
+#[derive(Debug)]
+pub struct FailedRow {
+    /// Its state.
+    pub state: String,
+    /// The attempts it has counted.
+    pub attempts: i32,
+    /// Its run.
+    pub run_id: String,
+    /// Its policy.
+    pub policy: String,
+    /// Its age against `max_age`, seconds.
+    pub age_seconds: f64,
+    /// Seconds until it is next due (at least 1).
+    pub due_in_seconds: f64,
 }

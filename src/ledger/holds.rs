@@ -78,38 +78,39 @@ pub(crate) fn released(held_param: &str) -> String {
     format!("{} is null", hold_kind_sql(None, held_param, held_param))
 }
 
-/// The live kinds ([`HoldKind::is_live`]) as an SQL list, for `held_kind not in ...`: readers
-/// of recorded holds leave those markers out and take them from [`crate::holds::policy_hold`],
-/// so a run's `held` and the gauges describe the present within one governor tick.
-pub(crate) fn live_kinds_sql() -> String {
+/// The kinds known by their marker ([`HoldKind::is_recorded`]) as an SQL list, for `held_kind
+/// in ...`: readers of recorded holds take only those, and every other kind where it is
+/// decided (the live ones from [`crate::holds::policy_hold`]), so a run's `held`, the attention
+/// list and the gauges describe the present (within one governor tick), never a stale marker.
+pub(crate) fn recorded_kinds_sql() -> String {
     let names: Vec<String> = HoldKind::ALL
         .into_iter()
-        .filter(|k| k.is_live())
+        .filter(|k| k.is_recorded())
         .map(|k| format!("'{}'", k.as_str()))
         .collect();
     format!("({})", names.join(", "))
 }
 
 /// What holds a run's work, if anything: its oldest recorded hold (planning job or non-terminal
-/// command) other than a live one ([`HoldKind::is_live`]), as `{kind, detail, since, held_commands,
+/// command) of a kind known by its marker ([`HoldKind::is_recorded`]), as `{kind, detail, since, held_commands,
 /// planning_held, overdue}`; `overdue` when it is older than `alert_after_seconds`.
 pub async fn run_hold(
     pool: &PgPool,
     run_id: &str,
     alert_after_seconds: i64,
 ) -> sqlx::Result<Option<serde_json::Value>> {
-    let live = live_kinds_sql();
+    let recorded = recorded_kinds_sql();
     let sql = format!(
         "with h as (
              select held_kind, held_reason, held_since, false as planning
                from sweeper.commands
               where run_id = $1 and held_since is not null and state in ('pending', 'leased')
-                and held_kind not in {live}
+                and held_kind in {recorded}
              union all
              select held_kind, held_reason, held_since, true
                from sweeper.planning_jobs
               where run_id = $1 and held_since is not null and not done
-                and held_kind not in {live})
+                and held_kind in {recorded})
          select held_kind, held_reason, held_since,
                 (select count(*) from h where not planning),
                 (select bool_or(planning) from h),
@@ -156,7 +157,7 @@ pub async fn held_work(
     held_policies: (&[String], &[String]),
 ) -> sqlx::Result<Vec<HeldWork>> {
     let kind = hold_kind_sql(Some("c"), "$2", "$3");
-    let live = live_kinds_sql();
+    let recorded = recorded_kinds_sql();
     let expected: Vec<String> = HoldKind::ALL
         .into_iter()
         .filter(|k| k.is_expected())
@@ -181,7 +182,7 @@ pub async fn held_work(
              select p.run_id, p.held_kind, p.held_since
                from sweeper.planning_jobs p join sweeper.runs r using (run_id)
               where p.held_since is not null and not p.done
-                and (p.held_kind not in {live} or r.policy = any($2) or r.policy = any($3)))
+                and (p.held_kind in {recorded} or r.policy = any($2) or r.policy = any($3)))
          select held_kind as kind, count(*) as work,
                 count(*) filter (where held_since < sweeper.now() - make_interval(secs => $1)
                                    and held_kind not in ({expected})) as overdue,

@@ -30,7 +30,7 @@ pub mod supersede;
 pub mod windows;
 
 pub use holds::{HoldKind, first_hold, run_hold};
-pub(crate) use holds::{live_kinds_sql, released};
+pub(crate) use holds::{recorded_kinds_sql, released};
 pub use states::{Approval, CommandState, RunStatus};
 
 /// The ledger's migrations, embedded in the binary (`migrations/`).

@@ -109,6 +109,17 @@ impl HoldKind {
         matches!(self, HoldKind::ActiveHours | HoldKind::Governor)
     }
 
+    /// Known to a reader only by the marker the gate or planning left on a command or a planning
+    /// job (a schema that did not match, a changed policy, a stage, the pace's start). Every
+    /// other kind is read where it is decided — the identity guard, the policy's state, the
+    /// run's approval, this replica's view — and a marker of one is history, not a hold.
+    pub fn is_recorded(self) -> bool {
+        matches!(
+            self,
+            HoldKind::Schema | HoldKind::PolicyChanged | HoldKind::After | HoldKind::Pace
+        )
+    }
+
     /// A wait that is planned, not a problem: never overdue (`held.overdue`,
     /// `sweeper_held_overdue`), however long it lasts.
     pub fn is_expected(self) -> bool {

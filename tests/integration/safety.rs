@@ -782,3 +782,96 @@ async fn concurrent_first_suspends_of_a_policy_log_one_act_that_changed_it() {
         );
     }
 }
+
+/// A command the identity guard held keeps its `identity` marker until it is tried again; once
+/// the guard is accepted, the marker is history: a run held by something else (its suspension,
+/// its approval, its active hours) shows that, on the run and on the attention list.
+async fn a_command_marked_by_the_identity_guard(extra_policy: &str) -> (TestApp, String) {
+    let app = spawn(policy_with(10, extra_policy), "").await;
+    eligible_tickets(&app.pool, 15).await;
+    let run_id = trigger_planned(&app).await;
+    let command = app.command_ids(&run_id).await.remove(0);
+    sqlx::query(
+        "update sweeper.database_identity
+            set held_since = sweeper.now(), held_detail = 'the database oid changed'",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let a = app.consume(&command).await;
+    assert_eq!(a.status, 503, "{:?}", a.body);
+    let kind: Option<String> =
+        sqlx::query_scalar("select held_kind from sweeper.commands where command_id = $1")
+            .bind(&command)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(kind.as_deref(), Some("identity"));
+    (app, run_id)
+}
+
+async fn accept_the_identity_guard(app: &TestApp) {
+    app.api
+        .expect(
+            200,
+            reqwest::Method::POST,
+            "/guard/accept",
+            Some(json!({"reason": "the restore was intended"})),
+        )
+        .await;
+}
+
+fn listed_kind(list: &Value, run_id: &str) -> Value {
+    list["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["run_id"] == run_id)
+        .unwrap_or_else(|| panic!("{list}"))["held_kind"]
+        .clone()
+}
+
+#[tokio::test]
+async fn an_identity_marker_left_after_the_guard_is_accepted_does_not_hide_a_suspension() {
+    let (app, run_id) = a_command_marked_by_the_identity_guard("").await;
+    app.api.suspend("ticket-retention", "incident 42").await;
+    accept_the_identity_guard(&app).await;
+    let run = app.api.run(&run_id).await;
+    assert_eq!(run["held"]["kind"], "suspended", "{run}");
+    let list = app.get_json("/runs?status=attention").await;
+    assert_eq!(listed_kind(&list, &run_id), "suspended", "{list}");
+}
+
+#[tokio::test]
+async fn an_identity_marker_left_after_the_guard_is_accepted_does_not_hide_an_approval() {
+    let (app, run_id) = a_command_marked_by_the_identity_guard("").await;
+    sqlx::query("update sweeper.runs set approval = 'required' where run_id = $1")
+        .bind(&run_id)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    accept_the_identity_guard(&app).await;
+    let run = app.api.run(&run_id).await;
+    assert_eq!(run["held"]["kind"], "approval", "{run}");
+    let list = app.get_json("/runs?status=attention").await;
+    assert_eq!(listed_kind(&list, &run_id), "approval", "{list}");
+}
+
+#[tokio::test]
+async fn an_identity_marker_left_after_the_guard_is_accepted_does_not_hide_active_hours() {
+    let closed = format!(
+        "active = {{ from = \"{}\", to = \"{}\", timezone = \"UTC\" }}",
+        hour_from_now(2),
+        hour_from_now(3)
+    );
+    let (app, run_id) = a_command_marked_by_the_identity_guard(&closed).await;
+    accept_the_identity_guard(&app).await;
+    let run = app.api.run(&run_id).await;
+    assert_eq!(run["held"]["kind"], "active_hours", "{run}");
+    let metrics = app.api.metrics().await;
+    assert!(
+        metrics.contains("sweeper_held_runs{kind=\"active_hours\"} 1")
+            && metrics.contains("sweeper_held_runs{kind=\"identity\"} 0"),
+        "{metrics}"
+    );
+}
