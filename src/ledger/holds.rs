@@ -39,8 +39,9 @@ fn condition(
                 .into(),
         ),
         HoldKind::Suspended => Some(
-            "exists (select 1 from sweeper.policy_state ps where ps.policy = r.policy and ps.suspended)"
-                .into(),
+            // Uncorrelated, so PostgreSQL reads the suspended policies once per statement (a
+            // hashed subplan), not once per command.
+            "r.policy in (select ps.policy from sweeper.policy_state ps where ps.suspended)".into(),
         ),
         HoldKind::Approval => Some(format!("r.approval in {}", Approval::holding_sql())),
         HoldKind::ActiveHours => Some(format!("r.policy = any({active_hours}::text[])")),
