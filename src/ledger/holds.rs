@@ -46,14 +46,13 @@ fn condition(
         HoldKind::Approval => Some(format!("r.approval in {}", Approval::holding_sql())),
         HoldKind::ActiveHours => Some(format!("r.policy = any({active_hours}::text[])")),
         HoldKind::Governor => Some(format!("r.policy = any({governor}::text[])")),
-        HoldKind::Schema | HoldKind::PolicyChanged | HoldKind::After | HoldKind::Pace => {
-            recorded.map(|c| {
+        HoldKind::Schema | HoldKind::PolicyChanged | HoldKind::After | HoldKind::Pace => recorded
+            .map(|c| {
                 format!(
                     "({c}.held_since is not null and {c}.held_kind = '{}')",
                     kind.as_str()
                 )
-            })
-        }
+            }),
     }
 }
 
