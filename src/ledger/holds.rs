@@ -10,7 +10,7 @@ use sqlx::PgPool;
 
 pub use crate::retry::HoldKind;
 
-use super::states::Approval;
+use super::states::{Approval, sql_list};
 
 /// The first of `candidates` (each `Some` when its kind holds) in the one precedence; the first
 /// given wins among candidates of one kind.
@@ -83,12 +83,12 @@ pub(crate) fn released(held_param: &str) -> String {
 /// decided (the live ones from [`crate::holds::policy_hold`]), so a run's `held`, the attention
 /// list and the gauges describe the present (within one governor tick), never a stale marker.
 pub(crate) fn recorded_kinds_sql() -> String {
-    let names: Vec<String> = HoldKind::ALL
-        .into_iter()
-        .filter(|k| k.is_recorded())
-        .map(|k| format!("'{}'", k.as_str()))
-        .collect();
-    format!("({})", names.join(", "))
+    sql_list(
+        HoldKind::ALL
+            .into_iter()
+            .filter(|k| k.is_recorded())
+            .map(HoldKind::as_str),
+    )
 }
 
 /// What holds a run's work, if anything: its oldest recorded hold (planning job or non-terminal
@@ -158,11 +158,12 @@ pub async fn held_work(
 ) -> sqlx::Result<Vec<HeldWork>> {
     let kind = hold_kind_sql(Some("c"), "$2", "$3");
     let recorded = recorded_kinds_sql();
-    let expected: Vec<String> = HoldKind::ALL
-        .into_iter()
-        .filter(|k| k.is_expected())
-        .map(|k| format!("'{}'", k.as_str()))
-        .collect();
+    let expected = sql_list(
+        HoldKind::ALL
+            .into_iter()
+            .filter(|k| k.is_expected())
+            .map(HoldKind::as_str),
+    );
     let sql = format!(
         "with k as (
              select c.run_id, c.held_since, r.approval_changed_at, r.created_at, r.policy,
@@ -185,11 +186,10 @@ pub async fn held_work(
                 and (p.held_kind in {recorded} or r.policy = any($2) or r.policy = any($3)))
          select held_kind as kind, count(*) as work,
                 count(*) filter (where held_since < sweeper.now() - make_interval(secs => $1)
-                                   and held_kind not in ({expected})) as overdue,
+                                   and held_kind not in {expected}) as overdue,
                 extract(epoch from sweeper.now() - min(held_since))::float8 as oldest_seconds,
                 count(distinct run_id) as runs
            from h group by held_kind",
-        expected = expected.join(", ")
     );
     sqlx::query_as(&sql)
         .bind(alert_after_seconds as f64)

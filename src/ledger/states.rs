@@ -139,6 +139,12 @@ mod tests {
     }
 }
 
+/// `('a', 'b')`: names of ours (never user input) as an SQL list, for `x in ...`.
+pub(crate) fn sql_list<'a>(names: impl Iterator<Item = &'a str>) -> String {
+    let quoted: Vec<String> = names.map(|n| format!("'{n}'")).collect();
+    format!("({})", quoted.join(", "))
+}
+
 /// The blast-radius guard's decision on a run (`runs.approval`; NULL: no guard, or a dry run).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Approval {
@@ -183,11 +189,11 @@ impl Approval {
 
     /// The decisions that hold, as an SQL list for `approval in ...`.
     pub(crate) fn holding_sql() -> String {
-        let names: Vec<String> = Self::ALL
-            .into_iter()
-            .filter(|a| a.holds())
-            .map(|a| format!("'{}'", a.as_str()))
-            .collect();
-        format!("({})", names.join(", "))
+        sql_list(
+            Self::ALL
+                .into_iter()
+                .filter(|a| a.holds())
+                .map(Self::as_str),
+        )
     }
 }
