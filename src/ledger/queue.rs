@@ -11,6 +11,13 @@ use super::commands::CommandTry;
 /// in `held_policies`, which this replica's governor or active hours hold) in one statement,
 /// `FOR UPDATE SKIP LOCKED`: each gets a lease of `lease_seconds` owned by `owner` and its
 /// attempt number. Returns each claim's [`CommandTry`].
+///
+/// The claim commits with `synchronous_commit = off` (docs/design.md §2.4): it is visible to
+/// every session at once (a process that dies mid-command has still spent the attempt), and only
+/// a crash of the database server can lose it — which returns the command to the queue. The
+/// next synchronous commit flushes it: the effect's own, or, for an action with external calls,
+/// the one that marks the command calling before any call. So a command waits for one WAL flush,
+/// not two.
 pub async fn claim(
     pool: &PgPool,
     owner: uuid::Uuid,
@@ -18,7 +25,7 @@ pub async fn claim(
     limit: i64,
     held_policies: &[String],
 ) -> sqlx::Result<Vec<CommandTry>> {
-    let claimed: Vec<(String, i32)> = sqlx::query_as(&format!(
+    let claimed: Vec<(String, i32, bool)> = sqlx::query_as(&format!(
         "update sweeper.commands c
             set state = 'leased', attempts = c.attempts + 1, lease_owner = $2, calling_since = null,
                 lease_until = (select sweeper.now()) + make_interval(secs => $1)
@@ -32,7 +39,8 @@ pub async fn claim(
                  order by q.next_attempt_at
                  limit $3
                  for update of q skip locked)
-          returning c.command_id, c.attempts",
+          returning c.command_id, c.attempts,
+                    set_config('synchronous_commit', 'off', true) is not null as async_commit",
         released = super::released("$4")
     ))
     .bind(lease_seconds)
@@ -43,7 +51,7 @@ pub async fn claim(
     .await?;
     Ok(claimed
         .into_iter()
-        .map(|(id, n)| CommandTry::claimed(&id, n))
+        .map(|(id, n, _)| CommandTry::claimed(&id, n))
         .collect())
 }
 
