@@ -177,7 +177,7 @@ pub fn run_completed(policy: &str, seconds: f64) {
 
 /// Counts a failed attempt or snooze (`sweeper_attempts_total{outcome, class}`).
 pub fn attempt_failed(class: FailureClass) {
-    let outcome = if matches!(class, FailureClass::Throttled { .. }) {
+    let outcome = if class.is_snooze() {
         "snoozed"
     } else {
         "failed"

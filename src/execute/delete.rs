@@ -1,22 +1,38 @@
-//! The delete-rows path (docs/design.md §2.3, §2.4): one transaction locks the command row and the
-//! candidates in key order, re-checks every predicate in the snapshot that deletes, deletes,
-//! appends the audit rows and marks the command done. A permanent error in the bulk delete
-//! reruns the command item by item with savepoints. Actions with external calls leave here for
-//! [`super::external`] once their command is leased.
+//! The delete-rows path (docs/design.md §2.3, §2.4): delete first, classify after. In one
+//! transaction: the gate locks the command row; one statement deletes the command's keys with
+//! every predicate in its WHERE (no row is locked beforehand: under READ COMMITTED PostgreSQL
+//! re-checks a row another transaction changed on its newest version); a second statement, in a
+//! fresh snapshot, classifies the keys the delete did not remove and writes the audit rows and
+//! the command's end. A key still present, old enough and unheld was locked (or changed twice
+//! meanwhile): it stays for a later attempt, the others are audited now, and the command waits
+//! for it without spending an attempt ([`FailureClass::Locked`]). Actions with external calls
+//! leave here for [`super::external`] once their command is leased.
 
 use super::*;
+use ledger::commands::DeleteTarget;
 
-/// One attempt of a delete-rows command (or the lease of an external-effect one): `per_item`
-/// reruns it item by item with savepoints after a bulk failure; `pace_wait` is the seconds to
-/// the start its pace reserved (> 0: the gate holds it until then); `tried`: as in `load::load`.
-// Over 80 lines: the steps of one transaction in order (load, classify, delete, audit, finish,
-// commit); splitting further would hand the transaction and its locals around.
+/// How an attempt deletes a command's rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// One statement, waiting up to `consume.lock_timeout` for a row another transaction holds.
+    Bulk,
+    /// One statement that leaves the rows another transaction holds locked (`SKIP LOCKED`):
+    /// after the bulk delete's lock timeout, or when the command's last attempt waited on one.
+    SkipLocked,
+    /// One savepoint per item, after a permanent error in one statement: a bad item fails
+    /// alone (its error recorded), its neighbours are deleted; locked rows are left, as above.
+    PerItem,
+}
+
+/// One attempt of a delete-rows command (or the lease of an external-effect one): `mode` says
+/// how it deletes; `pace_wait` is the seconds to the start its pace reserved (> 0: the gate
+/// holds it until then); `tried`: as in `load::load`.
 pub(super) async fn attempt(
     state: &AppState,
     command_id: &str,
     executor: &Executor,
     actor: &str,
-    (per_item, pace_wait): (bool, f64),
+    (mode, pace_wait): (Mode, f64),
     started: Instant,
     tried: &mut Option<ledger::commands::CommandTry>,
 ) -> Result<Attempted, AttemptError> {
@@ -37,146 +53,355 @@ pub(super) async fn attempt(
     if loaded.rules.action.dependency().is_some() && !loaded.dry_run {
         return lease_for_calls(state, tx, command_id, loaded, tried).await;
     }
-    if !per_item && !loaded.dry_run {
-        return delete_in_one_statement(state, tx, command_id, actor, started, loaded).await;
+    let run = Run {
+        state,
+        command_id,
+        actor,
+        started,
+        keys: loaded.keys_to_do(),
+        loaded,
+    };
+    if run.loaded.dry_run {
+        return run.dry_run(tx).await;
     }
-    let rules = &loaded.rules;
-    if per_item {
-        // Each item's savepoint must see its own constraint violations, deferred ones included.
+    match mode {
+        Mode::PerItem => run.item_by_item(tx).await,
+        Mode::Bulk if !run.loaded.waiting_on_lock => run.delete_first(tx, false).await,
+        Mode::Bulk | Mode::SkipLocked => run.delete_first(tx, true).await,
+    }
+}
+
+/// One attempt of a delete-rows command past its gate.
+struct Run<'a> {
+    state: &'a AppState,
+    command_id: &'a str,
+    actor: &'a str,
+    started: Instant,
+    loaded: Box<Loaded>,
+    /// The keys this attempt acts on ([`Loaded::keys_to_do`]).
+    keys: Vec<String>,
+}
+
+impl Run<'_> {
+    /// The healthy path, in five round trips whatever the batch size: `BEGIN`, the gate
+    /// ([`super::load`]), the delete, the closing statement
+    /// ([`ledger::commands::CommandTry::close_after_delete`]: classification of the keys left,
+    /// audit rows, the command `succeeded`, a redriven dead letter resolved), `COMMIT`. A
+    /// permanent error (in the delete, or a deferred constraint at the commit) sends the command
+    /// to the item-by-item path; a lock timeout to the `SKIP LOCKED` delete.
+    async fn delete_first(
+        self,
+        mut tx: Transaction<'_, Postgres>,
+        skip_locked: bool,
+    ) -> Result<Attempted, AttemptError> {
+        let rules = &self.loaded.rules;
+        let mut q = QueryBuilder::new("");
+        rules.push_delete_first(&mut q, &self.keys, skip_locked);
+        crate::crash_point!("consume_before_delete");
+        let deleted: Vec<String> = match q.build_query_scalar().fetch_all(&mut *tx).await {
+            Ok(d) => d,
+            Err(e) => return Err(self.delete_failed(&e, skip_locked)),
+        };
+        let mut q = self.loaded.command.close_after_delete(
+            rules,
+            &self.keys,
+            &deleted,
+            &ledger::commands::DeletedInOne {
+                execution: self.loaded.execution(self.actor, self.started),
+                item_redrive: self.loaded.redrive_of.is_some(),
+                others_cap: super::finish::others_cap(self.state, &self.loaded.policy),
+            },
+        );
+        let row = q.build().fetch_one(&mut *tx).await?;
+        let counts = Counts {
+            deleted: row.get("deleted"),
+            already_absent: row.get("already_absent"),
+            excluded: row.get("excluded"),
+            not_eligible: row.get("not_eligible"),
+            ..Counts::default()
+        };
+        if !row.get::<bool, _>("closed") {
+            let undecided: Vec<String> = row.get("undecided");
+            if undecided.is_empty() {
+                tx.rollback().await?;
+                return Ok(Attempted::Done(ConsumeOutcome::Stale(Overtaken)));
+            }
+            let outcomes: Vec<String> = row.get("outcomes");
+            let decided = AuditRows {
+                counts,
+                keys: row.get("item_keys"),
+                outcomes: outcomes
+                    .iter()
+                    .map(|o| Outcome::parse(o).map_or("already_absent", Outcome::as_str))
+                    .collect(),
+                reasons: row.get("reasons"),
+                failed: Vec::new(),
+            };
+            return self.wait_for_locked(tx, decided, &undecided).await;
+        }
+        let recorded = ledger::runs::Recorded {
+            status: row.get("status"),
+            others_pending: row.get("others_pending"),
+        };
+        crate::crash_point!("consume_before_commit");
+        if let Err(e) = tx.commit().await {
+            return Err(bulk_failed(&e));
+        }
+        self.executed(counts, recorded).await
+    }
+
+    /// What a failed delete statement means: a lock timeout → the same attempt again with `SKIP
+    /// LOCKED`; a deadlock (overlapping commands no longer lock in key order) → a wait that spends
+    /// no attempt; a permanent error → item by item; the rest fails the attempt.
+    fn delete_failed(&self, e: &sqlx::Error, skip_locked: bool) -> AttemptError {
+        let code = e
+            .as_database_error()
+            .and_then(|d| d.code())
+            .map(|c| c.to_string());
+        match code.as_deref() {
+            Some(LOCK_NOT_AVAILABLE) if !skip_locked => AttemptError::Locked,
+            Some(DEADLOCK_DETECTED) => AttemptError::Failed(Failure::locked(
+                Utc::now() + chrono::Duration::seconds(1),
+                format!(
+                    "the delete deadlocked with another transaction and was rolled back ({})",
+                    Failure::from_db(e).message
+                ),
+            )),
+            _ => bulk_failed(e),
+        }
+    }
+
+    /// Some keys are locked by another transaction: the decided ones are audited and counted now
+    /// (with their deletes, in this transaction), the command keeps the others and waits for them
+    /// without spending an attempt (the wait counts against `max_age`); the failure names the
+    /// session holding the lock and how long its transaction has run.
+    async fn wait_for_locked(
+        self,
+        mut tx: Transaction<'_, Postgres>,
+        decided: AuditRows,
+        undecided: &[String],
+    ) -> Result<Attempted, AttemptError> {
+        let l = &self.loaded;
+        let mut q = QueryBuilder::new("");
+        l.rules.push_lockers(&mut q, undecided);
+        let lockers: Vec<(i32, f64)> = q.build_query_as().fetch_all(&mut *tx).await?;
+        if !decided.failed.is_empty() {
+            record_item_dead_letters(&mut tx, l, self.command_id, &decided.failed).await?;
+        }
+        l.command
+            .append_audit(
+                &mut tx,
+                &ledger::commands::Audited {
+                    execution: l.execution(self.actor, self.started),
+                    dry_run: false,
+                    keys: &decided.keys,
+                    outcomes: &decided.outcomes,
+                    reasons: &decided.reasons,
+                },
+            )
+            .await?;
+        finish_in_run(
+            &mut tx,
+            self.state,
+            &l.policy,
+            self.command_id,
+            &decided.counts,
+            false,
+            false,
+        )
+        .await?;
+        crate::crash_point!("consume_before_commit");
+        tx.commit().await?;
+        crate::metrics::attempt_committed(&l.policy, &decided.counts);
+        let retry_after = self.state.config.consume.retry_after;
+        Err(AttemptError::Failed(Failure::locked(
+            Utc::now() + retry_after.delta(),
+            waiting_on_locks(undecided.len(), decided.keys.len(), &lockers),
+        )))
+    }
+
+    /// The committed command's result, and the run completed if it was its last.
+    async fn executed(
+        self,
+        counts: Counts,
+        recorded: ledger::runs::Recorded,
+    ) -> Result<Attempted, AttemptError> {
+        let l = &self.loaded;
+        crate::metrics::attempt_committed(&l.policy, &counts);
+        crate::crash_point!("consume_after_commit");
+        let rules = (!l.dry_run).then_some(&l.rules);
+        let run_status = complete_after(self.state, &l.run_id, &l.policy, recorded, rules).await;
+        Ok(Attempted::Done(ConsumeOutcome::Executed {
+            command_id: self.command_id.to_string(),
+            counts,
+            run_status,
+        }))
+    }
+
+    /// A dry run: each key classified (nothing locked, nothing deleted), what it would do
+    /// audited, the command done.
+    async fn dry_run(self, mut tx: Transaction<'_, Postgres>) -> Result<Attempted, AttemptError> {
+        // What an eligible item would do: call (an action once per window), else delete.
+        let effect = if self.loaded.rules.action.once_per_window() {
+            Outcome::WouldCall
+        } else {
+            Outcome::WouldDelete
+        };
+        let outcomes = classify(&mut tx, &self.loaded.rules, &self.keys)
+            .await?
+            .into_iter()
+            .map(|(k, judged)| (k, judged.outcome(effect)))
+            .collect();
+        self.succeed(tx, outcomes).await
+    }
+
+    /// After a permanent error in one statement: one savepoint per key (constraints checked
+    /// immediately, deferred ones included), so a bad item fails alone with its error; locked
+    /// rows are left (`SKIP LOCKED`) and waited for as in [`Run::delete_first`]. Then the keys
+    /// not deleted are classified in a fresh statement.
+    async fn item_by_item(
+        self,
+        mut tx: Transaction<'_, Postgres>,
+    ) -> Result<Attempted, AttemptError> {
+        let rules = &self.loaded.rules;
         sqlx::query("set constraints all immediate")
             .execute(&mut *tx)
             .await?;
+        let mut outcomes: ItemOutcomes = HashMap::new();
+        for key in &self.keys {
+            let mut sp = sqlx::Connection::begin(&mut *tx).await?;
+            let mut q = QueryBuilder::new("");
+            rules.push_delete_first(&mut q, std::slice::from_ref(key), true);
+            let deleted: sqlx::Result<Vec<String>> =
+                q.build_query_scalar().fetch_all(&mut *sp).await;
+            match deleted {
+                Ok(deleted) => {
+                    sp.commit().await?;
+                    if !deleted.is_empty() {
+                        outcomes.insert(key.clone(), (Outcome::Deleted, None));
+                    }
+                }
+                Err(e) => {
+                    sp.rollback().await?;
+                    let f = Failure::from_db(&e);
+                    if f.class != FailureClass::Permanent {
+                        return Err(AttemptError::Failed(f));
+                    }
+                    outcomes.insert(key.clone(), (Outcome::Failed, Some(f.message)));
+                }
+            }
+        }
+        let left: Vec<String> = self
+            .keys
+            .iter()
+            .filter(|k| !outcomes.contains_key(*k))
+            .cloned()
+            .collect();
+        let mut undecided = Vec::new();
+        for (key, judged) in classify(&mut tx, rules, &left).await? {
+            if judged == ledger::outcome::Judgement::Eligible {
+                undecided.push(key);
+            } else {
+                outcomes.insert(key, judged.outcome(Outcome::Deleted));
+            }
+        }
+        if undecided.is_empty() {
+            return self.succeed(tx, outcomes).await;
+        }
+        let undecided_set: HashSet<&str> = undecided.iter().map(String::as_str).collect();
+        let decided_keys: Vec<String> = self
+            .keys
+            .iter()
+            .filter(|k| !undecided_set.contains(k.as_str()))
+            .cloned()
+            .collect();
+        let decided = audit_rows(&decided_keys, outcomes);
+        self.wait_for_locked(tx, decided, &undecided).await
     }
 
-    let (mut outcomes, eligible) = classify(&mut tx, &loaded).await?;
-    if !loaded.dry_run && !eligible.is_empty() {
-        delete_eligible(&mut tx, rules, &eligible, per_item, &mut outcomes).await?;
-    }
-
-    // One audit row per key of the command, in key order as stored.
-    let AuditRows {
-        counts,
-        keys: a_keys,
-        outcomes: a_outcomes,
-        reasons: a_reasons,
-        failed,
-    } = audit_rows(&loaded.keys, outcomes);
-    if !failed.is_empty() {
-        record_item_dead_letters(&mut tx, &loaded, command_id, &failed).await?;
-    }
-
-    // One statement: the audit rows, the command done, its attempt recorded, a redriven dead
-    // letter resolved; its counts recorded next.
-    loaded
-        .command
-        .succeed_with_audit(
+    /// Every key has its outcome (`outcomes`; a key without one is `already_absent`): its audit
+    /// rows, item dead letters for failed items, the command `succeeded`, its counts, `COMMIT`.
+    async fn succeed(
+        self,
+        mut tx: Transaction<'_, Postgres>,
+        outcomes: ItemOutcomes,
+    ) -> Result<Attempted, AttemptError> {
+        let l = &self.loaded;
+        let AuditRows {
+            counts,
+            keys,
+            outcomes,
+            reasons,
+            failed,
+        } = audit_rows(&self.keys, outcomes);
+        if !failed.is_empty() {
+            record_item_dead_letters(&mut tx, l, self.command_id, &failed).await?;
+        }
+        // One statement: the audit rows, the command done, its attempt recorded, a redriven
+        // dead letter resolved; its counts recorded next.
+        l.command
+            .succeed_with_audit(
+                &mut tx,
+                &ledger::commands::Audited {
+                    execution: l.execution(self.actor, self.started),
+                    dry_run: l.dry_run,
+                    keys: &keys,
+                    outcomes: &outcomes,
+                    reasons: &reasons,
+                },
+            )
+            .await?;
+        let recorded = finish_in_run(
             &mut tx,
-            &ledger::commands::Audited {
-                execution: loaded.execution(actor, started),
-                dry_run: loaded.dry_run,
-                keys: &a_keys,
-                outcomes: &a_outcomes,
-                reasons: &a_reasons,
-            },
+            self.state,
+            &l.policy,
+            self.command_id,
+            &counts,
+            false,
+            l.redrive_of.is_some(),
         )
         .await?;
-    let recorded = finish_in_run(
-        &mut tx,
-        state,
-        &loaded.policy,
-        command_id,
-        &counts,
-        false,
-        loaded.redrive_of.is_some(),
-    )
-    .await?;
-    crate::crash_point!("consume_before_commit");
-    if let Err(e) = tx.commit().await {
-        // A deferred constraint (a DEFERRABLE foreign key or constraint trigger) is checked
-        // here, not at the delete: redo the command item by item, with constraints immediate.
-        let f = Failure::from_db(&e);
-        return Err(if f.class == FailureClass::Permanent && !per_item {
-            AttemptError::BulkFailed(f)
-        } else {
-            AttemptError::Failed(f)
-        });
+        crate::crash_point!("consume_before_commit");
+        if let Err(e) = tx.commit().await {
+            // A deferred constraint is checked here: already item by item, it fails the try.
+            return Err(AttemptError::Failed(Failure::from_db(&e)));
+        }
+        self.executed(counts, recorded).await
     }
-    crate::metrics::attempt_committed(&loaded.policy, &counts);
-    crate::crash_point!("consume_after_commit");
-    let rules = (!loaded.dry_run).then_some(&loaded.rules);
-    let run_status = complete_after(state, &loaded.run_id, &loaded.policy, recorded, rules).await;
-    Ok(Attempted::Done(ConsumeOutcome::Executed {
-        command_id: command_id.to_string(),
-        counts,
-        run_status,
-    }))
 }
 
-/// The healthy path of a delete-rows command, in four round trips whatever its size: `BEGIN`,
-/// the gate ([`super::load`]), one statement, `COMMIT`. The statement locks the candidate rows in
-/// key order, classifies each from that one snapshot, deletes the eligible ones with every
-/// predicate repeated, and records the audit rows, the command `succeeded` with its attempt and
-/// counts, and a redriven dead letter resolved ([`ledger::commands::push_succeed_after_delete`]).
-/// A permanent error (in the statement, or a deferred constraint at the commit) sends the
-/// command to the item-by-item path.
-async fn delete_in_one_statement(
-    state: &AppState,
-    mut tx: Transaction<'_, Postgres>,
-    command_id: &str,
-    actor: &str,
-    started: Instant,
-    loaded: Box<Loaded>,
-) -> Result<Attempted, AttemptError> {
-    let rules = &loaded.rules;
-    let mut q = loaded.command.delete_in_one(
-        rules,
-        &loaded.keys,
-        &ledger::commands::DeletedInOne {
-            execution: loaded.execution(actor, started),
-            item_redrive: loaded.redrive_of.is_some(),
-            others_cap: super::finish::others_cap(state, &loaded.policy),
-        },
-    );
-    crate::crash_point!("consume_before_delete");
-    let row = q.build().fetch_one(&mut *tx).await.map_err(|e| {
-        let f = Failure::from_db(&e);
-        if f.class == FailureClass::Permanent {
-            AttemptError::BulkFailed(f)
-        } else {
-            AttemptError::Failed(f)
-        }
-    })?;
-    let counts = Counts {
-        deleted: row.get("deleted"),
-        already_absent: row.get("already_absent"),
-        excluded: row.get("excluded"),
-        not_eligible: row.get("not_eligible"),
-        ..Counts::default()
-    };
-    let recorded = ledger::runs::Recorded {
-        status: row.get("status"),
-        others_pending: row.get("others_pending"),
-    };
-    crate::crash_point!("consume_before_commit");
-    if let Err(e) = tx.commit().await {
-        // A deferred constraint (a DEFERRABLE foreign key or constraint trigger) is checked
-        // here, not at the delete: redo the command item by item, with constraints immediate.
-        let f = Failure::from_db(&e);
-        return Err(if f.class == FailureClass::Permanent {
-            AttemptError::BulkFailed(f)
-        } else {
-            AttemptError::Failed(f)
-        });
+/// SQLSTATE 55P03: `lock_timeout` expired.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+/// SQLSTATE 40P01.
+const DEADLOCK_DETECTED: &str = "40P01";
+
+/// A failed statement of the bulk path: a permanent error (in the delete, or a deferred
+/// constraint — a DEFERRABLE foreign key or constraint trigger — at the commit) redoes the
+/// command item by item, with constraints immediate; the rest fails the attempt.
+fn bulk_failed(e: &sqlx::Error) -> AttemptError {
+    let f = Failure::from_db(e);
+    if f.class == FailureClass::Permanent {
+        AttemptError::BulkFailed(f)
+    } else {
+        AttemptError::Failed(f)
     }
-    crate::metrics::attempt_committed(&loaded.policy, &counts);
-    crate::crash_point!("consume_after_commit");
-    let run_status =
-        complete_after(state, &loaded.run_id, &loaded.policy, recorded, Some(rules)).await;
-    Ok(Attempted::Done(ConsumeOutcome::Executed {
-        command_id: command_id.to_string(),
-        counts,
-        run_status,
-    }))
+}
+
+/// The message of a command waiting for `locked` rows after `done` others were audited: the
+/// session that holds them (`lockers`: pid and seconds its transaction has run, longest first).
+fn waiting_on_locks(locked: usize, done: usize, lockers: &[(i32, f64)]) -> String {
+    let rows = if locked == 1 { "row is" } else { "rows are" };
+    let by = match lockers.first() {
+        Some((pid, seconds)) => format!(
+            "by the session with pid {pid}, whose transaction has run {:.0} s",
+            seconds
+        ),
+        None => "by another transaction".to_string(),
+    };
+    format!(
+        "waiting on a lock: {locked} {rows} locked {by}; {done} other items are done; the \
+         command tries the locked rows again without spending an attempt until max_age"
+    )
 }
 
 /// An action with external calls: no transaction may span them (docs/design.md §2.6), so the command is
@@ -241,103 +466,31 @@ async fn lease_for_calls(
     Ok(Attempted::External(loaded))
 }
 
-/// Each item's outcome as the snapshot that deletes sees it, and the keys to delete: the
-/// candidates locked in key order (overlapping runs cannot deadlock; a dry run locks nothing),
-/// classified by the rules — excluded (which exclusion), not eligible, or to delete (in a dry
-/// run, would delete). Keys absent from the result are already gone.
+/// Each key's judgement in this statement's snapshot, locking nothing; keys absent from the
+/// result are already gone.
 async fn classify(
     tx: &mut Transaction<'_, Postgres>,
-    loaded: &Loaded,
-) -> Result<(ItemOutcomes, Vec<String>), AttemptError> {
-    let rules = &loaded.rules;
-    let mut q = rules.classify_select();
-    q.push(" where ");
-    rules.push_key_in(&mut q, loaded.keys.clone());
-    q.push(format!(" order by {}", rules.key_sql()));
-    if !loaded.dry_run {
-        q.push(" for update");
-    }
-    let rows = q.build().fetch_all(&mut **tx).await?;
-    let mut outcomes: ItemOutcomes = HashMap::new();
-    let mut eligible = Vec::new();
-    // What an eligible item ends in here: deleted, or in a dry run what it would do.
-    let effect = if loaded.dry_run && rules.action.once_per_window() {
-        Outcome::WouldCall // it would call, not delete
-    } else if loaded.dry_run {
-        Outcome::WouldDelete
-    } else {
-        Outcome::Deleted
-    };
-    for r in &rows {
-        let key: String = r.get("item_key");
-        let judged = ledger::outcome::Judgement::of(
-            true,
-            r.get("reason"),
-            r.get("old_enough"),
-            r.get("not_eligible_reason"),
-        );
-        if judged == ledger::outcome::Judgement::Eligible {
-            eligible.push(key.clone());
-        }
-        outcomes.insert(key, judged.outcome(effect));
-    }
-    Ok((outcomes, eligible))
-}
-
-/// Deletes the eligible rows, with every predicate repeated in the delete: in one statement, or
-/// (`per_item`, after the bulk statement failed permanently) one savepoint per item, so a bad
-/// item is `failed` with its error and its neighbours are deleted. A row the delete did not
-/// remove is reported as it is (`not_eligible`), never as deleted.
-async fn delete_eligible(
-    tx: &mut Transaction<'_, Postgres>,
     rules: &RuleSet,
-    eligible: &[String],
-    per_item: bool,
-    outcomes: &mut ItemOutcomes,
-) -> Result<(), AttemptError> {
-    if per_item {
-        for key in eligible {
-            let mut sp = sqlx::Connection::begin(&mut **tx).await?;
-            match delete(&mut sp, rules, vec![key.clone()]).await {
-                Ok(deleted) => {
-                    sp.commit().await?;
-                    if deleted.is_empty() {
-                        outcomes.insert(key.clone(), (Outcome::NotEligible, None));
-                    }
-                }
-                Err(e) => {
-                    sp.rollback().await?;
-                    let f = Failure::from_db(&e);
-                    if f.class != FailureClass::Permanent {
-                        return Err(AttemptError::Failed(f));
-                    }
-                    outcomes.insert(key.clone(), (Outcome::Failed, Some(f.message)));
-                }
-            }
-        }
-    } else {
-        crate::crash_point!("consume_before_delete");
-        let deleted = match delete(tx, rules, eligible.to_vec()).await {
-            Ok(d) => d,
-            Err(e) => {
-                let f = Failure::from_db(&e);
-                return Err(if f.class == FailureClass::Permanent {
-                    AttemptError::BulkFailed(f)
-                } else {
-                    AttemptError::Failed(f)
-                });
-            }
-        };
-        // Rows are locked, so the delete removes exactly the eligible set; anything it did
-        // not remove is reported as it is, never as deleted.
-        let deleted: HashSet<String> = deleted.into_iter().collect();
-        for key in eligible {
-            if !deleted.contains(key) {
-                outcomes.insert(key.clone(), (Outcome::NotEligible, None));
-            }
-        }
+    keys: &[String],
+) -> Result<Vec<(String, ledger::outcome::Judgement)>, AttemptError> {
+    if keys.is_empty() {
+        return Ok(Vec::new());
     }
-    Ok(())
+    let mut q = QueryBuilder::new("");
+    rules.push_classify(&mut q, keys);
+    let rows = q.build().fetch_all(&mut **tx).await?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let judged = ledger::outcome::Judgement::of(
+                true,
+                r.get("reason"),
+                r.get("old_enough"),
+                r.get("not_eligible_reason"),
+            );
+            (r.get("item_key"), judged)
+        })
+        .collect())
 }
 
 /// The audit rows of a command, and what they add up to.
@@ -380,23 +533,6 @@ pub(super) fn audit_rows(keys: &[String], mut outcomes: ItemOutcomes) -> AuditRo
 
 /// Each item's outcome and reason, by key.
 type ItemOutcomes = HashMap<String, (Outcome, Option<String>)>;
-
-/// `DELETE … WHERE key = ANY($keys) AND <eligible> RETURNING key`: the predicates are repeated
-/// in the delete itself, so nothing ineligible can be removed whatever happened before.
-pub(super) async fn delete(
-    conn: &mut PgConnection,
-    rules: &RuleSet,
-    keys: Vec<String>,
-) -> sqlx::Result<Vec<String>> {
-    let mut q: QueryBuilder<Postgres> = QueryBuilder::new("delete from ");
-    q.push(rules.table_sql());
-    q.push(" where ");
-    rules.push_key_in(&mut q, keys);
-    q.push(" and ");
-    rules.push_eligible(&mut q);
-    q.push(format!(" returning {}::text", rules.key_sql()));
-    q.build_query_scalar().fetch_all(conn).await
-}
 
 #[cfg(test)]
 mod tests {

@@ -144,13 +144,8 @@ pub(crate) async fn run(
         ));
         return record_failure(state, command_id, f, started, Some(attempt)).await;
     };
-    // Items an earlier attempt of this command already finished.
-    let finished: Vec<String> =
-        sqlx::query_scalar("select distinct item_key from sweeper.audit where command_id = $1")
-            .bind(command_id)
-            .fetch_all(&state.pool)
-            .await
-            .map_err(db)?;
+    // Items an earlier attempt of this command already finished (read by the gate).
+    let finished = &l.finished;
     let retry = state
         .config
         .policy(&l.policy)

@@ -58,6 +58,8 @@ pub(super) async fn load(
         redrive_of: c.redrive_of,
         command,
         lease_left: c.lease_left,
+        finished: c.finished_keys,
+        waiting_on_lock: c.last_error_class.as_deref() == Some(FailureClass::LOCKED),
     })))
 }
 

@@ -2,9 +2,9 @@
 //! caller is answered (docs/design.md §2.4, §2.5, §5). `/consume` and the built-in queue both run it.
 //!
 //! For `delete_rows` a command is one transaction: lock the command row (a concurrent duplicate
-//! waits here, then sees the terminal state), lock the candidate rows in key order, re-check
-//! eligibility at the run's cutoff with every exclusion, delete, append one audit row per key, mark
-//! the command done, update the run under its row lock, commit. On the healthy path that is a
+//! waits here, then sees the terminal state), delete the keys with eligibility at the run's cutoff
+//! and every exclusion in the delete's own WHERE, classify the keys it left in a fresh snapshot,
+//! append one audit row per key, mark the command done, commit. On the healthy path that is a
 //! constant number of statements whatever the batch size.
 
 pub mod call;
@@ -25,7 +25,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, Postgres, QueryBuilder, Row, Transaction};
+use sqlx::{Postgres, QueryBuilder, Row, Transaction};
 use tracing::{info, warn};
 
 use crate::ledger;
@@ -165,9 +165,28 @@ pub(crate) struct Loaded {
     pub(crate) command: ledger::commands::CommandTry,
     /// Another execution holds the command's lease, for this many more seconds (0: none).
     lease_left: f64,
+    /// The keys an earlier attempt of this command already audited: skipped, so no item gains
+    /// a second outcome.
+    pub(crate) finished: Vec<String>,
+    /// Its last attempt waited on rows another transaction held locked: this one deletes only
+    /// the rows no one holds (`SKIP LOCKED`) instead of waiting `consume.lock_timeout` again.
+    waiting_on_lock: bool,
 }
 
 impl Loaded {
+    /// The keys this attempt acts on: the command's, less those an earlier attempt finished.
+    pub(crate) fn keys_to_do(&self) -> Vec<String> {
+        if self.finished.is_empty() {
+            return self.keys.clone();
+        }
+        let finished: HashSet<&str> = self.finished.iter().map(String::as_str).collect();
+        self.keys
+            .iter()
+            .filter(|k| !finished.contains(k.as_str()))
+            .cloned()
+            .collect()
+    }
+
     /// The scope of this command's effects (`sweeper.effects.scope`): the window for an action
     /// once per window, `''` for one once per item.
     pub(crate) fn effect_scope(&self) -> String {
@@ -279,7 +298,7 @@ pub async fn execute(
     }
     let pace_wait = pace(state, command_id).await?;
     let deadline = state.config.consume.command_deadline.std();
-    let mut per_item = false;
+    let mut mode = delete::Mode::Bulk;
     loop {
         let result = tokio::time::timeout(
             deadline,
@@ -288,7 +307,7 @@ pub async fn execute(
                 command_id,
                 &executor,
                 actor,
-                (per_item, pace_wait),
+                (mode, pace_wait),
                 started,
                 &mut tried,
             ),
@@ -310,9 +329,16 @@ pub async fn execute(
                         .await?;
                 return settle(state, command_id, &executor, outcome).await;
             }
-            Err(AttemptError::BulkFailed(f)) if !per_item => {
+            Err(AttemptError::BulkFailed(f)) if mode != delete::Mode::PerItem => {
                 info!(command_id, error = %f.message, "bulk delete failed permanently; retrying item by item");
-                per_item = true;
+                mode = delete::Mode::PerItem;
+            }
+            Err(AttemptError::Locked) => {
+                info!(
+                    command_id,
+                    "a row of the command is locked by another transaction; deleting the others"
+                );
+                mode = delete::Mode::SkipLocked;
             }
             Err(AttemptError::BulkFailed(f)) | Err(AttemptError::Failed(f)) => {
                 let outcome = record_failure(state, command_id, f, started, tried).await?;
@@ -400,6 +426,9 @@ async fn pace(state: &AppState, command_id: &str) -> Result<f64, Failure> {
 pub(super) enum AttemptError {
     /// The bulk delete hit a permanent error: redo the command with per-item savepoints.
     BulkFailed(Failure),
+    /// The bulk delete waited `consume.lock_timeout` for a row another transaction holds: redo
+    /// the command deleting only the rows no one holds.
+    Locked,
     /// The attempt failed as a whole.
     Failed(Failure),
 }

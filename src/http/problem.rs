@@ -117,7 +117,9 @@ impl From<sqlx::Error> for Problem {
             );
         }
         match crate::retry::Failure::from_db(&e).class {
-            FailureClass::Transient | FailureClass::Throttled { .. } => Problem::unavailable(e, 5),
+            FailureClass::Transient
+            | FailureClass::Throttled { .. }
+            | FailureClass::Locked { .. } => Problem::unavailable(e, 5),
             FailureClass::Permanent | FailureClass::Held(_) => Problem::internal(e),
         }
     }

@@ -27,8 +27,12 @@ pub struct Facts {
     #[serde(skip)]
     pub dead_letter_reason: Option<String>,
     /// Commands not terminal that failed or were snoozed at least once since they were last
-    /// (re)queued: they are retrying by themselves.
+    /// (re)queued: they are retrying by themselves. A command waiting on rows another
+    /// transaction holds locked is not failing and is not counted here.
     pub retrying_commands: i64,
+    /// Commands not terminal whose rows another transaction holds locked: their other rows are
+    /// done; they try the locked ones again without spending attempts, until `max_age`.
+    pub waiting_on_lock_commands: i64,
     /// The soonest-due retrying command's last error, class, attempts and next attempt.
     #[serde(skip)]
     pub retry_error: Option<String>,
@@ -114,7 +118,11 @@ pub async fn facts(
                   order by dl.dead_letter_id desc limit 1) as dead_letter_reason,
                 (select count(*) from sweeper.commands c
                   where c.run_id = r.run_id and c.state in ('pending', 'leased')
-                    and c.attempts > 0 and c.last_error is not null) as retrying_commands,
+                    and c.attempts > 0 and c.last_error is not null
+                    and c.last_error_class is distinct from '{locked}') as retrying_commands,
+                (select count(*) from sweeper.commands c
+                  where c.run_id = r.run_id and c.state in ('pending', 'leased')
+                    and c.last_error_class = '{locked}') as waiting_on_lock_commands,
                 rc.last_error as retry_error, rc.last_error_class as retry_class,
                 rc.attempts as retry_attempts, rc.next_attempt_at as retry_next_at,
                 coalesce(rc.state = 'leased', false) as retry_trying_now,
@@ -140,6 +148,7 @@ pub async fn facts(
                  from sweeper.commands c
                 where c.run_id = r.run_id and c.state in ('pending', 'leased')
                   and c.attempts > 0 and c.last_error is not null
+                  and c.last_error_class is distinct from '{locked}'
                 order by c.next_attempt_at limit 1) rc on true
            left join lateral (
                select c.held_kind, c.held_reason from sweeper.commands c
@@ -148,7 +157,8 @@ pub async fn facts(
                 order by c.held_since limit 1) hc on true
            left join sweeper.planning_jobs p on p.run_id = r.run_id
           where r.run_id = any($1)",
-        recorded = super::recorded_kinds_sql()
+        recorded = super::recorded_kinds_sql(),
+        locked = crate::retry::FailureClass::LOCKED,
     );
     let rows: Vec<Facts> = sqlx::query_as(&sql).bind(run_ids).fetch_all(pool).await?;
     Ok(rows.into_iter().map(|f| (f.run_id.clone(), f)).collect())
@@ -165,7 +175,7 @@ pub struct Retrying {
     pub attempts: i32,
     /// The last failure's message (SQLSTATE included for a database error).
     pub last_error: Option<String>,
-    /// Its class: `transient`, `throttled` or `permanent`.
+    /// Its class: `transient`, `throttled`, `locked` (waiting on a row lock) or `permanent`.
     pub last_error_class: Option<String>,
     /// When it is tried next (RFC 3339); for a leased command, when this try began to be due.
     pub next_attempt_at: DateTime<Utc>,
@@ -175,18 +185,28 @@ pub struct Retrying {
     pub items: i32,
 }
 
-/// The first `limit` retrying commands of `run_id`, soonest next attempt first.
-pub async fn retrying(pool: &PgPool, run_id: &str, limit: i64) -> sqlx::Result<Vec<Retrying>> {
-    sqlx::query_as(
+/// The first `limit` retrying commands of `run_id` (`waiting_on_lock`: instead, those
+/// waiting on rows another transaction holds locked), soonest next attempt first.
+pub async fn retrying(
+    pool: &PgPool,
+    run_id: &str,
+    limit: i64,
+    waiting_on_lock: bool,
+) -> sqlx::Result<Vec<Retrying>> {
+    sqlx::query_as(&format!(
         "select command_id, state, attempts, last_error, last_error_class, next_attempt_at,
                 state = 'leased' as trying_now, cardinality(item_keys) as items
            from sweeper.commands
-          where run_id = $1 and state in ('pending', 'leased') and attempts > 0
-            and last_error is not null
+          where run_id = $1 and state in ('pending', 'leased')
+            and case when $3 then last_error_class = '{locked}'
+                     else attempts > 0 and last_error is not null
+                          and last_error_class is distinct from '{locked}' end
           order by next_attempt_at, batch_no limit $2",
-    )
+        locked = crate::retry::FailureClass::LOCKED,
+    ))
     .bind(run_id)
     .bind(limit)
+    .bind(waiting_on_lock)
     .fetch_all(pool)
     .await
 }

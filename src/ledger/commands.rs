@@ -132,18 +132,29 @@ pub struct DeletedInOne<'a> {
     pub others_cap: i64,
 }
 
-/// The target's side of [`delete_in_one`], built by the policy layer; every value a bound
-/// parameter.
+/// The target's side of a delete-rows command (delete first, classify after: docs/design.md
+/// §2.4), built by the policy layer; every value a bound parameter.
 pub trait DeleteTarget {
+    /// Pushes `delete from <table> where <key> in <keys> and <eligible> returning <key>::text`:
+    /// every predicate in the delete's own WHERE, so PostgreSQL re-checks the newest version of a
+    /// row another transaction changed, and nothing is locked beforehand. `skip_locked`: only
+    /// the rows no other transaction holds locked (`FOR UPDATE SKIP LOCKED`), so a locked row
+    /// delays only itself.
+    fn push_delete_first(
+        &self,
+        q: &mut QueryBuilder<'static, Postgres>,
+        keys: &[String],
+        skip_locked: bool,
+    );
     /// Pushes `select <key>::text as item_key, <old enough> as old_enough, <first exclusion> as
     /// reason, <first failed predicate> as not_eligible_reason from <table> where <key> in
-    /// <keys> order by <key> for update`: the candidates locked in key order (overlapping runs
-    /// cannot deadlock).
-    fn push_candidates(&self, q: &mut QueryBuilder<'static, Postgres>, keys: &[String]);
-    /// Pushes `delete from <table> where <key> in (the keys of candidates \`cand\` that are old
-    /// enough and not excluded) and <eligible> returning <key>::text as item_key`: every
-    /// predicate repeated in the delete itself.
-    fn push_delete_qualifying(&self, q: &mut QueryBuilder<'static, Postgres>);
+    /// <keys>`, locking nothing: the classification of the keys a delete did not remove, read
+    /// in a later statement's snapshot than the delete's.
+    fn push_classify(&self, q: &mut QueryBuilder<'static, Postgres>, keys: &[String]);
+    /// Pushes `select <pid>, <seconds its transaction has run> from …` for the sessions whose
+    /// transactions hold rows of `keys` locked (found through each row's `xmax`); none when a
+    /// row's lockers are several (a multixact).
+    fn push_lockers(&self, q: &mut QueryBuilder<'static, Postgres>, keys: &[String]);
 }
 
 /// The outcomes an item of a delete-rows command ends in within the one statement (a failed
@@ -362,44 +373,53 @@ impl CommandTry {
         done.map(|_| ()).ok_or_else(|| overtaken(&self.command_id))
     }
 
-    /// The one statement that executes a delete-rows command (docs/design.md §2.4), whole: the
-    /// candidates locked in key order and judged ([`super::outcome::Judgement`]), the qualifying ones
-    /// deleted with every predicate repeated (a row the delete did not remove is reported as it is,
-    /// never as deleted), one audit row per key in the command's order (a key with no row is
-    /// `already_absent`), the command `succeeded` with its counts and attempt, a redriven dead letter
-    /// resolved, and a final row `(deleted, already_absent, excluded, not_eligible, status,
-    /// others_pending)` with the run's status and its other pending commands counted up to the cap —
-    /// no row when the command was overtaken ([`Attempt::fence`]), and the caller's transaction
-    /// rolls the delete back.
-    pub fn delete_in_one(
+    /// The statement that closes a delete-rows command after its delete (docs/design.md §2.4,
+    /// delete first): the keys the delete did not remove are classified in this statement's
+    /// snapshot, which sees every transaction committed since the delete's
+    /// ([`super::outcome::Judgement::after_delete_sql`]); when every key has an outcome, one audit
+    /// row per key in the command's order, the command `succeeded` with its counts and attempt, a
+    /// redriven dead letter resolved. It returns one row `(deleted, already_absent, excluded,
+    /// not_eligible, status, others_pending, closed, undecided)` with the run's status and its
+    /// other pending commands counted up to the cap. `closed` false with `undecided` keys (rows
+    /// locked, or changed twice while the delete ran): nothing was written, and the row carries
+    /// every decided key with its outcome and reason (`item_keys`, `outcomes`, `reasons`) for
+    /// [`CommandTry::append_audit`]. `closed` false with none undecided: the command was
+    /// overtaken ([`Attempt::fence`]), and the caller's transaction rolls the delete back.
+    pub fn close_after_delete(
         &self,
         target: &impl DeleteTarget,
         keys: &[String],
+        deleted: &[String],
         d: &DeletedInOne<'_>,
     ) -> QueryBuilder<'static, Postgres> {
-        use super::outcome::{Judgement, Outcome};
+        use super::outcome::Judgement;
+        let gone: std::collections::HashSet<&str> = deleted.iter().map(String::as_str).collect();
+        let left: Vec<String> = keys
+            .iter()
+            .filter(|k| !gone.contains(k.as_str()))
+            .cloned()
+            .collect();
         let mut q = QueryBuilder::new("with cand as (");
-        target.push_candidates(&mut q, keys);
-        q.push("), del as (");
-        target.push_delete_qualifying(&mut q);
-        let (outcome, reason) = Judgement::outcome_sql("d.item_key is not null", Outcome::Deleted);
+        target.push_classify(&mut q, &left);
+        let (outcome, reason) = Judgement::after_delete_sql("d.item_key is not null");
         q.push(format!(
             "), items as (
                  select u.ord, u.item_key, {outcome} as outcome, {reason} as reason
                    from unnest("
         ));
         q.push_bind(keys.to_vec());
+        q.push("::text[]) with ordinality as u(item_key, ord) left join unnest(");
+        q.push_bind(deleted.to_vec());
         q.push(
-            "::text[]) with ordinality as u(item_key, ord)
-                   left join cand c on c.item_key = u.item_key
-                   left join del d on d.item_key = u.item_key)",
+            "::text[]) as d(item_key) on d.item_key = u.item_key
+                   left join cand c on c.item_key = u.item_key and d.item_key is null)",
         );
         self.push_succeed_after_delete(&mut q, d);
         q
     }
 
-    /// The ledger's half of [`delete_in_one`], after `items` (one row per key: `ord`, `item_key`,
-    /// `outcome`, `reason`).
+    /// The ledger's half of [`CommandTry::close_after_delete`], after `items` (one row per key:
+    /// `ord`, `item_key`, `outcome`, `reason`; a NULL outcome is undecided).
     fn push_succeed_after_delete(&self, q: &mut QueryBuilder<'_, Postgres>, d: &DeletedInOne<'_>) {
         // The outcomes a delete-rows command's items can end in; each is a count column.
         let tally = DELETE_OUTCOMES
@@ -428,7 +448,8 @@ impl CommandTry {
         q.push(" and cm.attempts = ");
         q.push_bind(self.attempt.fence());
         q.push(
-            " returning cm.attempts, cm.redrive_of),
+            " and not exists (select 1 from items where outcome is null)
+              returning cm.attempts, cm.redrive_of),
              au as (
                  insert into sweeper.audit
                      (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
@@ -469,13 +490,28 @@ impl CommandTry {
         q.push(
             ") or d.dead_letter_id = (select redrive_of from c)))
              select t.deleted, t.already_absent, t.excluded, t.not_eligible, r.status,
+                    c.attempts is not null as closed,
+                    (select coalesce(array_agg(item_key order by ord), '{}') from items
+                      where outcome is null) as undecided,
+                    case when c.attempts is null then
+                        (select coalesce(array_agg(item_key order by ord), '{}') from items
+                          where outcome is not null) end as item_keys,
+                    case when c.attempts is null then
+                        (select coalesce(array_agg(outcome order by ord), '{}') from items
+                          where outcome is not null) end as outcomes,
+                    case when c.attempts is null then
+                        (select coalesce(array_agg(reason order by ord), '{}') from items
+                          where outcome is not null) end as reasons,
                     (select count(*) from (select 1 from sweeper.commands o
                                             where o.run_id = r.run_id and o.command_id <> ",
         );
         q.push_bind(self.command_id.clone());
         q.push(" and o.state in ('pending', 'leased') limit ");
         q.push_bind(d.others_cap);
-        q.push(") x) as others_pending from tally t, c, sweeper.runs r where r.run_id = ");
+        q.push(
+            ") x) as others_pending
+               from tally t cross join sweeper.runs r left join c on true where r.run_id = ",
+        );
         q.push_bind(d.execution.run_id.to_string());
     }
 
@@ -692,6 +728,12 @@ pub struct Locked {
     pub current_version: String,
     /// Whether this transaction took one of the policy's `max_concurrent_commands` slots.
     pub slot_free: bool,
+    /// The class of its last failure (`locked`: it waits for rows another transaction holds).
+    pub last_error_class: Option<String>,
+    /// The keys an earlier attempt of it already audited (a command whose rows were locked
+    /// finishes its items over several attempts; no item gains a second outcome). An item
+    /// redrive's earlier `failed` outcome is not finished: the redrive supersedes it.
+    pub finished_keys: Vec<String>,
 }
 
 /// The advisory-lock key (hashed with `hashtext`, the slot number as the second key) of
@@ -740,6 +782,10 @@ pub async fn lock(
                 r.approval,
                 (select v.version from sweeper.policy_versions v where v.policy = r.policy
                   order by v.seq desc limit 1) as current_version,
+                c.last_error_class,
+                array(select a.item_key from sweeper.audit a
+                       where a.command_id = c.command_id
+                         and (c.redrive_of is null or a.outcome <> 'failed')) as finished_keys,
                 set_config('lock_timeout', $2, true) is not null as timeouts_set,
                 set_config('statement_timeout', $3, true) is not null as timeouts_set2,
                 exists (select 1

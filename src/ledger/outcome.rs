@@ -118,7 +118,7 @@ impl Counts {
 }
 
 /// What the snapshot that acts on an item says of it, before its effect: the one derivation of
-/// an item's outcome, shared by the one-statement delete ([`Judgement::outcome_sql`]), the
+/// an item's outcome, shared by the delete-first path ([`Judgement::after_delete_sql`]), the
 /// item-by-item and dry-run path, and an action with external calls.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Judgement {
@@ -161,24 +161,26 @@ impl Judgement {
         }
     }
 
-    /// The same derivation in SQL, `(outcome, reason)` expressions over a candidate row `c`
+    /// The same derivation in SQL, after a delete that came first: `(outcome, reason)`
+    /// expressions over whether the delete removed the item (`deleted`, an SQL condition) and,
+    /// for an item it did not remove, its row `c` as a later snapshot classifies it
     /// (`c.item_key` NULL when no row has the key; `c.reason`, `c.old_enough`,
-    /// `c.not_eligible_reason`) and whether the effect removed it (`done`, an SQL condition):
-    /// an eligible row the effect did not remove is `not_eligible`, never `effect`.
-    pub(crate) fn outcome_sql(done: &str, effect: Outcome) -> (String, String) {
+    /// `c.not_eligible_reason`). A row the delete left that is present, old enough and held by
+    /// nothing gets no outcome (NULL): it was locked, or changed twice while the delete ran, and
+    /// stays for a later attempt, never audited.
+    pub(crate) fn after_delete_sql(deleted: &str) -> (String, String) {
         let outcome = format!(
-            "case when c.item_key is null then '{absent}'
+            "case when {deleted} then '{effect}'
+                  when c.item_key is null then '{absent}'
                   when c.reason is not null then '{excluded}'
-                  when not c.old_enough then '{not_eligible}'
-                  when {done} then '{effect}'
-                  else '{not_eligible}' end",
+                  when not c.old_enough then '{not_eligible}' end",
+            effect = Outcome::Deleted.as_str(),
             absent = Outcome::AlreadyAbsent.as_str(),
             excluded = Outcome::Excluded.as_str(),
             not_eligible = Outcome::NotEligible.as_str(),
-            effect = effect.as_str(),
         );
         let reason =
-            format!("case when not ({done}) then coalesce(c.reason, c.not_eligible_reason) end");
+            format!("case when not ({deleted}) then coalesce(c.reason, c.not_eligible_reason) end");
         (outcome, reason)
     }
 }

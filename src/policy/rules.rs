@@ -482,7 +482,31 @@ impl crate::ledger::effects::ItemQuery for RuleSet {
 }
 
 impl crate::ledger::commands::DeleteTarget for RuleSet {
-    fn push_candidates(&self, q: &mut QueryBuilder<'static, Postgres>, keys: &[String]) {
+    fn push_delete_first(
+        &self,
+        q: &mut QueryBuilder<'static, Postgres>,
+        keys: &[String],
+        skip_locked: bool,
+    ) {
+        q.push("delete from ");
+        q.push(self.table_sql());
+        q.push(" where ");
+        self.push_key_in(q, keys.to_vec());
+        q.push(" and ");
+        self.push_eligible(q);
+        if skip_locked {
+            q.push(format!(
+                " and {key} = any(array(select {key} from {table} where ",
+                key = self.key_sql(),
+                table = self.table_sql()
+            ));
+            self.push_key_in(q, keys.to_vec());
+            q.push(" for update skip locked))");
+        }
+        q.push(format!(" returning {}::text", self.key_sql()));
+    }
+
+    fn push_classify(&self, q: &mut QueryBuilder<'static, Postgres>, keys: &[String]) {
         q.push("select ");
         q.push(self.key_sql());
         q.push("::text as item_key, ");
@@ -495,18 +519,20 @@ impl crate::ledger::commands::DeleteTarget for RuleSet {
         q.push(self.table_sql());
         q.push(" where ");
         self.push_key_in(q, keys.to_vec());
-        q.push(format!(" order by {} for update", self.key_sql()));
     }
 
-    fn push_delete_qualifying(&self, q: &mut QueryBuilder<'static, Postgres>) {
-        q.push("delete from ");
+    fn push_lockers(&self, q: &mut QueryBuilder<'static, Postgres>, keys: &[String]) {
+        q.push(
+            "select l.pid, coalesce(extract(epoch from now() - a.xact_start), 0)::float8 \
+               from ",
+        );
         q.push(self.table_sql());
-        q.push(format!(
-            " where {} = any(cast(array(select item_key from cand where old_enough and reason is null) as {}[])) and ",
-            self.key_sql(),
-            self.key_type()
-        ));
-        self.push_eligible(q);
-        q.push(format!(" returning {}::text as item_key", self.key_sql()));
+        q.push(
+            " t join pg_locks l on l.locktype = 'transactionid' and l.granted \
+                 and l.mode = 'ExclusiveLock' and l.transactionid = t.xmax \
+               left join pg_stat_activity a on a.pid = l.pid where t.",
+        );
+        self.push_key_in(q, keys.to_vec());
+        q.push(" order by 2 desc");
     }
 }

@@ -18,6 +18,14 @@ pub enum FailureClass {
         /// No new attempt before this instant.
         until: DateTime<Utc>,
     },
+    /// Rows of the command are locked by another transaction (or a deadlock ended its
+    /// statement): the rows it could act on are done and audited, the locked ones wait. A snooze
+    /// until the instant, spending no attempt; its time counts against `max_age`, which alone
+    /// turns it into a dead letter (docs/design.md §2.4).
+    Locked {
+        /// No new attempt before this instant.
+        until: DateTime<Utc>,
+    },
     /// Another attempt cannot help: quarantine now.
     Permanent,
     /// Not the command's fault, and not for an attempt to fix: the target cannot be acted on as
@@ -128,11 +136,23 @@ impl HoldKind {
 }
 
 impl FailureClass {
+    /// The stored name of [`FailureClass::Locked`].
+    pub const LOCKED: &'static str = "locked";
+
+    /// A wait that spends no attempt (throttled, locked): only `max_age` ends it.
+    pub fn is_snooze(self) -> bool {
+        matches!(
+            self,
+            FailureClass::Throttled { .. } | FailureClass::Locked { .. }
+        )
+    }
+
     /// The name stored in `commands.last_error_class`.
     pub fn as_str(self) -> &'static str {
         match self {
             FailureClass::Transient => "transient",
             FailureClass::Throttled { .. } => "throttled",
+            FailureClass::Locked { .. } => Self::LOCKED,
             FailureClass::Permanent => "permanent",
             FailureClass::Held(_) => "held",
         }
@@ -160,6 +180,10 @@ impl Failure {
     /// A throttled failure: no new attempt before `until`.
     pub fn throttled(until: DateTime<Utc>, message: impl Into<String>) -> Self {
         Self::new(FailureClass::Throttled { until }, message)
+    }
+    /// Rows locked by another transaction: no new attempt before `until`.
+    pub fn locked(until: DateTime<Utc>, message: impl Into<String>) -> Self {
+        Self::new(FailureClass::Locked { until }, message)
     }
     /// A permanent failure.
     pub fn permanent(message: impl Into<String>) -> Self {
@@ -291,7 +315,7 @@ pub fn decide(
             attempts: this_attempt - 1,
         };
     }
-    let snooze = matches!(f.class, FailureClass::Throttled { .. });
+    let snooze = f.class.is_snooze();
     let attempts = if snooze {
         this_attempt - 1
     } else {
@@ -312,7 +336,7 @@ pub fn decide(
         return Decision::Quarantine { attempts, reason };
     }
     let delay_seconds = match f.class {
-        FailureClass::Throttled { until } => {
+        FailureClass::Throttled { until } | FailureClass::Locked { until } => {
             (until - now).num_milliseconds().max(1_000) as f64 / 1000.0
         }
         _ => budget

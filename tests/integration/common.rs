@@ -385,6 +385,42 @@ pub async fn release_ticket(mut c: PgConnection) {
     sqlx::query("commit").execute(&mut c).await.unwrap();
 }
 
+/// Makes every delete of ticket `id` fail transiently — SQLSTATE 40001 raised by a trigger on
+/// `demo.tickets`, as a serialization failure would — until [`heal_ticket_deletes`]. (A locked row
+/// no longer fails a command: it waits without spending attempts, see `locked_rows`.)
+pub async fn fail_ticket_deletes(pool: &PgPool, id: i64) {
+    sqlx::raw_sql(
+        "create table if not exists demo.failing_deletes (id bigint primary key);
+         create or replace function demo.fail_delete() returns trigger language plpgsql as $$
+         begin
+             if exists (select 1 from demo.failing_deletes f where f.id = old.id) then
+                 raise exception 'could not serialize access to ticket % (a test trigger)', old.id
+                     using errcode = 'serialization_failure';
+             end if;
+             return old;
+         end $$;
+         create or replace trigger fail_delete before delete on demo.tickets
+             for each row execute function demo.fail_delete();",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::query("insert into demo.failing_deletes values ($1) on conflict do nothing")
+        .bind(id)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// Ends [`fail_ticket_deletes`] for ticket `id`.
+pub async fn heal_ticket_deletes(pool: &PgPool, id: i64) {
+    sqlx::query("delete from demo.failing_deletes where id = $1")
+        .bind(id)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
 /// A served sweeper on any database URL (another cluster's, a clone's), driven like [`TestApp`].
 pub struct Served {
     pub state: sweeper::app::AppState,

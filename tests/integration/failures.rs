@@ -60,20 +60,14 @@ async fn a_command_failing_transiently_is_quarantined_once_after_max_attempts_an
     let run_id = planned_run(&app).await;
     let command = app.command_ids(&run_id).await.remove(0);
 
-    // Someone else holds a lock on one of the command's rows for the whole test.
-    let mut blocker = PgConnection::connect(&app.db.url).await.unwrap();
-    sqlx::query("begin").execute(&mut blocker).await.unwrap();
-    sqlx::query("select * from demo.tickets where id = $1 for update")
-        .bind(eligible[0])
-        .execute(&mut blocker)
-        .await
-        .unwrap();
+    // One of the command's rows cannot be deleted (a transient error) for the whole test.
+    fail_ticket_deletes(&app.pool, eligible[0]).await;
 
     for attempt in 1..=3 {
         match run_one_command(&app.state).await.unwrap() {
             WorkerStep::Ran(ConsumeOutcome::NotNow { .. }) if attempt < 3 => {}
             WorkerStep::Ran(ConsumeOutcome::Quarantined { error, .. }) if attempt == 3 => {
-                assert!(error.contains("lock"), "{error}");
+                assert!(error.contains("40001"), "{error}");
             }
             other => panic!("attempt {attempt}: {other:?}"),
         }
@@ -110,8 +104,8 @@ async fn a_command_failing_transiently_is_quarantined_once_after_max_attempts_an
     }
     assert_eq!(dead_letters(&app).await.len(), 1);
 
-    // The lock goes away; one curl redrives it; it really runs and the dead letter resolves.
-    sqlx::query("rollback").execute(&mut blocker).await.unwrap();
+    // The cause goes away; one curl redrives it; it really runs and the dead letter resolves.
+    heal_ticket_deletes(&app.pool, eligible[0]).await;
     let id = dl["dead_letter_id"].as_i64().unwrap();
     let (status, body) = post_json(
         &app,

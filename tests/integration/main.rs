@@ -18,6 +18,7 @@ mod jwks;
 #[path = "../kit/mod.rs"]
 mod kit;
 mod leases;
+mod locked_rows;
 mod on_call;
 mod planning;
 mod planning_paths;

@@ -216,7 +216,7 @@ async fn a_retrying_command_shows_its_last_error_on_the_run_and_in_the_attention
     .await;
     let eligible = seed_mixed(&app.pool, 12, at(WINDOW)).await;
     let (run_id, commands) = app.planned_run().await;
-    let blocker = lock_ticket(&app.db.url, eligible[0]).await;
+    fail_ticket_deletes(&app.pool, eligible[0]).await;
 
     for _ in 0..2 {
         match run_one_command(&app.state).await.unwrap() {
@@ -232,7 +232,7 @@ async fn a_retrying_command_shows_its_last_error_on_the_run_and_in_the_attention
     assert_eq!(r["command_id"], commands[0].as_str());
     assert_eq!(r["attempts"], 2);
     assert_eq!(r["last_error_class"], "transient");
-    assert!(r["last_error"].as_str().unwrap().contains("55P03"), "{r}");
+    assert!(r["last_error"].as_str().unwrap().contains("40001"), "{r}");
     assert!(r["next_attempt_at"].is_string());
     let p = &run["progress"];
     assert_eq!(p["planned_fraction"], 1.0);
@@ -244,12 +244,12 @@ async fn a_retrying_command_shows_its_last_error_on_the_run_and_in_the_attention
     assert!(
         reason.starts_with("1 command(s) retrying; attempt 3 at ")
             && reason.contains("after 2 failed (transient)")
-            && reason.contains("55P03"),
+            && reason.contains("40001"),
         "{reason}"
     );
     assert_eq!(entry["retrying_commands"], 1);
 
-    release_ticket(blocker).await;
+    heal_ticket_deletes(&app.pool, eligible[0]).await;
     app.drain().await;
     let run = app.wait_terminal(&run_id).await;
     assert_eq!(run["status"], "completed");
@@ -378,13 +378,13 @@ async fn a_redrive_that_is_quarantined_reopens_its_dead_letter_cleared_and_nothi
         .as_i64()
         .unwrap();
 
-    // The item's redrive command cannot lock its row: it is quarantined, and that reopens the
+    // The item's redrive command cannot delete its row: it is quarantined, and that reopens the
     // item's own dead letter (no second one), its redrive's resolution cleared.
     sqlx::query("delete from demo.attachments")
         .execute(&app.pool)
         .await
         .unwrap();
-    let lock = lock_ticket(&app.db.url, blocked).await;
+    fail_ticket_deletes(&app.pool, blocked).await;
     app.api.redrive(id, "references removed").await;
     until_quarantined(&app, 6).await;
     let dls = app.get_json("/dead-letters").await["dead_letters"].clone();
@@ -402,16 +402,16 @@ async fn a_redrive_that_is_quarantined_reopens_its_dead_letter_cleared_and_nothi
     );
     let last = dl["attempts"].as_array().unwrap().last().unwrap().clone();
     assert_eq!(last["outcome"], "quarantined", "{dl}");
-    assert!(last["error"].as_str().unwrap().contains("55P03"), "{dl}");
-    // Its cause is a lock, not a reference: not re-checked.
+    assert!(last["error"].as_str().unwrap().contains("40001"), "{dl}");
+    // Its cause is not a reference: not re-checked.
     assert_eq!(dl["replay_safe"]["will_fail_again"], "unknown");
     let run = app.get_json(&format!("/runs/{run_id}")).await;
     assert_eq!(run["status"], "completed_with_dead_letters", "{run}");
     assert_eq!(run["dead_letters"]["redriven"], 0);
 
-    // The lock goes; the same dead letter is redriven again and resolves; the run completes
+    // The cause goes; the same dead letter is redriven again and resolves; the run completes
     // with nothing counted quarantined.
-    release_ticket(lock).await;
+    heal_ticket_deletes(&app.pool, blocked).await;
     app.api.redrive(id, "lock released").await;
     app.drain().await;
     let run = app.wait_terminal(&run_id).await;
@@ -436,7 +436,7 @@ async fn a_command_dead_letter_whose_redrive_fails_again_is_open_without_the_red
     .await;
     let eligible = seed_mixed(&app.pool, 12, at(WINDOW)).await;
     let (run_id, _) = app.planned_run().await;
-    let lock = lock_ticket(&app.db.url, eligible[0]).await;
+    fail_ticket_deletes(&app.pool, eligible[0]).await;
     until_quarantined(&app, 3).await;
     let dl = app.get_json("/dead-letters").await["dead_letters"][0].clone();
     let id = dl["dead_letter_id"].as_i64().unwrap();
@@ -455,7 +455,7 @@ async fn a_command_dead_letter_whose_redrive_fails_again_is_open_without_the_red
         (Some("open"), true, true, true, Some(2)),
         "{dl}"
     );
-    release_ticket(lock).await;
+    heal_ticket_deletes(&app.pool, eligible[0]).await;
     app.api.redrive(id, "lock released").await;
     app.drain().await;
     assert_eq!(app.wait_terminal(&run_id).await["status"], "completed");

@@ -574,13 +574,14 @@ async fn a_redriven_command_is_published_again_under_a_new_dedup_id() {
     })
     .await;
     let eligible = seed_mixed(&app.pool, 5, at("2026-09-01T02:00:00Z")).await;
-    // max_attempts = 1 and a locked row: the only attempt fails and the command is quarantined.
-    let blocker = lock_ticket(&app.db.url, eligible[0]).await;
+    // max_attempts = 1 and a row whose delete fails: the only attempt fails and the command is
+    // quarantined.
+    fail_ticket_deletes(&app.pool, eligible[0]).await;
     let (_, run) = app.trigger("ticket-retention", "").await;
     let run_id = run["run_id"].as_str().unwrap().to_string();
     let done = app.wait_terminal(&run_id).await;
     assert_eq!(done["status"], "completed_with_dead_letters", "{done}");
-    release_ticket(blocker).await;
+    heal_ticket_deletes(&app.pool, eligible[0]).await;
     let command = app.command_ids(&run_id).await.remove(0);
     let dl: Vec<Value> = app.get_json("/dead-letters").await["dead_letters"]
         .as_array()

@@ -87,19 +87,19 @@ pub struct Ended {
     pub eligible: Vec<i64>,
 }
 
-/// A run of 200 tickets, one eligible row locked by another session until a delivery has failed
-/// on it (lock_timeout 1 s): the failure is a committed decision, the command comes back, and the
+/// A run of 200 tickets, one eligible row whose delete fails transiently (SQLSTATE 40001) until a
+/// delivery has failed on it: the failure is a committed decision, the command comes back, and the
 /// run completes with every eligible row deleted and one audit outcome per item.
 pub async fn a_transient_failure_converges(t: &Transport) -> Ended {
     let app = t.ticket_app().await;
     let eligible = seed_mixed(&app.pool, 200, at("2026-09-01T02:00:00Z")).await;
     let held = eligible[eligible.len() / 2];
-    let blocker = lock_ticket(&app.db.url, held).await;
+    fail_ticket_deletes(&app.pool, held).await;
     let run_id = app.api.trigger_new("ticket-retention", "").await;
     // Released once a delivery has failed on it (not after a fixed time: throttled publishes
     // make the first delivery's arrival vary).
     wait_transient_failure(&app.pool).await;
-    release_ticket(blocker).await;
+    heal_ticket_deletes(&app.pool, held).await;
 
     let done = app.wait_terminal(&run_id).await;
     assert_eq!(done["status"], "completed", "{done}");

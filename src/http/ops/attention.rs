@@ -28,6 +28,7 @@ pub(super) async fn attention(
             v["redriven_dead_letters"] = json!(facts.redriven_dead_letters);
             v["abandoned_dead_letters"] = json!(facts.abandoned_dead_letters);
             v["retrying_commands"] = json!(facts.retrying_commands);
+            v["waiting_on_lock_commands"] = json!(facts.waiting_on_lock_commands);
             v
         })
         .collect::<Vec<_>>();
@@ -77,6 +78,13 @@ fn reason(
                 f.retrying_commands,
                 f.retry_class.as_deref().unwrap_or("unknown"),
                 f.retry_error.as_deref().unwrap_or("")
+            ));
+        }
+        if f.waiting_on_lock_commands > 0 {
+            parts.push(format!(
+                "{} command(s) waiting on a lock: rows another transaction holds locked wait, \
+                 the others are done; no attempt is spent (a dead letter only past max_age)",
+                f.waiting_on_lock_commands
             ));
         }
     }

@@ -23,7 +23,7 @@ impl QueryParams for DeadLettersQuery {
     const ACCEPTS: &'static [(&'static str, &'static str)] = &[
         ("run_id", "a run id"),
         ("policy", "a policy name"),
-        ("class", "transient, throttled or permanent"),
+        ("class", "transient, throttled, locked or permanent"),
         ("status", "open, resolved, redriven or abandoned"),
         (
             "state",
@@ -34,7 +34,7 @@ impl QueryParams for DeadLettersQuery {
     ];
 }
 
-pub(super) const CLASSES: &[&str] = &["transient", "throttled", "permanent"];
+pub(super) const CLASSES: &[&str] = &["transient", "throttled", "locked", "permanent"];
 
 /// `GET /dead-letters?run_id=&policy=&class=&status=&before=&limit=` (scope `ops:read`): newest
 /// first, each with its `replay_safe`; `next_before` pages on.

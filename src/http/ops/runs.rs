@@ -116,8 +116,9 @@ async fn stricter_cutoff(
 const RETRYING_SHOWN: i64 = 20;
 
 /// `GET /runs/{run_id}` (scope `ops:read`): the run with its commands per state, why it is not
-/// done (`held`, `retrying_commands` with their last error, `stopped_commands`, open dead
-/// letters with their `replay_safe`) and its `progress`.
+/// done (`held`, `retrying_commands` with their last error, `waiting_on_lock_commands` whose
+/// rows another transaction holds locked, `stopped_commands`, open dead letters with their
+/// `replay_safe`) and its `progress`.
 pub async fn get_run(
     State(state): State<AppState>,
     caller: Caller,
@@ -144,7 +145,8 @@ pub async fn get_run(
     let (held, approval) = crate::holds::run_held(&state, &run).await?;
     let stricter = stricter_cutoff(&state, &run).await?;
     let verdict = replay_verdict(&state, &run_id).await?;
-    let retrying = ledger::attention::retrying(&state.pool, &run_id, RETRYING_SHOWN).await?;
+    let retrying = ledger::attention::retrying(&state.pool, &run_id, RETRYING_SHOWN, false).await?;
+    let waiting = ledger::attention::retrying(&state.pool, &run_id, RETRYING_SHOWN, true).await?;
     let facts = ledger::attention::facts(&state.pool, &[run_id.as_str()])
         .await?
         .remove(&run_id)
@@ -192,6 +194,8 @@ pub async fn get_run(
     });
     body["retrying"] = json!(facts.retrying_commands);
     body["retrying_commands"] = json!(retrying);
+    body["waiting_on_lock"] = json!(facts.waiting_on_lock_commands);
+    body["waiting_on_lock_commands"] = json!(waiting);
     body["progress"] = json!(progress);
     Ok(Json(body).into_response())
 }
