@@ -477,7 +477,14 @@ async fn sparse(rows: i64, eligible: i64, batch: usize, reps: usize) -> (f64, f6
         items = deleted;
         copy_database(&seed_db, &work).await;
         let cutoff = window() - chrono::TimeDelta::days(90);
-        let (n, seconds) = floor::floor(&work, cutoff, floor::Find::TimestampIndex, batch, 1).await;
+        let (n, seconds) = floor::floor(
+            &work,
+            cutoff,
+            (floor::Find::TimestampIndex, floor::Audit::Sweepers),
+            batch,
+            1,
+        )
+        .await;
         eprintln!("rep {rep} sparse {rows}: floor {n} items in {seconds:.2} s");
         assert_eq!(n, deleted, "the floor and sweeper delete the same rows");
         fl.push(seconds);
@@ -511,6 +518,8 @@ async fn main() {
     );
 
     let contenders = [
+        "thin_floor_1conn",
+        "thin_floor_2conn",
         "floor_1conn",
         "floor_2conn",
         "in_process_1conn",
@@ -521,15 +530,24 @@ async fn main() {
     ];
     let cutoff = window() - chrono::TimeDelta::days(90);
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); contenders.len()];
+    // Per contender and repetition: (WAL bytes per item, WAL syncs per batch, commits per batch).
+    let mut costs: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); contenders.len()];
+    let batches = (eligible as u64).div_ceil(o.batch as u64) as f64;
     let mut rss: Vec<f64> = Vec::new();
     for rep in 0..o.reps {
         for (i, name) in contenders.iter().enumerate() {
             copy_database(&seed_db, work).await;
+            let before = wal_counters(work).await;
             let v = match *name {
-                "floor_1conn" | "floor_2conn" => {
-                    let conns = if *name == "floor_1conn" { 1 } else { 2 };
-                    let (n, secs) =
-                        floor::floor(work, cutoff, floor::Find::KeyOrder, o.batch, conns).await;
+                "thin_floor_1conn" | "thin_floor_2conn" | "floor_1conn" | "floor_2conn" => {
+                    let conns = if name.ends_with("1conn") { 1 } else { 2 };
+                    let audit = if name.starts_with("thin") {
+                        floor::Audit::Thin
+                    } else {
+                        floor::Audit::Sweepers
+                    };
+                    let find = (floor::Find::KeyOrder, audit);
+                    let (n, secs) = floor::floor(work, cutoff, find, o.batch, conns).await;
                     assert_eq!(n, eligible);
                     n as f64 / secs
                 }
@@ -547,8 +565,24 @@ async fn main() {
                     n as f64 / secs
                 }
             };
-            eprintln!("rep {rep} {name}: {v:.0} items/s");
+            let after = wal_counters(work).await;
+            let cost = (
+                (after.1 - before.1) / eligible as f64,
+                (after.2 - before.2) / batches,
+                (after.3 - before.3) / batches,
+            );
+            eprintln!(
+                "rep {rep} {name}: {v:.0} items/s; {:.0} WAL bytes/item, {:.2} WAL syncs and \
+                 {:.2} commits per batch ({:.0} WAL records/item)",
+                cost.0,
+                cost.1,
+                cost.2,
+                (after.0 - before.0) / eligible as f64
+            );
             results[i].push(v);
+            if *name != "naive" {
+                costs[i].push(cost);
+            }
         }
     }
     // The fast path needs a completed run: the last copy has one.
@@ -571,7 +605,24 @@ async fn main() {
     drop_database(&backlog_db).await;
 
     let med: Vec<f64> = results.iter_mut().map(|v| median(v)).collect();
-    let [fl1, fl2, ip1, ip2, naive_ips, sw1, sw2] = [0, 1, 2, 3, 4, 5, 6].map(|i| med[i]);
+    let [th1, th2, fl1, fl2, ip1, ip2, naive_ips, sw1, sw2] =
+        [0, 1, 2, 3, 4, 5, 6, 7, 8].map(|i| med[i]);
+    let cost_medians = contenders
+        .iter()
+        .zip(costs.iter_mut())
+        .filter(|(_, c)| !c.is_empty())
+        .map(|(n, c)| {
+            let mut bytes: Vec<f64> = c.iter().map(|x| x.0).collect();
+            let mut syncs: Vec<f64> = c.iter().map(|x| x.1).collect();
+            let mut commits: Vec<f64> = c.iter().map(|x| x.2).collect();
+            (
+                n.to_string(),
+                json!({"wal_bytes_per_item": median(&mut bytes),
+                       "wal_syncs_per_batch": median(&mut syncs),
+                       "commits_per_batch": median(&mut commits)}),
+            )
+        })
+        .collect::<serde_json::Map<_, _>>();
     let peak_rss = rss.iter().cloned().fold(0.0, f64::max);
     let table = json!({
         "rows": o.rows,
@@ -580,8 +631,12 @@ async fn main() {
         "repetitions": o.reps,
         "items_per_second": contenders.iter().zip(&med).map(|(n, v)| (n.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
         "samples": contenders.iter().zip(&results).map(|(n, v)| (n.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        "ratio_to_thin_floor": { "sweeper_builtin_1worker": sw1 / th1, "sweeper_builtin_2workers": sw2 / th2,
+                                 "in_process_1conn": ip1 / th1, "in_process_2conn": ip2 / th2,
+                                 "floor_1conn": fl1 / th1, "floor_2conn": fl2 / th2 },
         "ratio_to_floor": { "sweeper_builtin_1worker": sw1 / fl1, "sweeper_builtin_2workers": sw2 / fl2,
                             "in_process_1conn": ip1 / fl1, "in_process_2conn": ip2 / fl2 },
+        "wal_and_commits": cost_medians,
         "ratio_to_naive": { "floor_1conn": fl1 / naive_ips, "sweeper_builtin_1worker": sw1 / naive_ips,
                             "sweeper_builtin_2workers": sw2 / naive_ips },
         "sparse_growth": growth,
@@ -597,22 +652,48 @@ async fn main() {
         o.rows, eligible, o.batch, o.reps
     );
     println!(
-        "{:<36}{:>12}{:>12}{:>12}",
-        "contender", "items/s", "vs floor", "vs naive"
+        "{:<36}{:>12}{:>12}{:>12}{:>12}",
+        "contender", "items/s", "vs thin", "vs floor", "vs naive"
     );
-    let row = |name: &str, v: f64, fl: Option<f64>| {
-        let vf = fl
-            .map(|p| format!("{:.2}x", v / p))
-            .unwrap_or_else(|| "-".into());
-        println!("{name:<36}{v:>12.0}{vf:>12}{:>11.1}x", v / naive_ips);
+    // Each against the floors on as many connections as it uses.
+    let row = |name: &str, v: f64, floors: Option<(f64, f64)>| {
+        let (vt, vf) = floors
+            .map(|(t, f)| (format!("{:.2}x", v / t), format!("{:.2}x", v / f)))
+            .unwrap_or_else(|| ("-".into(), "-".into()));
+        println!(
+            "{name:<36}{v:>12.0}{vt:>12}{vf:>12}{:>11.1}x",
+            v / naive_ips
+        );
     };
-    row("PostgreSQL floor, 1 conn", fl1, None);
-    row("PostgreSQL floor, 2 conns", fl2, None);
-    row("sweeper's statements in process, 1", ip1, Some(fl1));
-    row("sweeper's statements in process, 2", ip2, Some(fl2));
+    row("PostgreSQL thin floor, 1 conn", th1, None);
+    row("PostgreSQL thin floor, 2 conns", th2, None);
+    row(
+        "PostgreSQL floor (sweeper's audit), 1",
+        fl1,
+        Some((th1, fl1)),
+    );
+    row(
+        "PostgreSQL floor (sweeper's audit), 2",
+        fl2,
+        Some((th2, fl2)),
+    );
+    row("sweeper's statements in process, 1", ip1, Some((th1, fl1)));
+    row("sweeper's statements in process, 2", ip2, Some((th2, fl2)));
     row("naive (row by row)", naive_ips, None);
-    row("sweeper built-in, 1 worker", sw1, Some(fl1));
-    row("sweeper built-in, 2 workers", sw2, Some(fl2));
+    row("sweeper built-in, 1 worker", sw1, Some((th1, fl1)));
+    row("sweeper built-in, 2 workers", sw2, Some((th2, fl2)));
+    println!(
+        "{:<36}{:>14}{:>14}{:>14}",
+        "per batch / item (medians)", "WAL B/item", "syncs/batch", "commits/batch"
+    );
+    for (name, c) in &cost_medians {
+        println!(
+            "{name:<36}{:>14.0}{:>14.2}{:>14.2}",
+            c["wal_bytes_per_item"].as_f64().unwrap_or(0.0),
+            c["wal_syncs_per_batch"].as_f64().unwrap_or(0.0),
+            c["commits_per_batch"].as_f64().unwrap_or(0.0)
+        );
+    }
     println!(
         "sparse (about {} eligible, timestamp index), 1 worker / 1 conn:",
         o.sparse_eligible
@@ -649,4 +730,25 @@ async fn main() {
     }
     std::fs::write(&o.json, serde_json::to_string_pretty(&table).unwrap()).unwrap();
     println!("{}", serde_json::to_string(&table).unwrap());
+}
+
+/// The cluster's WAL records, WAL bytes and WAL syncs (`pg_stat_wal`) and database `db`'s
+/// commits (`pg_stat_database`), read after the statistics of finished sessions are flushed
+/// (PostgreSQL flushes a backend's counters at most once a second).
+async fn wal_counters(db: &str) -> (f64, f64, f64, f64) {
+    tokio::time::sleep(std::time::Duration::from_millis(1_500)).await;
+    let mut c = sqlx::PgConnection::connect(&database_url("postgres"))
+        .await
+        .unwrap();
+    let row: (f64, f64, f64, f64) = sqlx::query_as(
+        "select w.wal_records::float8, w.wal_bytes::float8, w.wal_sync::float8,
+                d.xact_commit::float8
+           from pg_stat_wal w, pg_stat_database d where d.datname = $1",
+    )
+    .bind(db)
+    .fetch_one(&mut c)
+    .await
+    .unwrap();
+    c.close().await.unwrap();
+    row
 }

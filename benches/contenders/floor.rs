@@ -1,5 +1,11 @@
 //! PostgreSQL's own floor for sweeper's work, and the sparse table it is measured on.
 //!
+//! Two floors. The *thin* floor writes the least evidence one could call an audit — a row of
+//! (run_id, command_id, item_id, outcome, policy, cutoff) into an unindexed table — and is the
+//! yardstick the delete-first issue names. The *audit* floor writes sweeper's own audit row
+//! (sweeper's table, its indexes and partitions), so the gap between the two is the cost of the
+//! evidence, not of sweeper.
+//!
 //! The floor is the least any correct tool must do per batch of `delete_rows` with an audit:
 //! one transaction — `WITH d AS (DELETE … WHERE id = ANY($ids) AND closed_at < $cutoff AND NOT
 //! legal_hold RETURNING id) INSERT INTO sweeper.audit … FROM d; INSERT <done marker>; COMMIT` —
@@ -24,12 +30,21 @@ pub enum Find {
     TimestampIndex,
 }
 
+/// What evidence the floor writes per deleted row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Audit {
+    /// A row of sweeper's own audit table (its indexes and partitions).
+    Sweepers,
+    /// A six-column row in an unindexed table (`public.thin_audit`).
+    Thin,
+}
+
 /// The floor on database `db`: eligible ids found by `find`, cut into batches of `batch`, then
-/// deleted and audited batch by batch on `conns` connections. Returns (items, seconds).
+/// deleted and audited (`audit`) batch by batch on `conns` connections. Returns (items, seconds).
 pub async fn floor(
     db: &str,
     cutoff: chrono::DateTime<chrono::Utc>,
-    find: Find,
+    (find, audit): (Find, Audit),
     batch: usize,
     conns: usize,
 ) -> (i64, f64) {
@@ -46,10 +61,28 @@ pub async fn floor(
     .fetch_all(&mut c)
     .await
     .unwrap();
-    sqlx::query("create table public.floor_done (batch_no integer primary key)")
-        .execute(&mut c)
-        .await
-        .unwrap();
+    sqlx::raw_sql(
+        "create table public.floor_done (batch_no integer primary key);
+         create table public.thin_audit (run_id text, command_id text, item_id bigint,
+                                         outcome text, policy text, cutoff timestamptz);",
+    )
+    .execute(&mut c)
+    .await
+    .unwrap();
+    let insert = match audit {
+        Audit::Sweepers => {
+            "insert into sweeper.audit (policy, policy_version, run_id, window_at, cutoff,
+                                        command_id, item_key, outcome, actor, dry_run,
+                                        recorded_at)
+             select 'floor', 'v', 'floor', $2, $2, 'floor:' || $3, d.id::text,
+                    'deleted', 'floor', false, now()
+               from d"
+        }
+        Audit::Thin => {
+            "insert into public.thin_audit (run_id, command_id, item_id, outcome, policy, cutoff)
+             select 'floor', 'floor:' || $3, d.id, 'deleted', 'floor', $2 from d"
+        }
+    };
     c.close().await.unwrap();
     let batches: Vec<(i32, Vec<i64>)> = ids
         .chunks(batch)
@@ -66,6 +99,7 @@ pub async fn floor(
     let mut tasks = Vec::new();
     for mut s in sessions {
         let q = queue.clone();
+        let insert = insert.to_string();
         tasks.push(tokio::spawn(async move {
             let mut deleted = 0u64;
             loop {
@@ -73,17 +107,12 @@ pub async fn floor(
                     return deleted;
                 };
                 let mut tx = s.begin().await.unwrap();
-                deleted += sqlx::query(
+                deleted += sqlx::query(&format!(
                     "with d as (delete from demo.tickets
                                  where id = any($1) and closed_at < $2 and not legal_hold
                              returning id)
-                     insert into sweeper.audit (policy, policy_version, run_id, window_at, cutoff,
-                                                command_id, item_key, outcome, actor, dry_run,
-                                                recorded_at)
-                     select 'floor', 'v', 'floor', $2, $2, 'floor:' || $3, d.id::text,
-                            'deleted', 'floor', false, now()
-                       from d",
-                )
+                     {insert}"
+                ))
                 .bind(&ids)
                 .bind(cutoff)
                 .bind(no)
