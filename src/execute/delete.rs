@@ -106,7 +106,7 @@ impl Run<'_> {
             rules,
             &self.keys,
             &deleted,
-            &ledger::commands::DeletedInOne {
+            &ledger::commands::AfterDelete {
                 execution: self.loaded.execution(self.actor, self.started),
                 item_redrive: self.loaded.redrive_of.is_some(),
                 others_cap: super::finish::others_cap(self.state, &self.loaded.policy),

@@ -119,10 +119,10 @@ pub struct Audited<'a> {
     pub reasons: &'a [Option<String>],
 }
 
-/// A delete-rows command that ends in the statement that deletes its rows (see
-/// [`push_succeed_after_delete`]).
+/// What closing a delete-rows command after its delete records (see
+/// [`CommandTry::close_after_delete`]).
 #[derive(Debug)]
-pub struct DeletedInOne<'a> {
+pub struct AfterDelete<'a> {
     /// The execution the rows record.
     pub execution: Execution<'a>,
     /// It re-executes one item whose earlier outcome was `failed` (that outcome is superseded).
@@ -390,7 +390,7 @@ impl CommandTry {
         target: &impl DeleteTarget,
         keys: &[String],
         deleted: &[String],
-        d: &DeletedInOne<'_>,
+        d: &AfterDelete<'_>,
     ) -> QueryBuilder<'static, Postgres> {
         use super::outcome::Judgement;
         let gone: std::collections::HashSet<&str> = deleted.iter().map(String::as_str).collect();
@@ -420,7 +420,7 @@ impl CommandTry {
 
     /// The ledger's half of [`CommandTry::close_after_delete`], after `items` (one row per key:
     /// `ord`, `item_key`, `outcome`, `reason`; a NULL outcome is undecided).
-    fn push_succeed_after_delete(&self, q: &mut QueryBuilder<'_, Postgres>, d: &DeletedInOne<'_>) {
+    fn push_succeed_after_delete(&self, q: &mut QueryBuilder<'_, Postgres>, d: &AfterDelete<'_>) {
         // The outcomes a delete-rows command's items can end in; each is a count column.
         let tally = DELETE_OUTCOMES
             .iter()
