@@ -126,18 +126,15 @@ impl Run<'_> {
                 tx.rollback().await?;
                 return Ok(Attempted::Done(ConsumeOutcome::Stale(Overtaken)));
             }
+            let keys: Vec<String> = row.get("item_keys");
             let outcomes: Vec<String> = row.get("outcomes");
-            let decided = AuditRows {
-                counts,
-                keys: row.get("item_keys"),
-                outcomes: outcomes
-                    .iter()
-                    .map(|o| Outcome::parse(o).map_or("already_absent", Outcome::as_str))
-                    .collect(),
-                reasons: row.get("reasons"),
-                failed: Vec::new(),
-            };
-            return self.wait_for_locked(tx, decided, &undecided).await;
+            let reasons: Vec<Option<String>> = row.get("reasons");
+            let decided: ItemOutcomes = keys
+                .into_iter()
+                .zip(outcomes.iter().zip(reasons))
+                .map(|(k, (o, r))| (k, (Outcome::parse(o).unwrap_or(Outcome::AlreadyAbsent), r)))
+                .collect();
+            return self.undecided(tx, decided, undecided).await;
         }
         let recorded = ledger::runs::Recorded {
             status: row.get("status"),
@@ -308,15 +305,46 @@ impl Run<'_> {
         if undecided.is_empty() {
             return self.succeed(tx, outcomes).await;
         }
-        let undecided_set: HashSet<&str> = undecided.iter().map(String::as_str).collect();
+        self.undecided(tx, outcomes, undecided).await
+    }
+
+    /// Keys the delete left though present, old enough and unheld: those another transaction
+    /// holds locked wait ([`Run::wait_for_locked`]); one no one else holds was kept by a `BEFORE
+    /// DELETE` trigger or a row security policy (or changed twice while the delete ran) and is
+    /// `not_eligible`, `not_deleted: …`, as a row the delete did not remove always was.
+    async fn undecided(
+        self,
+        mut tx: Transaction<'_, Postgres>,
+        mut outcomes: ItemOutcomes,
+        undecided: Vec<String>,
+    ) -> Result<Attempted, AttemptError> {
+        let mut q = QueryBuilder::new("");
+        self.loaded.rules.push_unlocked(&mut q, &undecided);
+        let unlocked: HashSet<String> = q
+            .build_query_scalar()
+            .fetch_all(&mut *tx)
+            .await?
+            .into_iter()
+            .collect();
+        let locked: Vec<String> = undecided
+            .into_iter()
+            .filter(|k| !unlocked.contains(k))
+            .collect();
+        for key in unlocked {
+            outcomes.insert(key, (Outcome::NotEligible, Some(NOT_DELETED.to_string())));
+        }
+        if locked.is_empty() {
+            return self.succeed(tx, outcomes).await;
+        }
+        let locked_set: HashSet<&str> = locked.iter().map(String::as_str).collect();
         let decided_keys: Vec<String> = self
             .keys
             .iter()
-            .filter(|k| !undecided_set.contains(k.as_str()))
+            .filter(|k| !locked_set.contains(k.as_str()))
             .cloned()
             .collect();
         let decided = audit_rows(&decided_keys, outcomes);
-        self.wait_for_locked(tx, decided, &undecided).await
+        self.wait_for_locked(tx, decided, &locked).await
     }
 
     /// Every key has its outcome (`outcomes`; a key without one is `already_absent`): its audit
@@ -369,6 +397,9 @@ impl Run<'_> {
         self.executed(counts, recorded).await
     }
 }
+
+/// The reason of a row the delete left that no other transaction holds.
+const NOT_DELETED: &str = "not_deleted: the delete left the row (a BEFORE DELETE trigger or a row security policy kept it)";
 
 /// SQLSTATE 55P03: `lock_timeout` expired.
 const LOCK_NOT_AVAILABLE: &str = "55P03";

@@ -343,7 +343,8 @@ async fn schedule_retry(
     Ok(ConsumeOutcome::NotNow {
         reason: if snooze {
             format!(
-                "snoozed (throttled); the next attempt is due in {}s",
+                "snoozed ({}); the next attempt is due in {}s",
+                f.class.as_str(),
                 delay.ceil()
             )
         } else {

@@ -47,6 +47,11 @@ pub(super) async fn load(
         return Ok(step);
     }
     let rules = rules_for(state, tx, &c).await?;
+    let finished = if c.has_outcomes {
+        ledger::commands::finished_keys(tx, command_id, c.redrive_of.is_some()).await?
+    } else {
+        Vec::new()
+    };
     Ok(Step::Run(Box::new(Loaded {
         run_id: c.run_id,
         policy: c.policy,
@@ -58,7 +63,7 @@ pub(super) async fn load(
         redrive_of: c.redrive_of,
         command,
         lease_left: c.lease_left,
-        finished: c.finished_keys,
+        finished,
         waiting_on_lock: c.last_error_class.as_deref() == Some(FailureClass::LOCKED),
     })))
 }

@@ -155,6 +155,10 @@ pub trait DeleteTarget {
     /// transactions hold rows of `keys` locked (found through each row's `xmax`); none when a
     /// row's lockers are several (a multixact).
     fn push_lockers(&self, q: &mut QueryBuilder<'static, Postgres>, keys: &[String]);
+    /// Pushes `select <key>::text from <table> where <key> in <keys> for update skip locked`:
+    /// the keys no other transaction holds locked (a row the delete left that no one else
+    /// holds was kept by a trigger or a row security policy, not by a lock).
+    fn push_unlocked(&self, q: &mut QueryBuilder<'static, Postgres>, keys: &[String]);
 }
 
 /// The outcomes an item of a delete-rows command ends in within the one statement (a failed
@@ -730,10 +734,30 @@ pub struct Locked {
     pub slot_free: bool,
     /// The class of its last failure (`locked`: it waits for rows another transaction holds).
     pub last_error_class: Option<String>,
-    /// The keys an earlier attempt of it already audited (a command whose rows were locked
-    /// finishes its items over several attempts; no item gains a second outcome). An item
-    /// redrive's earlier `failed` outcome is not finished: the redrive supersedes it.
-    pub finished_keys: Vec<String>,
+    /// Some of its items have outcomes already (its counts, read from the row's newest version
+    /// once locked): an earlier attempt finished part of it; [`finished_keys`] says which.
+    pub has_outcomes: bool,
+}
+
+/// The keys of `command_id` an earlier attempt already audited (a command whose rows were locked,
+/// or an action with external calls, finishes its items over several attempts; no item gains a
+/// second outcome). `item_redrive`: the command re-executes an item whose `failed` outcome it
+/// supersedes, so a `failed` row does not finish it. Read in its own statement once the gate holds
+/// the command row: a statement that waited for that lock still reads other tables in the
+/// snapshot it started with, which misses what the previous holder committed.
+pub async fn finished_keys(
+    conn: &mut PgConnection,
+    command_id: &str,
+    item_redrive: bool,
+) -> sqlx::Result<Vec<String>> {
+    sqlx::query_scalar(
+        "select distinct item_key from sweeper.audit
+          where command_id = $1 and not ($2 and outcome = 'failed')",
+    )
+    .bind(command_id)
+    .bind(item_redrive)
+    .fetch_all(conn)
+    .await
 }
 
 /// The advisory-lock key (hashed with `hashtext`, the slot number as the second key) of
@@ -783,9 +807,8 @@ pub async fn lock(
                 (select v.version from sweeper.policy_versions v where v.policy = r.policy
                   order by v.seq desc limit 1) as current_version,
                 c.last_error_class,
-                array(select a.item_key from sweeper.audit a
-                       where a.command_id = c.command_id
-                         and (c.redrive_of is null or a.outcome <> 'failed')) as finished_keys,
+                (c.deleted + c.already_absent + c.excluded + c.not_eligible + c.failed
+                   + c.reconciled + c.called) > 0 as has_outcomes,
                 set_config('lock_timeout', $2, true) is not null as timeouts_set,
                 set_config('statement_timeout', $3, true) is not null as timeouts_set2,
                 exists (select 1

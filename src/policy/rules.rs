@@ -530,9 +530,18 @@ impl crate::ledger::commands::DeleteTarget for RuleSet {
         q.push(
             " t join pg_locks l on l.locktype = 'transactionid' and l.granted \
                  and l.mode = 'ExclusiveLock' and l.transactionid = t.xmax \
-               left join pg_stat_activity a on a.pid = l.pid where t.",
+               left join pg_stat_activity a on a.pid = l.pid \
+              where l.pid <> pg_backend_pid() and t.",
         );
         self.push_key_in(q, keys.to_vec());
         q.push(" order by 2 desc");
+    }
+
+    fn push_unlocked(&self, q: &mut QueryBuilder<'static, Postgres>, keys: &[String]) {
+        q.push(format!("select {}::text from ", self.key_sql()));
+        q.push(self.table_sql());
+        q.push(" where ");
+        self.push_key_in(q, keys.to_vec());
+        q.push(" for update skip locked");
     }
 }

@@ -332,3 +332,191 @@ async fn a_delete_that_deadlocks_with_another_transaction_spends_no_attempt_and_
     assert_eq!(audited.len(), keys.len(), "{audited:?}");
     assert!(audited.iter().all(|(_, n)| *n == 1), "{audited:?}");
 }
+
+/// The command's keys that are eligible ticket ids, in key order.
+async fn command_keys(app: &TestApp, command: &str) -> Vec<String> {
+    sqlx::query_scalar("select item_keys from sweeper.commands where command_id = $1")
+        .bind(command)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+/// Each audited key's outcomes in order.
+async fn outcomes_per_key(app: &TestApp, command: &str) -> Vec<(String, Vec<String>)> {
+    sqlx::query_as(
+        "select item_key, array_agg(outcome order by audit_id) from sweeper.audit
+          where command_id = $1 group by item_key order by item_key::bigint",
+    )
+    .bind(command)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap()
+}
+
+/// Waits until a session of this database waits on a lock running a statement like `like`.
+async fn wait_for_lock_wait(app: &TestApp, like: &str) {
+    for _ in 0..400 {
+        let waiting: bool = sqlx::query_scalar(
+            "select exists (select 1 from pg_stat_activity
+                             where datname = current_database() and wait_event_type = 'Lock'
+                               and query like $1)",
+        )
+        .bind(like)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        if waiting {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("no session waits on a lock running {like}");
+}
+
+#[tokio::test]
+async fn rows_changed_while_the_delete_waits_are_judged_on_their_newest_version() {
+    let app = ticket_app(
+        r#"retry = { max_attempts = 2, base = "1s", cap = "2s", max_age = "1h" }"#,
+        "[consume]\nlock_timeout = \"10s\"",
+        TICKETS,
+    )
+    .await;
+    let eligible = seed_mixed(&app.pool, 14, at(WINDOW)).await;
+    let run_id = planned_run(&app).await;
+    let command = app.command_ids(&run_id).await.remove(0);
+    let keys = command_keys(&app, &command).await;
+    // The application puts one row on legal hold, makes one younger and deletes a third, and
+    // commits only once sweeper's delete waits for them.
+    let (held, young, gone) = (eligible[0], eligible[1], eligible[2]);
+    let mut tx = PgConnection::connect(&app.db.url).await.unwrap();
+    sqlx::query("begin").execute(&mut tx).await.unwrap();
+    for (sql, id) in [
+        (
+            "update demo.tickets set legal_hold = true where id = $1",
+            held,
+        ),
+        (
+            "update demo.tickets set closed_at = '2026-08-31' where id = $1",
+            young,
+        ),
+        ("delete from demo.tickets where id = $1", gone),
+    ] {
+        sqlx::query(sql).bind(id).execute(&mut tx).await.unwrap();
+    }
+    let state = app.state.clone();
+    let worker = tokio::spawn(async move { run_one_command(&state).await });
+    wait_for_lock_wait(&app, "delete from%").await;
+    sqlx::query("commit").execute(&mut tx).await.unwrap();
+    match worker.await.unwrap().unwrap() {
+        WorkerStep::Ran(ConsumeOutcome::Executed { counts, .. }) => {
+            assert_eq!(
+                (counts.excluded, counts.not_eligible, counts.already_absent),
+                (1, 1, 1),
+                "{counts:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    let audited = outcomes_per_key(&app, &command).await;
+    assert_eq!(audited.len(), keys.len(), "{audited:?}");
+    let of = |id: i64| {
+        audited
+            .iter()
+            .find(|(k, _)| *k == id.to_string())
+            .map(|(_, o)| o.clone())
+            .unwrap()
+    };
+    assert_eq!(of(held), ["excluded"]);
+    assert_eq!(of(young), ["not_eligible"]);
+    assert_eq!(of(gone), ["already_absent"]);
+    assert!(ticket_exists(&app, held).await && ticket_exists(&app, young).await);
+}
+
+#[tokio::test]
+async fn concurrent_deliveries_after_a_lock_is_released_audit_each_item_once() {
+    let app = ticket_app(
+        r#"retry = { max_attempts = 2, base = "1s", cap = "2s", max_age = "1h" }"#,
+        "[consume]\nlock_timeout = \"1s\"",
+        TICKETS,
+    )
+    .await;
+    let eligible = seed_mixed(&app.pool, 14, at(WINDOW)).await;
+    let run_id = planned_run(&app).await;
+    let command = app.command_ids(&run_id).await.remove(0);
+    let keys = command_keys(&app, &command).await;
+    let in_command: Vec<i64> = eligible
+        .iter()
+        .copied()
+        .filter(|id| keys.contains(&id.to_string()))
+        .collect();
+    let mut blockers = Vec::new();
+    for id in &in_command[..4] {
+        blockers.push(lock_ticket(&app.db.url, *id).await);
+    }
+    assert!(matches!(
+        run_one_command(&app.state).await.unwrap(),
+        WorkerStep::Ran(ConsumeOutcome::NotNow { .. })
+    ));
+    // One lock goes at a time, and two deliveries of the command arrive together: the second
+    // waits for the command row and must see what the first audited.
+    let api = app.api.with_token(app.token(&["consume"]));
+    while let Some(b) = blockers.pop() {
+        release_ticket(b).await;
+        advance_clock(&app.pool, 6).await;
+        let (a, b) = tokio::join!(api.consume(&command), api.consume(&command));
+        for r in [&a, &b] {
+            let not_now = r.body["type"] == "urn:sweeper:problem:not-now";
+            assert!(r.status == 200 || not_now, "{} {}", r.status, r.body);
+        }
+        let audited = outcomes_per_key(&app, &command).await;
+        assert!(audited.iter().all(|(_, o)| o.len() == 1), "{audited:?}");
+    }
+    app.drain().await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    let audited = outcomes_per_key(&app, &command).await;
+    assert_eq!(audited.len(), keys.len(), "{audited:?}");
+    assert_eq!(run["deleted"], in_command.len(), "{run}");
+    assert_eq!(run["already_absent"], 0, "{run}");
+}
+
+#[tokio::test]
+async fn a_row_a_trigger_keeps_is_not_eligible_at_once_not_waited_for() {
+    let app = ticket_app(
+        r#"retry = { max_attempts = 2, base = "1s", cap = "2s", max_age = "1h" }"#,
+        "[consume]\nlock_timeout = \"1s\"",
+        TICKETS,
+    )
+    .await;
+    let eligible = seed_mixed(&app.pool, 14, at(WINDOW)).await;
+    let run_id = planned_run(&app).await;
+    let command = app.command_ids(&run_id).await.remove(0);
+    // A soft-delete trigger: the delete of this row does nothing, and no other session holds it.
+    sqlx::raw_sql(&format!(
+        "create function demo.keep() returns trigger language plpgsql as $$
+         begin if old.id = {} then return null; end if; return old; end $$;
+         create trigger keep before delete on demo.tickets
+             for each row execute function demo.keep();",
+        eligible[0]
+    ))
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    match run_one_command(&app.state).await.unwrap() {
+        WorkerStep::Ran(ConsumeOutcome::Executed { counts, .. }) => {
+            assert_eq!(counts.not_eligible, 1, "{counts:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let reason: String = sqlx::query_scalar(
+        "select reason from sweeper.audit where command_id = $1 and item_key = $2",
+    )
+    .bind(&command)
+    .bind(eligible[0].to_string())
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!(reason.starts_with("not_deleted:"), "{reason}");
+    assert!(ticket_exists(&app, eligible[0]).await);
+}
