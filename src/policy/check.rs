@@ -139,8 +139,9 @@ impl Check<'_> {
         self.info.columns.get(name).cloned()
     }
 
-    /// The connecting role's table privileges: SELECT to plan, UPDATE for the row locks every
-    /// command takes (`FOR UPDATE` needs it) and for a stamping action, DELETE when rows go.
+    /// The connecting role's table privileges: SELECT to plan, UPDATE for the row locks a command
+    /// takes when a row is locked by someone else or an item fails alone (`FOR UPDATE SKIP
+    /// LOCKED` needs it) and for a stamping action, DELETE when rows go.
     async fn privileges(&mut self) -> sqlx::Result<()> {
         let t = &self.p.spec.target;
         let deletes = match &self.p.spec.action {
@@ -168,8 +169,9 @@ impl Check<'_> {
             self.say(
                 Level::Error,
                 format!(
-                    "target.table: the database role lacks {} on {} (commands lock rows with \
-                     SELECT ... FOR UPDATE, which needs UPDATE; grant {} to it)",
+                    "target.table: the database role lacks {} on {} (a command that meets a row \
+                     another transaction holds deletes the others with SELECT ... FOR UPDATE SKIP \
+                     LOCKED, which needs UPDATE; grant {} to it)",
                     missing.join(", "),
                     t.table,
                     missing.join(", ")
