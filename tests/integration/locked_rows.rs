@@ -14,12 +14,14 @@ use sweeper::execute::ConsumeOutcome;
 
 const WINDOW: &str = "2026-09-01T02:00:00Z";
 
-async fn planned_run(app: &TestApp) -> String {
-    let (status, run) = app.trigger("ticket-retention", "").await;
-    assert_eq!(status, 202, "{run}");
-    let run_id = run["run_id"].as_str().unwrap().to_string();
-    app.wait_planned(&run_id).await;
-    run_id
+/// Seeds 14 tickets (7 eligible: one command at batch 10) and plans the run: the eligible ids,
+/// the run, its command and the command's keys.
+async fn planned(app: &TestApp) -> (Vec<i64>, String, String, Vec<String>) {
+    let eligible = seed_mixed(&app.pool, 14, at(WINDOW)).await;
+    let (run_id, mut commands) = app.planned_run().await;
+    let command = commands.remove(0);
+    let keys = command_keys(app, &command).await;
+    (eligible, run_id, command, keys)
 }
 
 /// The command's state, attempts, last error and class.
@@ -79,15 +81,7 @@ async fn a_locked_row_delays_only_itself_and_spends_no_attempt_until_it_is_relea
         TICKETS,
     )
     .await;
-    let eligible = seed_mixed(&app.pool, 14, at(WINDOW)).await;
-    let run_id = planned_run(&app).await;
-    let command = app.command_ids(&run_id).await.remove(0);
-    let keys: Vec<String> =
-        sqlx::query_scalar("select item_keys from sweeper.commands where command_id = $1")
-            .bind(&command)
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
+    let (eligible, run_id, command, keys) = planned(&app).await;
     let locked = eligible[0];
     assert!(keys.contains(&locked.to_string()), "{keys:?}");
     let mut blocker = lock_ticket(&app.db.url, locked).await;
@@ -186,9 +180,7 @@ async fn a_row_locked_past_max_age_becomes_a_dead_letter_naming_the_session_that
         TICKETS,
     )
     .await;
-    let eligible = seed_mixed(&app.pool, 14, at(WINDOW)).await;
-    let run_id = planned_run(&app).await;
-    let command = app.command_ids(&run_id).await.remove(0);
+    let (eligible, run_id, command, _keys) = planned(&app).await;
     let mut blocker = lock_ticket(&app.db.url, eligible[0]).await;
     let pid = backend_pid(&mut blocker).await;
     assert!(matches!(
@@ -249,15 +241,7 @@ async fn a_delete_that_deadlocks_with_another_transaction_spends_no_attempt_and_
         TICKETS,
     )
     .await;
-    let eligible = seed_mixed(&app.pool, 14, at(WINDOW)).await;
-    let run_id = planned_run(&app).await;
-    let command = app.command_ids(&run_id).await.remove(0);
-    let keys: Vec<String> =
-        sqlx::query_scalar("select item_keys from sweeper.commands where command_id = $1")
-            .bind(&command)
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
+    let (eligible, run_id, command, keys) = planned(&app).await;
     let in_command: Vec<i64> = eligible
         .iter()
         .copied()
@@ -281,23 +265,7 @@ async fn a_delete_that_deadlocks_with_another_transaction_spends_no_attempt_and_
     let state = app.state.clone();
     let worker = tokio::spawn(async move { run_one_command(&state).await });
     // Once the delete waits for the last row, the application asks for the first one.
-    let mut waited = 0;
-    loop {
-        let waiting: bool = sqlx::query_scalar(
-            "select exists (select 1 from pg_stat_activity
-                             where datname = current_database() and wait_event_type = 'Lock'
-                               and query like 'delete from%')",
-        )
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-        if waiting {
-            break;
-        }
-        waited += 1;
-        assert!(waited < 200, "the delete never waited for the locked row");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_lock_wait(&app, "delete from%").await;
     sqlx::query("select 1 from demo.tickets where id = $1 for update")
         .bind(first)
         .execute(&mut app_tx)
@@ -382,10 +350,7 @@ async fn rows_changed_while_the_delete_waits_are_judged_on_their_newest_version(
         TICKETS,
     )
     .await;
-    let eligible = seed_mixed(&app.pool, 14, at(WINDOW)).await;
-    let run_id = planned_run(&app).await;
-    let command = app.command_ids(&run_id).await.remove(0);
-    let keys = command_keys(&app, &command).await;
+    let (eligible, _run_id, command, keys) = planned(&app).await;
     // The application puts one row on legal hold, makes one younger and deletes a third, and
     // commits only once sweeper's delete waits for them.
     let (held, young, gone) = (eligible[0], eligible[1], eligible[2]);
@@ -441,10 +406,7 @@ async fn concurrent_deliveries_after_a_lock_is_released_audit_each_item_once() {
         TICKETS,
     )
     .await;
-    let eligible = seed_mixed(&app.pool, 14, at(WINDOW)).await;
-    let run_id = planned_run(&app).await;
-    let command = app.command_ids(&run_id).await.remove(0);
-    let keys = command_keys(&app, &command).await;
+    let (eligible, run_id, command, keys) = planned(&app).await;
     let in_command: Vec<i64> = eligible
         .iter()
         .copied()
@@ -489,9 +451,7 @@ async fn a_row_a_trigger_keeps_is_not_eligible_at_once_not_waited_for() {
         TICKETS,
     )
     .await;
-    let eligible = seed_mixed(&app.pool, 14, at(WINDOW)).await;
-    let run_id = planned_run(&app).await;
-    let command = app.command_ids(&run_id).await.remove(0);
+    let (eligible, _run_id, command, _keys) = planned(&app).await;
     // A soft-delete trigger: the delete of this row does nothing, and no other session holds it.
     sqlx::raw_sql(&format!(
         "create function demo.keep() returns trigger language plpgsql as $$
