@@ -126,13 +126,13 @@ async fn apply_called(
     let r = &l.rules;
     let keys: Vec<String> = called.iter().map(|(k, _)| k.clone()).collect();
     let mut q: QueryBuilder<Postgres> = QueryBuilder::new(format!(
-        "select {}::text as item_key, {} as row_digest from {} where ",
-        r.key_sql(),
+        "select {} as item_key, {} as row_digest from {} where ",
+        r.key_text_sql(),
         r.row_digest_sql(),
         r.table_sql()
     ));
     r.push_key_in(&mut q, keys.clone());
-    q.push(format!(" order by {} for update", r.key_sql()));
+    q.push(format!(" order by {} for update", r.key().walk_columns("")));
     let now: HashMap<String, String> = q
         .build()
         .fetch_all(&mut **tx)

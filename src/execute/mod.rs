@@ -194,17 +194,20 @@ impl Loaded {
     }
 
     /// The idempotency key of `item`'s effect `n`: `{policy}:{window}:{item}` once per window,
-    /// `{policy}:{item}:{n}` once per item (docs/design.md §2.4).
+    /// `{policy}:{item}:{n}` once per item (docs/design.md §2.4); `{item}` is `sha256:` and the
+    /// hex SHA-256 of the item key text when the whole key would exceed 255 bytes with it
+    /// ([`crate::policy::idempotency_item`]).
     pub(crate) fn idempotency_key(&self, item: &str, n: i32) -> String {
         if self.rules.action.once_per_window() {
-            format!(
-                "{}:{}:{}",
-                self.policy,
-                crate::window::format(self.window),
-                item
-            )
+            let window = crate::window::format(self.window);
+            let others = self.policy.len() + window.len() + 2;
+            let item = crate::policy::idempotency_item(item, others);
+            format!("{}:{window}:{item}", self.policy)
         } else {
-            format!("{}:{}:{}", self.policy, item, n)
+            let n = n.to_string();
+            let others = self.policy.len() + n.len() + 2;
+            let item = crate::policy::idempotency_item(item, others);
+            format!("{}:{item}:{n}", self.policy)
         }
     }
 

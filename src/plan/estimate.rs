@@ -5,7 +5,7 @@
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use crate::policy::Target;
+use crate::policy::{KeyType, Target};
 
 /// Where a planning job stands: its walk and cursor.
 #[derive(Debug, Clone, Default)]
@@ -19,8 +19,8 @@ pub struct Cursor<'a> {
     pub timestamp: Option<f64>,
 }
 
-/// The walked fraction (0-1): 0 before the first page; for key order over a `bigint` or
-/// `integer` key, `(cursor − min) / (max − min)`; for the timestamp walk of a `timestamptz`
+/// The walked fraction (0-1): 0 before the first page; for key order over a key whose leading
+/// column (in walk order) is an integer, `(cursor − min) / (max − min)` of that column; for the timestamp walk of a `timestamptz`
 /// column, `(cursor − oldest) / (cutoff − oldest)`. None when it cannot be told this way (a
 /// text or uuid key, a `timestamp` column with a zone, a read over one second).
 pub async fn planned_fraction(
@@ -58,16 +58,25 @@ pub async fn planned_fraction(
             (span > 0.0 && at.is_finite()).then(|| (at - oldest) / span)
         }
         "key_order" => {
-            let key_type = crate::policy::references::key_type(pool, target)
+            let info = crate::policy::TableInfo::load(pool, &target.table)
                 .await
                 .ok()??;
-            if !matches!(key_type.as_str(), "bigint" | "integer" | "smallint") {
+            let key = info.key(&target.key).ok()?;
+            let (leading, leading_type) = key.leading();
+            if !matches!(
+                leading_type,
+                KeyType::Bigint | KeyType::Integer | KeyType::Smallint
+            ) {
                 return None;
             }
-            let Some(at) = cursor.key.and_then(|k| k.parse::<f64>().ok()) else {
+            let Some(at) = cursor
+                .key
+                .and_then(|k| key.leading_value(k))
+                .and_then(|k| k.parse::<f64>().ok())
+            else {
                 return Some(0.0);
             };
-            let key = target.key.quoted();
+            let key = leading.quoted();
             let (lo, hi): (Option<f64>, Option<f64>) = sqlx::query_as(&format!(
                 "select min({key})::float8, max({key})::float8 from {table}"
             ))

@@ -27,7 +27,7 @@ pub use rules::{RunRef, run_rules};
 
 use std::collections::BTreeMap;
 
-use sqlx::Row;
+use sqlx::{Postgres, QueryBuilder, Row};
 use tracing::{info, warn};
 use uuid::Uuid;
 
@@ -381,9 +381,9 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     }
 }
 
-/// Held rows counted once the walk is done: rows with a NULL key (no command can name them),
-/// and, on the timestamp-index walk (which never meets them), rows with a NULL timestamp —
-/// both up to `cap`, through the indexes.
+/// Held rows counted once the walk is done: rows with a NULL key or, for a temporal key column,
+/// one outside the years 0001–9999 (no command can name them), and, on the timestamp-index walk
+/// (which never meets them), rows with a NULL timestamp — each up to `cap`, through the indexes.
 async fn held_at_end(
     conn: &mut sqlx::PgConnection,
     rules: &RuleSet,
@@ -391,9 +391,24 @@ async fn held_at_end(
     cap: i64,
     held: &mut BTreeMap<String, i64>,
 ) -> sqlx::Result<()> {
-    let null_keys = count_null_keys(&mut *conn, rules, cap).await?;
+    let null_keys = count_unnamed(&mut *conn, rules, cap, |q| {
+        rules.key().push_some_null(q, "");
+    })
+    .await?;
     if null_keys > 0 {
         held.insert(NULL_KEY.to_string(), null_keys);
+    }
+    if rules.key().has_temporal() {
+        let out_of_range = count_unnamed(&mut *conn, rules, cap, |q| {
+            q.push("not ");
+            rules.key().push_some_null(q, "");
+            q.push(" and not ");
+            rules.push_has_key(q);
+        })
+        .await?;
+        if out_of_range > 0 {
+            held.insert(KEY_OUT_OF_RANGE.to_string(), out_of_range);
+        }
     }
     if path == PlanningPath::TimestampIndex {
         let null_timestamps: i64 = rules
@@ -417,17 +432,23 @@ async fn held_at_end(
 pub const NULL_TIMESTAMP: &str = "null_timestamp";
 /// The held reason of rows whose key is NULL (a nullable key column): no command can name them.
 pub const NULL_KEY: &str = "null_key";
+/// The held reason of rows whose temporal key column is `infinity`, `-infinity` or outside the
+/// years 0001–9999: the item key text has no spelling for it, so no command can name them.
+pub const KEY_OUT_OF_RANGE: &str = "key_out_of_range";
 
-/// Counts, up to `cap`, the rows that would be eligible but have a NULL key (a unique index
-/// admits any number of NULLs). Uses the key's index.
-async fn count_null_keys(
+/// Counts, up to `cap`, the rows that would be eligible but whose key no item key text names
+/// (`which` pushes the condition: a NULL, a value out of range). A unique index admits any number
+/// of NULLs.
+async fn count_unnamed(
     conn: &mut sqlx::PgConnection,
     rules: &RuleSet,
     cap: i64,
+    which: impl FnOnce(&mut QueryBuilder<'_, Postgres>),
 ) -> sqlx::Result<i64> {
     rules
         .capped_count(cap, |q| {
-            q.push(format!("{} is null and ", rules.key_sql()));
+            which(q);
+            q.push(" and ");
             rules.push_eligible(q);
         })
         .build_query_scalar()

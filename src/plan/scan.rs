@@ -53,10 +53,10 @@ pub(super) async fn scan_page(
     cursor: &Cursor,
     page_rows: i64,
 ) -> sqlx::Result<Scanned> {
-    let fixed_width = matches!(rules.key_type(), "bigint" | "integer" | "uuid");
+    let fixed_width = rules.key().is_fixed_width();
     let order = match path {
-        PlanningPath::KeyOrder => "sort_key",
-        PlanningPath::TimestampIndex => "sort_ts, sort_key",
+        PlanningPath::KeyOrder => rules.sort_keys(),
+        PlanningPath::TimestampIndex => format!("sort_ts, {}", rules.sort_keys()),
     };
     let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new("");
     if !fixed_width {
@@ -108,13 +108,8 @@ fn push_after_cursor(
     path: PlanningPath,
     cursor: &Cursor,
 ) {
-    let (key, key_type) = (rules.key_sql(), rules.key_type().to_string());
     match (path, &cursor.key, &cursor.timestamp) {
-        (PlanningPath::KeyOrder, Some(c), _) => {
-            q.push(format!(" and {key} > cast("));
-            q.push_bind(c.clone());
-            q.push(format!(" as {key_type})"));
-        }
+        (PlanningPath::KeyOrder, Some(c), _) => rules.key().push_after(q, c, None),
         (PlanningPath::KeyOrder, None, _) => {}
         (PlanningPath::TimestampIndex, c, ts) => {
             // The raw column against the cutoff (the path needs timestamptz), so the index's
@@ -129,13 +124,9 @@ fn push_after_cursor(
                 rules.push_timestamp(q);
                 q.push(" >= cast(");
                 q.push_bind(ts.clone());
-                q.push(" as timestamptz) and (");
-                rules.push_timestamp(q);
-                q.push(format!(", {key}) > (cast("));
-                q.push_bind(ts.clone());
-                q.push(" as timestamptz), cast(");
-                q.push_bind(c.clone());
-                q.push(format!(" as {key_type}))"));
+                q.push(" as timestamptz)");
+                let lead = |q: &mut sqlx::QueryBuilder<'_, sqlx::Postgres>| rules.push_timestamp(q);
+                rules.key().push_after(q, c, Some((&lead, ts)));
             }
         }
     }

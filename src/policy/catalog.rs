@@ -8,6 +8,9 @@ use super::*;
 pub struct TableInfo {
     /// Column name → (`format_type` text, `typname`, is it NOT NULL).
     pub columns: HashMap<String, ColumnInfo>,
+    /// The column names of each valid unique index that is neither partial nor on expressions,
+    /// in index order (included columns left out); the primary key first.
+    pub unique_indexes: Vec<Vec<String>>,
 }
 
 /// Column name → type (`format_type`, e.g. `boolean`) of a policy's table as this replica
@@ -50,7 +53,21 @@ impl TableInfo {
         if rows.is_empty() {
             return Ok(None);
         }
+        let unique_indexes: Vec<Vec<String>> = sqlx::query_scalar(
+            "select array(select a.attname::text
+                            from unnest(i.indkey) with ordinality k(n, o)
+                            join pg_attribute a on a.attrelid = i.indrelid and a.attnum = k.n
+                           where k.o <= i.indnkeyatts order by k.o)
+               from pg_index i
+              where i.indrelid = to_regclass($1) and i.indisunique and i.indisvalid
+                and i.indpred is null and i.indexprs is null
+              order by i.indisprimary desc, i.indexrelid",
+        )
+        .bind(table.quoted())
+        .fetch_all(pool)
+        .await?;
         Ok(Some(TableInfo {
+            unique_indexes,
             columns: rows
                 .into_iter()
                 .map(|(name, type_sql, type_name, not_null)| {
@@ -65,6 +82,40 @@ impl TableInfo {
                 })
                 .collect(),
         }))
+    }
+
+    /// The unique index whose columns are exactly `key`'s (in any order), if there is one.
+    pub fn unique_index_of(&self, key: &KeyColumns) -> Option<&[String]> {
+        self.unique_indexes
+            .iter()
+            .find(|ix| {
+                ix.len() == key.columns().len()
+                    && key
+                        .columns()
+                        .iter()
+                        .all(|c| ix.iter().any(|n| n == c.as_str()))
+            })
+            .map(Vec::as_slice)
+    }
+
+    /// `key` resolved against this table: each column's key type, walked in the order of the
+    /// unique index that makes it. Err names a missing column or a type a key cannot have.
+    pub fn key(&self, key: &KeyColumns) -> Result<Key, String> {
+        let mut types = Vec::with_capacity(key.columns().len());
+        for c in key.columns() {
+            let info = self
+                .columns
+                .get(c.as_str())
+                .ok_or_else(|| format!("key column `{}` does not exist", c.as_str()))?;
+            types.push(KeyType::from_type_name(&info.type_name).ok_or_else(|| {
+                format!(
+                    "key column `{}` is {}; a key column is {KEY_TYPES}",
+                    c.as_str(),
+                    info.type_sql
+                )
+            })?);
+        }
+        Ok(Key::new(key, types, self.unique_index_of(key)))
     }
 
     pub(super) fn type_of(&self, column: &Ident) -> Result<&str, String> {

@@ -9,7 +9,7 @@ use std::fmt;
 
 use sqlx::PgPool;
 
-use crate::policy::{ExclusionTest, Policy, TableInfo};
+use crate::policy::{ExclusionTest, KEY_TYPES, KeyType, Policy, TableInfo};
 
 /// How serious a finding is. Errors stop `serve` and make `check-config` exit 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,70 +181,123 @@ impl Check<'_> {
         Ok(())
     }
 
-    /// The key column: its type, its unique index, NULLs.
+    /// The key: its columns' types, the unique index that makes it, NULLs.
     async fn key(&mut self) -> sqlx::Result<()> {
         let t = &self.p.spec.target;
-        match self.col(t.key.as_str()) {
-            None => self.say(
-                Level::Error,
-                format!(
-                    "target.key: column {} does not exist in {}",
-                    t.key.as_str(),
-                    t.table
-                ),
-            ),
-            Some(c) if !matches!(c.type_name.as_str(), "int8" | "int4" | "uuid" | "text") => self.say(
-                Level::Error,
-                format!(
-                    "target.key: column {} is {}; the key must be bigint, integer, uuid or text",
-                    t.key.as_str(),
-                    c.type_sql
-                ),
-            ),
-            Some(_) => {
-                let (unique, leading): (bool, bool) = sqlx::query_as(
-                    "select coalesce(bool_or(i.indisunique and i.indnatts = 1), false),
-                            coalesce(bool_or(true), false)
-                       from pg_index i
-                       join pg_attribute a on a.attrelid = i.indrelid and a.attnum = i.indkey[0]
-                      where i.indrelid = to_regclass($1) and a.attname = $2",
-                )
-                .bind(t.table.quoted())
-                .bind(t.key.as_str())
-                .fetch_one(self.pool)
-                .await?;
-                if self.col(t.key.as_str()).is_some_and(|c| !c.not_null) {
-                    self.say(
-                        Level::Warning,
-                        format!(
-                            "target.key: column {} admits NULL; a row whose key is NULL can never be \
-                             named by a command, so it is kept and reported on every run as held \
-                             `null_key` (declare the column NOT NULL)",
-                            t.key.as_str()
-                        ),
-                    );
-                }
-                if !unique {
+        let mut fits = true;
+        for c in t.key.columns() {
+            match self.col(c.as_str()) {
+                None => {
+                    fits = false;
                     self.say(
                         Level::Error,
                         format!(
-                            "target.key: column {} has no unique index (primary key or unique constraint); \
-                             a key must name exactly one row",
-                            t.key.as_str()
+                            "target.key: column {} does not exist in {}",
+                            c.as_str(),
+                            t.table
                         ),
-                    );
-                } else if !leading {
-                    self.say(
-                        Level::Warning,
-                        format!(
-                            "target.key: no index leads with {}; planning scans in key order",
-                            t.key.as_str()
-                        ),
-                    );
+                    )
                 }
+                Some(info) if KeyType::from_type_name(&info.type_name).is_none() => {
+                    fits = false;
+                    let type_sql = info.type_sql.clone();
+                    self.say(
+                        Level::Error,
+                        format!(
+                            "target.key: column {} is {type_sql}; a key column is {KEY_TYPES}",
+                            c.as_str()
+                        ),
+                    )
+                }
+                Some(_) => {}
             }
         }
+        if !fits {
+            return Ok(());
+        }
+        if t.key.is_composite() {
+            self.composite_key();
+            return Ok(());
+        }
+        let key = t.key.first();
+        let (unique, leading): (bool, bool) = sqlx::query_as(
+            "select coalesce(bool_or(i.indisunique and i.indnatts = 1), false),
+                    coalesce(bool_or(true), false)
+               from pg_index i
+               join pg_attribute a on a.attrelid = i.indrelid and a.attnum = i.indkey[0]
+              where i.indrelid = to_regclass($1) and a.attname = $2",
+        )
+        .bind(t.table.quoted())
+        .bind(key.as_str())
+        .fetch_one(self.pool)
+        .await?;
+        if self.col(key.as_str()).is_some_and(|c| !c.not_null) {
+            self.say(
+                Level::Warning,
+                format!(
+                    "target.key: column {} admits NULL; a row whose key is NULL can never be \
+                     named by a command, so it is kept and reported on every run as held \
+                     `null_key` (declare the column NOT NULL)",
+                    key.as_str()
+                ),
+            );
+        }
+        if !unique {
+            self.say(
+                Level::Error,
+                format!(
+                    "target.key: column {} has no unique index (primary key or unique constraint); \
+                     a key must name exactly one row",
+                    key.as_str()
+                ),
+            );
+        } else if !leading {
+            self.say(
+                Level::Warning,
+                format!(
+                    "target.key: no index leads with {}; planning scans in key order",
+                    key.as_str()
+                ),
+            );
+        }
         Ok(())
+    }
+
+    /// A key of several columns: every column NOT NULL, and together exactly the columns of
+    /// the primary key or of a unique index that is neither partial nor on expressions (in any
+    /// order: planning walks in the index's).
+    fn composite_key(&mut self) {
+        let t = &self.p.spec.target;
+        let nullable: Vec<String> = t
+            .key
+            .columns()
+            .iter()
+            .filter(|c| self.col(c.as_str()).is_some_and(|i| !i.not_null))
+            .map(|c| c.as_str().to_string())
+            .collect();
+        if !nullable.is_empty() {
+            self.say(
+                Level::Error,
+                format!(
+                    "target.key: column(s) {} admit NULL; every column of a key of several columns \
+                     must be NOT NULL (a unique index lets rows with a NULL repeat, so such a key \
+                     would not name one row)",
+                    nullable.join(", ")
+                ),
+            );
+        }
+        if self.info.unique_index_of(&t.key).is_none() {
+            self.say(
+                Level::Error,
+                format!(
+                    "target.key: no primary key or unique index of {} is exactly {} (one that is \
+                     valid, not partial and not on expressions, in any column order); a key must \
+                     name exactly one row",
+                    t.table,
+                    t.key.names()
+                ),
+            );
+        }
     }
 
     /// Columns an external action reads or stamps.
@@ -354,7 +407,12 @@ impl Check<'_> {
                     "target.timestamp: no index leads with {ts}; every run plans by walking every key of the \
                      table and the closure check after each run scans it (create index on {} ({ts}, {}))",
                     t.table,
-                    t.key.as_str(),
+                    t.key
+                        .columns()
+                        .iter()
+                        .map(|c| c.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
                     ts = t.timestamp.as_str(),
                 ),
             );

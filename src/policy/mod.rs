@@ -16,6 +16,7 @@ use sqlx::{PgPool, Postgres, QueryBuilder};
 pub mod action;
 mod catalog;
 pub mod check;
+mod key;
 mod name;
 pub mod path;
 pub mod references;
@@ -28,6 +29,7 @@ mod template;
 mod written;
 
 pub use catalog::*;
+pub use key::*;
 pub use name::*;
 pub use rules::*;
 pub use spec::*;
@@ -249,7 +251,7 @@ impl Policy {
                 }
                 !ledger
             });
-        let key = Ident::parse(&c.target.key)
+        let key = KeyColumns::parse(&c.target.key)
             .map_err(|e| errors.push(format!("target.key: {e}")))
             .ok();
         let timestamp = Ident::parse(&c.target.timestamp)
@@ -333,7 +335,7 @@ impl Policy {
             }),
             &key,
             &timestamp,
-        ) && (column == k || column == ts)
+        ) && (k.contains(column) || column == ts)
         {
             errors.push(format!(
                 "action.then.set: `{}` is the target's key or timestamp; stamp a column of its own",

@@ -84,7 +84,7 @@ pub async fn timestamp_index(
     )
     .bind(target.table.quoted())
     .bind(target.timestamp.as_str())
-    .bind(target.key.as_str())
+    .bind(target.key.first().as_str())
     .fetch_optional(conn)
     .await
 }
@@ -165,7 +165,7 @@ pub async fn choose(
             forced(format!(
                 "no index leads with {ts} (create index on {} ({ts}, {}))",
                 target.table,
-                target.key.as_str()
+                key_list(target)
             )),
             None,
             None,
@@ -193,7 +193,7 @@ pub async fn choose(
     } else {
         format!(
             "; ({ts}, {}) would spare a sort within each timestamp",
-            target.key.as_str()
+            key_list(target)
         )
     };
     Ok(PathChoice {
@@ -202,6 +202,12 @@ pub async fn choose(
         index: Some(index),
         estimated_fraction: Some(fraction),
     })
+}
+
+/// The key's columns as an index lists them after the timestamp: `id`, `tenant_id, id`.
+fn key_list(target: &Target) -> String {
+    let names: Vec<&str> = target.key.columns().iter().map(|c| c.as_str()).collect();
+    names.join(", ")
 }
 
 /// `0.0048` → `"0.48 %"`, `0.6863` → `"69 %"`.

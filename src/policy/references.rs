@@ -6,9 +6,10 @@
 use std::collections::HashMap;
 
 use serde::Serialize;
-use sqlx::PgPool;
+use sqlx::{PgPool, Postgres, QueryBuilder};
 
 use super::spec::Target;
+use super::{Key, TableInfo};
 
 /// A foreign key that still references an item.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -22,17 +23,13 @@ pub struct Reference {
 /// How long the check waits for a lock before it gives up (and answers `unknown`).
 const LOCK_TIMEOUT: &str = "500ms";
 
-/// The SQL type of the target's key column (`bigint`, `uuid`, `text`, ...); None when the
-/// table or column is gone.
-pub async fn key_type(pool: &PgPool, target: &Target) -> sqlx::Result<Option<String>> {
-    sqlx::query_scalar(
-        "select format_type(a.atttypid, a.atttypmod) from pg_attribute a
-          where a.attrelid = to_regclass($1) and a.attname = $2 and not a.attisdropped",
-    )
-    .bind(target.table.quoted())
-    .bind(target.key.as_str())
-    .fetch_optional(pool)
-    .await
+/// The target's key resolved against its table as the catalog says it is now; Err says why it
+/// cannot be (the table is gone, a key column is gone or of a type a key cannot have).
+pub async fn key(pool: &PgPool, target: &Target) -> sqlx::Result<Result<Key, String>> {
+    Ok(match TableInfo::load(pool, &target.table).await? {
+        Some(t) => t.key(&target.key),
+        None => Err(format!("table {} does not exist", target.table)),
+    })
 }
 
 /// What [`still_referenced`] found.
@@ -60,7 +57,7 @@ pub async fn still_referenced(
     if keys.is_empty() {
         return Ok(out);
     }
-    let Some(key_type) = key_type(pool, target).await? else {
+    let Ok(key) = key(pool, target).await? else {
         return Ok(out);
     };
     let mut tx = pool.begin().await?;
@@ -90,7 +87,7 @@ pub async fn still_referenced(
     .bind(target.table.quoted())
     .fetch_all(&mut *tx)
     .await?;
-    let (table, key) = (target.table.quoted(), target.key.quoted());
+    let table = target.table.quoted();
     for (name, referencing, from, to) in constraints {
         out.checked.push(name.clone());
         let on = from
@@ -100,15 +97,15 @@ pub async fn still_referenced(
             .collect::<Vec<_>>()
             .join(" and ");
         // Names come from the catalog, quoted by quote_ident / regclass; keys are bound.
-        let sql = format!(
-            "select t.{key}::text from {table} t
-              where t.{key} = any(cast($1 as {key_type}[]))
-                and exists (select 1 from {referencing} r where {on})"
-        );
-        let hit: Vec<String> = sqlx::query_scalar(&sql)
-            .bind(keys)
-            .fetch_all(&mut *tx)
-            .await?;
+        let mut q = QueryBuilder::<Postgres>::new(format!(
+            "select {} from {table} t where ",
+            key.text_sql("t.")
+        ));
+        key.push_in(&mut q, "t.", keys.to_vec());
+        q.push(format!(
+            " and exists (select 1 from {referencing} r where {on})"
+        ));
+        let hit: Vec<String> = q.build_query_scalar().fetch_all(&mut *tx).await?;
         for k in hit {
             out.referenced.entry(k).or_default().push(Reference {
                 constraint: name.clone(),

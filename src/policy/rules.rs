@@ -27,7 +27,7 @@ pub struct RuleSet {
     pub action: ActionSpec,
     /// `(policy, run_id)`: hold items whose effect is open in another run of the policy.
     effects: Option<(String, String)>,
-    key_type: String,
+    key: Key,
     column_types: HashMap<String, String>,
 }
 
@@ -136,7 +136,10 @@ impl RuleSet {
             }
         };
         let mut column_types = HashMap::new();
-        let key_type = type_of(&pinned.target.key)?.to_string();
+        for c in pinned.target.key.columns() {
+            type_of(c)?;
+        }
+        let key = table.key(&pinned.target.key).map_err(Held::schema)?;
         type_of(&pinned.target.timestamp)?;
         for e in &exclude {
             let t = type_of(&e.column)?;
@@ -166,7 +169,7 @@ impl RuleSet {
             cutoff_of: "the run's cutoff",
             action: pinned.action.clone(),
             effects: None,
-            key_type,
+            key,
             column_types,
         })
     }
@@ -192,14 +195,23 @@ impl RuleSet {
         self.target.table.quoted()
     }
 
-    /// The key column, quoted.
-    pub fn key_sql(&self) -> String {
-        self.target.key.quoted()
+    /// The key, resolved against the table.
+    pub fn key(&self) -> &Key {
+        &self.key
     }
 
-    /// The key column's SQL type (`bigint`, `uuid`, ...).
-    pub fn key_type(&self) -> &str {
-        &self.key_type
+    /// The item key text of the table's row (see [`Key::text_sql`]).
+    pub fn key_text_sql(&self) -> String {
+        self.key.text_sql("")
+    }
+
+    /// The walk's sort columns as [`RuleSet::push_classify_columns`] names them (`sort_key_1,
+    /// sort_key_2`): an `ORDER BY` in key order.
+    pub fn sort_keys(&self) -> String {
+        (1..=self.key.columns().len())
+            .map(|i| format!("sort_key_{i}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// Pushes the timestamp expression as a `timestamptz`.
@@ -288,9 +300,8 @@ impl RuleSet {
             q.push(" and e.scope = ");
             q.push_bind(self.action.effect_scope(self.window));
             q.push(format!(
-                " and e.item_key = ({}.{})::text and e.state <> 'closed' and e.run_id <> ",
-                self.table_sql(),
-                self.key_sql()
+                " and e.item_key = {} and e.state <> 'closed' and e.run_id <> ",
+                self.key.text_sql(&format!("{}.", self.table_sql()))
             ));
             q.push_bind(run_id.clone());
             q.push(") then 'effect_open'");
@@ -329,7 +340,7 @@ impl RuleSet {
     }
 
     /// Starts the classifying scan used by planning and by execution:
-    /// `select key as sort_key, key::text as item_key, <old enough> as old_enough,
+    /// `select a as sort_key_1, b as sort_key_2, <key text> as item_key, <old enough> as old_enough,
     /// <timestamp> is null as null_timestamp, <first exclusion> as reason from <table>`; the
     /// caller adds its `where`.
     pub fn classify_select(&self) -> QueryBuilder<'static, Postgres> {
@@ -346,13 +357,15 @@ impl RuleSet {
         q.push(self.table_sql());
     }
 
-    /// Pushes the classifying columns of [`RuleSet::classify_select`] alone (`sort_key,
-    /// item_key, old_enough, null_timestamp, reason`), for a scan that selects more.
+    /// Pushes the classifying columns of [`RuleSet::classify_select`] alone (`sort_key_1..n`
+    /// in walk order, `item_key, old_enough, null_timestamp, reason`), for a scan that selects
+    /// more.
     pub fn push_classify_columns(&self, q: &mut QueryBuilder<'_, Postgres>) {
-        q.push(self.key_sql());
-        q.push(" as sort_key, ");
-        q.push(self.key_sql());
-        q.push("::text as item_key, ");
+        for (i, c) in self.key.walk_column_list("").iter().enumerate() {
+            q.push(format!("{c} as sort_key_{}, ", i + 1));
+        }
+        q.push(self.key_text_sql());
+        q.push(" as item_key, ");
         self.push_old_enough(q);
         q.push(" as old_enough, ");
         self.push_timestamp(q);
@@ -372,10 +385,11 @@ impl RuleSet {
         q.push(" is null)");
     }
 
-    /// Pushes `key is not null`: a row without a key cannot be named by a command (it is counted
-    /// as held `null_key` instead).
+    /// Pushes that the row has a key an item key text can name (every key column not NULL, a
+    /// temporal one within the years 0001–9999): a command cannot name any other row (it is
+    /// counted as held `null_key` or `key_out_of_range` instead).
     pub fn push_has_key(&self, q: &mut QueryBuilder<'_, Postgres>) {
-        q.push(format!("{} is not null", self.key_sql()));
+        self.key.push_nameable(q, "");
     }
 
     /// `select count(*)` of the target's rows matching what `push_where` pushes, counting at
@@ -396,11 +410,9 @@ impl RuleSet {
         q
     }
 
-    /// Pushes `key = any(cast($keys as keytype[]))`.
+    /// Pushes that the row's key is one of `keys` (see [`Key::push_in`]).
     pub fn push_key_in(&self, q: &mut QueryBuilder<'_, Postgres>, keys: Vec<String>) {
-        q.push(format!("{} = any(cast(", self.key_sql()));
-        q.push_bind(keys);
-        q.push(format!(" as {}[]))", self.key_type));
+        self.key.push_in(q, "", keys);
     }
 }
 
@@ -421,9 +433,8 @@ impl RuleSet {
         q.push(" and e.scope = ");
         q.push_bind(self.action.effect_scope(self.window));
         q.push(format!(
-            " and e.item_key = ({}.{})::text and e.state = 'closed')",
-            self.table_sql(),
-            self.key_sql()
+            " and e.item_key = {} and e.state = 'closed')",
+            self.key.text_sql(&format!("{}.", self.table_sql()))
         ));
     }
 
@@ -436,7 +447,8 @@ impl RuleSet {
         if !self.action.once_per_window() {
             return format!("md5({table}.*::text)");
         }
-        let mut columns: Vec<&Ident> = vec![&self.target.key, &self.target.timestamp];
+        let mut columns: Vec<&Ident> = self.target.key.columns().iter().collect();
+        columns.push(&self.target.timestamp);
         columns.extend(self.select.iter().map(|s| &s.column));
         columns.extend(self.exclude.iter().map(|e| &e.column));
         columns.extend(self.action.columns());
@@ -472,12 +484,10 @@ impl crate::ledger::effects::ItemQuery for RuleSet {
         self.push_not_eligible_reason(q);
         q.push(format!(
             " as not_eligible_reason, to_jsonb({table}.*) as fields, {} as row_digest \
-             from {table} where {} = cast(",
+             from {table} where ",
             self.row_digest_sql(),
-            self.key_sql()
         ));
-        q.push_bind(key.to_string());
-        q.push(format!(" as {})", self.key_type()));
+        self.push_key_in(q, vec![key.to_string()]);
     }
 }
 
@@ -495,21 +505,21 @@ impl crate::ledger::commands::DeleteTarget for RuleSet {
         q.push(" and ");
         self.push_eligible(q);
         if skip_locked {
+            let columns = self.key.walk_columns("");
             q.push(format!(
-                " and {key} = any(array(select {key} from {table} where ",
-                key = self.key_sql(),
-                table = self.table_sql()
+                " and ({columns}) in (select {columns} from {} where ",
+                self.table_sql()
             ));
             self.push_key_in(q, keys.to_vec());
-            q.push(" for update skip locked))");
+            q.push(" for update skip locked)");
         }
-        q.push(format!(" returning {}::text", self.key_sql()));
+        q.push(format!(" returning {}", self.key_text_sql()));
     }
 
     fn push_classify(&self, q: &mut QueryBuilder<'static, Postgres>, keys: &[String]) {
         q.push("select ");
-        q.push(self.key_sql());
-        q.push("::text as item_key, ");
+        q.push(self.key_text_sql());
+        q.push(" as item_key, ");
         self.push_old_enough(q);
         q.push(" as old_enough, ");
         self.push_excluded_reason(q);
@@ -531,14 +541,14 @@ impl crate::ledger::commands::DeleteTarget for RuleSet {
             " t join pg_locks l on l.locktype = 'transactionid' and l.granted \
                  and l.mode = 'ExclusiveLock' and l.transactionid = t.xmax \
                left join pg_stat_activity a on a.pid = l.pid \
-              where l.pid <> pg_backend_pid() and t.",
+              where l.pid <> pg_backend_pid() and ",
         );
-        self.push_key_in(q, keys.to_vec());
+        self.key.push_in(q, "t.", keys.to_vec());
         q.push(" order by 2 desc");
     }
 
     fn push_unlocked(&self, q: &mut QueryBuilder<'static, Postgres>, keys: &[String]) {
-        q.push(format!("select {}::text from ", self.key_sql()));
+        q.push(format!("select {} from ", self.key_text_sql()));
         q.push(self.table_sql());
         q.push(" where ");
         self.push_key_in(q, keys.to_vec());

@@ -8,8 +8,9 @@ use super::*;
 pub struct Target {
     /// The table.
     pub table: TableName,
-    /// The key column: `bigint`, `integer`, `uuid` or `text`, unique (the primary key).
-    pub key: Ident,
+    /// The key: one column, or 2–4 that together are exactly a primary key or a unique index
+    /// (see [`crate::policy::Key`] for the types and the item key text).
+    pub key: KeyColumns,
     /// The timestamp column: `timestamptz`, or `timestamp` with `timestamp_zone`.
     pub timestamp: Ident,
     /// The IANA zone a `timestamp without time zone` column is written in.

@@ -113,8 +113,8 @@ fn default_zone() -> String {
 pub struct TargetConfig {
     /// `table` or `schema.table`.
     pub table: String,
-    /// Key column.
-    pub key: String,
+    /// Key: a column, or an array of 2–4 columns.
+    pub key: KeyConfig,
     /// Timestamp column.
     pub timestamp: String,
     /// Zone for a `timestamp without time zone` column.

@@ -5,6 +5,7 @@ mod audit;
 mod cli;
 mod command_states;
 mod common;
+mod composite_keys;
 mod consume;
 mod contract;
 mod digest;

@@ -40,6 +40,16 @@ impl Transport {
     /// The ticket policy (batches of 10, every eligible row on one of 20 commands) routed over
     /// this transport, the clock at the window 2026-09-01T02:00Z, a lock wait of 1 s.
     pub async fn ticket_app(&self) -> TestApp {
+        self.app_with(TICKETS, |p| p).await
+    }
+
+    /// [`Transport::ticket_app`] on the tables of `setup_sql`, its policy text passed through
+    /// `rewrite` (another table, another key).
+    pub async fn app_with(
+        &self,
+        setup_sql: &'static str,
+        rewrite: impl Fn(String) -> String,
+    ) -> TestApp {
         let (workers, policies, extra_toml) = match self {
             Transport::Builtin => (
                 2,
@@ -67,10 +77,10 @@ impl Transport {
         };
         let app = TestApp::spawn(Spawn {
             now: Some(at("2026-09-01T02:01:00Z")),
-            policies,
+            policies: rewrite(policies),
             extra_toml,
             workers,
-            ..Default::default()
+            setup_sql,
         })
         .await;
         if let Transport::PubSub(em) = self {

@@ -53,20 +53,19 @@ pub async fn item_history(
     let Params(q) = query?;
     let p = require_policy(&state, &policy)?;
     let (after, limit) = audit_page(q.cursor.as_deref(), q.limit)?;
-    let key_type = crate::policy::references::key_type(&state.pool, &p.spec.target)
+    let key_of = crate::policy::references::key(&state.pool, &p.spec.target)
         .await?
-        .ok_or_else(|| {
+        .map_err(|why| {
             Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "unavailable",
                 format!(
-                    "the policy's key column {}.{} does not exist; its key type is unknown",
-                    p.spec.target.table,
-                    p.spec.target.key.as_str()
+                    "the policy's key {} cannot be read: {why}",
+                    p.spec.target.key
                 ),
             )
         })?;
-    let canonical = canonical_key(&state, &key, &key_type).await?;
+    let canonical = canonical_key(&key_of, &key)?;
     let rows =
         ledger::item_history::audit_rows(&state.pool, &policy, &canonical, after, limit).await?;
     let effects = ledger::item_history::effects(&state.pool, &policy, &canonical).await?;
@@ -78,10 +77,19 @@ pub async fn item_history(
         .then(|| rows.last().map(|r| r.audit_id.to_string()))
         .flatten();
     let open_effect = effects.iter().find(|e| e.state != "closed");
+    let earlier = earlier_key(&state, &policy, &key_of, &canonical, limit).await?;
+    let (key_values, key_columns) = key_of.describe(&canonical);
+    let key_type = match key_of.columns() {
+        [(_, t)] => Some(t.as_str()),
+        _ => None,
+    };
     Ok(Json(json!({
         "policy": policy,
         "item_key": canonical,
+        "key": key_values,
+        "key_columns": key_columns,
         "key_type": key_type,
+        "earlier_key": earlier,
         "audit": rows,
         "next_cursor": next_cursor,
         "open_effect": open_effect,
@@ -133,9 +141,10 @@ async fn present(
     ))
 }
 
-/// The key as the ledger writes it: cast to the key column's type and back to text. A value the
-/// type does not accept is a 400 naming the type.
-async fn canonical_key(state: &AppState, key: &str, key_type: &str) -> Result<String, Problem> {
+/// The key as the ledger writes it, parsed here (a PostgreSQL cast would also take `now` or
+/// `epoch`): a bigint `007` is `7`, a uuid lower case, a timestamptz at UTC with `Z`, a
+/// composite key compact JSON. A value the key does not accept is a 400 saying why.
+fn canonical_key(key_of: &crate::policy::Key, key: &str) -> Result<String, Problem> {
     if key.is_empty() {
         return Err(Problem::new(
             StatusCode::BAD_REQUEST,
@@ -143,26 +152,53 @@ async fn canonical_key(state: &AppState, key: &str, key_type: &str) -> Result<St
             "the key is empty",
         ));
     }
-    // key_type comes from the catalog's format_type (for example `bigint`, `uuid`,
-    // `character varying(64)`); the key is bound.
-    let sql = format!("select cast(cast($1 as text) as {key_type})::text");
-    match sqlx::query_scalar::<_, String>(&sql)
-        .bind(key)
-        .fetch_one(&state.pool)
-        .await
-    {
-        Ok(k) => Ok(k),
-        // Class 22: data exception (invalid text representation, out of range, ...).
-        Err(sqlx::Error::Database(db)) if db.code().is_some_and(|c| c.starts_with("22")) => {
-            Err(Problem::new(
-                StatusCode::BAD_REQUEST,
-                "bad-key",
-                format!(
-                    "`{}` is not a {key_type}, the type of this policy's key",
-                    ledger::printable(key, 64)
-                ),
-            ))
-        }
-        Err(e) => Err(e.into()),
+    key_of.canonical(key).map_err(|why| {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "bad-key",
+            format!("{why}: not a key of this policy ({})", key_of.names()),
+        )
+    })
+}
+
+/// For a key of several columns: the history of the one-column key that preceded it, whose
+/// value is the first column's (a table keyed `id` that was partitioned and is now keyed
+/// `(id, created_at)`), when there is any; null otherwise. Marked `earlier_key` in the answer.
+async fn earlier_key(
+    state: &AppState,
+    policy: &str,
+    key_of: &crate::policy::Key,
+    canonical: &str,
+    limit: i64,
+) -> Result<serde_json::Value, Problem> {
+    if !key_of.is_composite() {
+        return Ok(serde_json::Value::Null);
     }
+    let Some(first) = key_of
+        .values(canonical)
+        .ok()
+        .and_then(|v| v.into_iter().next())
+    else {
+        return Ok(serde_json::Value::Null);
+    };
+    let rows = ledger::item_history::audit_rows(&state.pool, policy, &first, 0, limit).await?;
+    let effects = ledger::item_history::effects(&state.pool, policy, &first).await?;
+    let dead = ledger::item_history::dead_letters(&state.pool, policy, &first).await?;
+    if rows.is_empty() && effects.is_empty() && dead.is_empty() {
+        return Ok(serde_json::Value::Null);
+    }
+    let dead = with_verdicts(state, &dead).await?;
+    Ok(json!({
+        "item_key": first,
+        "key_columns": [key_of.columns()[0].0.as_str()],
+        "audit": rows,
+        "effects": effects,
+        "dead_letters": dead,
+        "detail": format!(
+            "this policy's key was {} before it became {}: the history of {} under the earlier key",
+            key_of.columns()[0].0.as_str(),
+            key_of.names(),
+            first
+        ),
+    }))
 }
