@@ -102,13 +102,18 @@ fn opts() -> Opts {
     o
 }
 
-fn policy_toml(batch: usize) -> String {
+/// The ticket table's key as the policy writes it: the dense scenario runs on both.
+const SINGLE_KEY: &str = r#""id""#;
+/// `(id, closed_at)`, the primary key of the composite-key copy of the table (issue 31).
+const COMPOSITE_KEY: &str = r#"["id", "closed_at"]"#;
+
+fn policy_toml(batch: usize, key: &str) -> String {
     format!(
         r#"
 [[policy]]
 name = "ticket-retention"
 schedule = {{ cron = "0 2 * * *", timezone = "UTC" }}
-target = {{ table = "demo.tickets", key = "id", timestamp = "closed_at" }}
+target = {{ table = "demo.tickets", key = {key}, timestamp = "closed_at" }}
 retain_for = "90d"
 exclude = [ {{ column = "legal_hold", equals = true }} ]
 batch_size = {batch}
@@ -118,6 +123,10 @@ max_concurrent_commands = 16
 }
 
 fn config_toml(db: &str, workers: usize, batch: usize) -> String {
+    config_toml_keyed(db, workers, batch, SINGLE_KEY)
+}
+
+fn config_toml_keyed(db: &str, workers: usize, batch: usize, key: &str) -> String {
     format!(
         r#"
 database_url = "{url}"
@@ -133,7 +142,7 @@ keys = [ {{ kid = "bench", secret = "{SECRET}" }} ]
 {policy}
 "#,
         url = database_url(db),
-        policy = policy_toml(batch)
+        policy = policy_toml(batch, key)
     )
 }
 
@@ -158,6 +167,12 @@ fn window() -> chrono::DateTime<chrono::Utc> {
 /// Seeds a database: the ledger migrated, `demo.tickets` with `rows` rows of ~200 bytes, ~70 %
 /// older than the cutoff, ~2 % on legal hold (deterministic: the generator is seeded).
 async fn seed(name: &str, rows: i64) {
+    seed_keyed(name, rows, SINGLE_KEY).await
+}
+
+/// [`seed`], the table's primary key `(id, closed_at)` when `key` is [`COMPOSITE_KEY`] (the same
+/// rows: the generator is seeded).
+async fn seed_keyed(name: &str, rows: i64, key: &str) {
     let pool = kit::db::create_migrated(name).await;
     let mut c = pool.acquire().await.unwrap();
     floor::create_tickets(&mut c, 0.17).await;
@@ -180,6 +195,16 @@ async fn seed(name: &str, rows: i64) {
         .await
         .unwrap();
         start = end + 1;
+    }
+    if key == COMPOSITE_KEY {
+        sqlx::raw_sql(
+            "alter table demo.tickets drop constraint tickets_pkey;
+             alter table demo.tickets alter column closed_at set not null;
+             alter table demo.tickets add primary key (id, closed_at);",
+        )
+        .execute(&mut *c)
+        .await
+        .unwrap();
     }
     sqlx::query("create index tickets_closed_at on demo.tickets (closed_at)")
         .execute(&mut *c)
@@ -300,18 +325,23 @@ async fn naive(db: &str, sample: i64) -> f64 {
 
 /// Starts `sweeper serve` on database `db` with `workers` built-in workers.
 async fn serve(db: &str, workers: usize, batch: usize) -> Server {
+    serve_keyed(db, workers, batch, SINGLE_KEY).await
+}
+
+/// [`serve`] with the policy keyed `key`.
+async fn serve_keyed(db: &str, workers: usize, batch: usize, key: &str) -> Server {
     let how = Launch {
         ready_within: Some(Duration::from_secs(60)),
         ..Default::default()
     };
-    Server::launch(&config_toml(db, workers, batch), how).await
+    Server::launch(&config_toml_keyed(db, workers, batch, key), how).await
 }
 
 /// Sweeper end to end: a real server process, a real HTTP trigger, the built-in queue draining
 /// the run with `workers` workers; (items deleted, seconds from the trigger to the run's
 /// completion, the server's peak RSS in MB).
-async fn sweeper_builtin(db: &str, batch: usize, workers: usize) -> (i64, f64, f64) {
-    let server = serve(db, workers, batch).await;
+async fn sweeper_builtin(db: &str, batch: usize, workers: usize, key: &str) -> (i64, f64, f64) {
+    let server = serve_keyed(db, workers, batch, key).await;
     let started = Instant::now();
     let r = reqwest::Client::new()
         .post(format!(
@@ -471,7 +501,7 @@ async fn sparse(rows: i64, eligible: i64, batch: usize, reps: usize) -> (f64, f6
     let (mut sw, mut fl, mut items) = (Vec::new(), Vec::new(), 0);
     for rep in 0..reps {
         copy_database(&seed_db, &work).await;
-        let (deleted, seconds, _) = sweeper_builtin(&work, batch, 1).await;
+        let (deleted, seconds, _) = sweeper_builtin(&work, batch, 1, SINGLE_KEY).await;
         eprintln!("rep {rep} sparse {rows}: sweeper {deleted} items in {seconds:.2} s");
         sw.push(seconds);
         items = deleted;
@@ -506,6 +536,8 @@ async fn main() {
     let work = work_name.as_str();
     eprintln!("seeding {} rows ...", o.rows);
     seed(&seed_db, o.rows).await;
+    let composite_db = format!("sweeper_bench_seed_{}_composite", o.rows);
+    seed_keyed(&composite_db, o.rows, COMPOSITE_KEY).await;
     let eligible = {
         let p = PgPool::connect(&database_url(&seed_db)).await.unwrap();
         let n = eligible_count(&p).await;
@@ -527,6 +559,8 @@ async fn main() {
         "naive",
         "sweeper_builtin_1worker",
         "sweeper_builtin_2workers",
+        "sweeper_builtin_composite_1worker",
+        "sweeper_builtin_composite_2workers",
     ];
     let cutoff = window() - chrono::TimeDelta::days(90);
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); contenders.len()];
@@ -536,7 +570,8 @@ async fn main() {
     let mut rss: Vec<f64> = Vec::new();
     for rep in 0..o.reps {
         for (i, name) in contenders.iter().enumerate() {
-            copy_database(&seed_db, work).await;
+            let composite = name.contains("composite");
+            copy_database(if composite { &composite_db } else { &seed_db }, work).await;
             let before = wal_counters(work).await;
             let v = match *name {
                 "thin_floor_1conn" | "thin_floor_2conn" | "floor_1conn" | "floor_2conn" => {
@@ -555,12 +590,10 @@ async fn main() {
                 "in_process_2conn" => in_process(work, o.batch, 2).await,
                 "naive" => naive(work, o.naive_sample).await,
                 _ => {
-                    let workers = if *name == "sweeper_builtin_1worker" {
-                        1
-                    } else {
-                        2
-                    };
-                    let (n, secs, r) = sweeper_builtin(work, o.batch, workers).await;
+                    let workers = if name.ends_with("1worker") { 1 } else { 2 };
+                    let key = if composite { COMPOSITE_KEY } else { SINGLE_KEY };
+                    let (n, secs, r) = sweeper_builtin(work, o.batch, workers, key).await;
+                    assert_eq!(n, eligible, "{name}");
                     rss.push(r);
                     n as f64 / secs
                 }
@@ -589,6 +622,7 @@ async fn main() {
     let fast = fast_path(work, o.batch, o.wrk_seconds).await;
     drop_database(work).await;
     drop_database(&seed_db).await;
+    drop_database(&composite_db).await;
 
     // Sparse, and its growth: the same eligible count on ever larger tables.
     let mut growth = Vec::new();
@@ -605,8 +639,8 @@ async fn main() {
     drop_database(&backlog_db).await;
 
     let med: Vec<f64> = results.iter_mut().map(|v| median(v)).collect();
-    let [th1, th2, fl1, fl2, ip1, ip2, naive_ips, sw1, sw2] =
-        [0, 1, 2, 3, 4, 5, 6, 7, 8].map(|i| med[i]);
+    let [th1, th2, fl1, fl2, ip1, ip2, naive_ips, sw1, sw2, cp1, cp2] =
+        [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10].map(|i| med[i]);
     let cost_medians = contenders
         .iter()
         .zip(costs.iter_mut())
@@ -637,6 +671,7 @@ async fn main() {
         "ratio_to_floor": { "sweeper_builtin_1worker": sw1 / fl1, "sweeper_builtin_2workers": sw2 / fl2,
                             "in_process_1conn": ip1 / fl1, "in_process_2conn": ip2 / fl2 },
         "wal_and_commits": cost_medians,
+        "composite_key_time_ratio": { "1worker": sw1 / cp1, "2workers": sw2 / cp2 },
         "ratio_to_naive": { "floor_1conn": fl1 / naive_ips, "sweeper_builtin_1worker": sw1 / naive_ips,
                             "sweeper_builtin_2workers": sw2 / naive_ips },
         "sparse_growth": growth,
@@ -682,6 +717,21 @@ async fn main() {
     row("naive (row by row)", naive_ips, None);
     row("sweeper built-in, 1 worker", sw1, Some((th1, fl1)));
     row("sweeper built-in, 2 workers", sw2, Some((th2, fl2)));
+    row(
+        "sweeper built-in, (id, closed_at), 1",
+        cp1,
+        Some((th1, fl1)),
+    );
+    row(
+        "sweeper built-in, (id, closed_at), 2",
+        cp2,
+        Some((th2, fl2)),
+    );
+    println!(
+        "key (id, closed_at) against key id, time: {:.2}x with 1 worker, {:.2}x with 2 (target: within 1.3x)",
+        sw1 / cp1,
+        sw2 / cp2
+    );
     println!(
         "{:<36}{:>14}{:>14}{:>14}",
         "per batch / item (medians)", "WAL B/item", "syncs/batch", "commits/batch"

@@ -7,6 +7,7 @@
 #[allow(dead_code, unused_imports)]
 #[path = "../integration/common.rs"]
 mod common;
+mod composite;
 mod digest;
 #[path = "../integration/emulator.rs"]
 mod emulator;
