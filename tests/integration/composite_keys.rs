@@ -611,3 +611,86 @@ async fn sql_and_rust_write_the_same_item_key_text_for_arbitrary_values() {
         assert_eq!(found, 400, "{names:?}");
     }
 }
+
+/// An `http` action over a table keyed `(tenant_id, id)`, two runs planned before either
+/// executes: each item is called once, with the idempotency key `{policy}:{item}:1` naming its
+/// JSON item key — or `sha256:` and the hex digest of it when the whole key would pass 255 bytes
+/// (a tenant name of 240 characters) — and the other run excludes it (`effect_open` matches the
+/// item key text).
+#[tokio::test]
+async fn an_http_action_on_a_composite_key_calls_each_item_once_under_its_item_key() {
+    use crate::ext_common::*;
+    use crate::standin::{StandIn, ok};
+    use sha2::Digest;
+    let provider = StandIn::start(std::time::Duration::from_millis(2), |_, _| ok()).await;
+    let policy = payments_policy("reconcile", "payments", 10, "", "")
+        .replace(r#"key = "id""#, r#"key = ["tenant_id", "id"]"#)
+        .replace("/pay/{id}", "/pay/{tenant_id}/{id}");
+    let app = TestApp::spawn(Spawn {
+        setup_sql: "create schema ext;
+            create table ext.payments (tenant_id text not null, id bigint not null,
+                status text not null default 'closed', closed_at timestamptz,
+                reconciled_at timestamptz, primary key (tenant_id, id))",
+        policies: dependency("payments", &provider.url(), "") + &policy,
+        workers: 0,
+        now: Some(at(NOW)),
+        extra_toml: String::new(),
+    })
+    .await;
+    let long = "t".repeat(240);
+    sqlx::query(
+        "insert into ext.payments (tenant_id, id, closed_at)
+         select t, i, timestamptz '2026-08-01' from unnest($1::text[]) t, generate_series(1, 6) i",
+    )
+    .bind(vec!["acme".to_string(), long.clone()])
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let mut runs = vec![];
+    for window in ["2026-09-01", "2026-09-02"] {
+        let (status, run) = app.trigger("reconcile", &format!("?window={window}")).await;
+        assert!(status == 202 || status == 200, "{run}");
+        let run_id = run["run_id"].as_str().unwrap().to_string();
+        app.wait_planned(&run_id).await;
+        runs.push(run_id);
+    }
+    app.drain().await;
+    for r in &runs {
+        assert_eq!(app.wait_terminal(r).await["status"], "completed");
+    }
+    let mut keys: Vec<String> = provider
+        .calls()
+        .iter()
+        .map(|c| c.idempotency_key.clone().unwrap())
+        .collect();
+    keys.sort();
+    let mut want: Vec<String> = (1..=6)
+        .flat_map(|i| {
+            let long_item = item(&long, i);
+            [
+                format!("reconcile:{}:1", item("acme", i)),
+                format!(
+                    "reconcile:sha256:{}:1",
+                    hex::encode(sha2::Sha256::digest(long_item.as_bytes()))
+                ),
+            ]
+        })
+        .collect();
+    want.sort();
+    assert_eq!(keys, want, "each item called once, under its item key");
+    let unreconciled: i64 =
+        sqlx::query_scalar("select count(*) from ext.payments where reconciled_at is null")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(unreconciled, 0);
+    let (reconciled, items, open): (i64, i64, i64) = sqlx::query_as(
+        "select count(*) filter (where outcome = 'reconciled'), count(distinct item_key),
+                (select count(*) from sweeper.effects where state <> 'closed')
+           from sweeper.audit where policy = 'reconcile'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!((reconciled, items, open), (12, 12, 0));
+}
