@@ -357,13 +357,19 @@ async fn sweeper_builtin(db: &str, batch: usize, workers: usize, key: &str) -> (
     let run: Value = r.json().await.unwrap();
     let run_id = run["run_id"].as_str().unwrap().to_string();
     let pool = PgPool::connect(&database_url(db)).await.unwrap();
+    let mut planned_in = None;
     let deleted: i64 = loop {
-        let (status, deleted): (String, i64) =
-            sqlx::query_as("select status, deleted from sweeper.run_totals where run_id = $1")
-                .bind(&run_id)
-                .fetch_one(&pool)
-                .await
-                .unwrap();
+        let (status, deleted, planned): (String, i64, bool) = sqlx::query_as(
+            "select t.status, t.deleted, j.done from sweeper.run_totals t
+               join sweeper.planning_jobs j using (run_id) where run_id = $1",
+        )
+        .bind(&run_id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if planned && planned_in.is_none() {
+            planned_in = Some(started.elapsed().as_secs_f64());
+        }
         if status.starts_with("completed") {
             break deleted;
         }
@@ -377,7 +383,11 @@ async fn sweeper_builtin(db: &str, batch: usize, workers: usize, key: &str) -> (
             .fetch_one(&pool)
             .await
             .unwrap();
-    eprintln!("  planned along {}", path.as_deref().unwrap_or("?"));
+    eprintln!(
+        "  planned along {} in {:.2} s of {seconds:.2} s",
+        path.as_deref().unwrap_or("?"),
+        planned_in.unwrap_or(seconds)
+    );
     pool.close().await;
     (deleted, seconds, rss)
 }

@@ -42,10 +42,10 @@ impl Scanned {
     }
 }
 
-/// One bounded scan along `path` after `cursor`: at most `page_rows` rows, and, for keys of
-/// variable width (text), of those only as many as fit PAGE_KEY_BYTES of keys (always at least
-/// one), so a page stays bounded in bytes too (docs/design.md §2.11). Fixed-width keys (bigint,
-/// integer, uuid: at most 16 bytes) cannot reach the budget and skip the byte count.
+/// One bounded scan along `path` after `cursor`: at most `page_rows` rows, and of those only as
+/// many as fit PAGE_KEY_BYTES of item keys (always at least one), so a page stays bounded in bytes
+/// too (docs/design.md §2.11). A key without text columns has a longest item key text; when a
+/// page of those cannot reach the budget, the byte count is skipped.
 pub(super) async fn scan_page(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     rules: &RuleSet,
@@ -53,7 +53,11 @@ pub(super) async fn scan_page(
     cursor: &Cursor,
     page_rows: i64,
 ) -> sqlx::Result<Scanned> {
-    let fixed_width = rules.key().is_fixed_width();
+    // Keys of bounded width whose page cannot reach the budget skip the count.
+    let fixed_width = rules
+        .key()
+        .max_text_bytes()
+        .is_some_and(|w| w as i64 * page_rows <= PAGE_KEY_BYTES as i64);
     let order = match path {
         PlanningPath::KeyOrder => rules.sort_keys(),
         PlanningPath::TimestampIndex => format!("sort_ts, {}", rules.sort_keys()),

@@ -215,10 +215,25 @@ impl KeyType {
         }
     }
 
-    /// Whether every value's text has the same small width (a page of such keys cannot reach
-    /// the planner's byte budget).
-    pub fn is_fixed_width(self) -> bool {
-        !matches!(self, KeyType::Text | KeyType::Varchar)
+    /// The longest canonical text of a value, in bytes; None for text, whose values have no
+    /// bound.
+    pub fn max_text_bytes(self) -> Option<usize> {
+        Some(match self {
+            KeyType::Bigint => 20,
+            KeyType::Integer => 11,
+            KeyType::Smallint => 6,
+            KeyType::Uuid => 36,
+            KeyType::Timestamptz => 27,
+            KeyType::Timestamp => 26,
+            KeyType::Date => 10,
+            KeyType::Text | KeyType::Varchar => return None,
+        })
+    }
+
+    /// Whether the canonical text never needs escaping in a JSON string (digits, hex, `-`, `:`,
+    /// `.`, `T`, `Z`): every type but text.
+    fn is_json_plain(self) -> bool {
+        self.max_text_bytes().is_some()
     }
 
     /// Whether the type has values no text of ours names (`infinity`, years outside 0001–9999):
@@ -391,9 +406,18 @@ impl Key {
             .map(|mut v| v.swap_remove(self.walk[0]))
     }
 
-    /// Whether every item key text has a small fixed width (one column of a fixed-width type).
-    pub fn is_fixed_width(&self) -> bool {
-        matches!(self.columns.as_slice(), [(_, t)] if t.is_fixed_width())
+    /// The longest item key text, in bytes; None when a key column is text (no bound).
+    pub fn max_text_bytes(&self) -> Option<usize> {
+        let values: usize = self
+            .columns
+            .iter()
+            .map(|(_, t)| t.max_text_bytes())
+            .sum::<Option<usize>>()?;
+        Some(match self.columns.len() {
+            1 => values,
+            // Brackets, a pair of quotes per value, commas between.
+            n => values + 2 + 2 * n + (n - 1),
+        })
     }
 
     /// Whether a column of the key is of a temporal type (some rows may be out of range).
@@ -426,9 +450,18 @@ impl Key {
         match self.columns.as_slice() {
             [(c, t)] => t.value_sql(&Key::column(qual, c)),
             many => {
+                // `to_json` only where escaping can be needed: the other types' canonical text
+                // is plain (quoting it is what `to_json` would write, at half the cost).
                 let parts: Vec<String> = many
                     .iter()
-                    .map(|(c, t)| format!("to_json({})::text", t.value_sql(&Key::column(qual, c))))
+                    .map(|(c, t)| {
+                        let v = t.value_sql(&Key::column(qual, c));
+                        if t.is_json_plain() {
+                            format!("'\"' || {v} || '\"'")
+                        } else {
+                            format!("to_json({v})::text")
+                        }
+                    })
                     .collect();
                 format!("('[' || {} || ']')", parts.join(" || ',' || "))
             }
