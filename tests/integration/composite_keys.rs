@@ -694,3 +694,55 @@ async fn an_http_action_on_a_composite_key_calls_each_item_once_under_its_item_k
     .unwrap();
     assert_eq!((reconciled, items, open), (12, 12, 0));
 }
+
+/// A dry run over a `(tenant_id, id)` key records `would_delete` under each eligible item key and
+/// deletes nothing; the present state of a kept record is read through the key.
+#[tokio::test]
+async fn a_dry_run_on_a_composite_key_records_each_eligible_item_key() {
+    let app = Transport::Builtin
+        .app_with(TENANT_TICKETS, tenant_key)
+        .await;
+    let eligible = seed_tenants(&app.pool).await;
+    let before = tickets_left(&app.pool).await;
+    let run_id = app
+        .api
+        .trigger_new("ticket-retention", "?dry_run=true")
+        .await;
+    let done = app.wait_terminal(&run_id).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(
+        tickets_left(&app.pool).await,
+        before,
+        "a dry run deletes nothing"
+    );
+    let mut would: Vec<String> = app
+        .audit(&run_id)
+        .await
+        .into_iter()
+        .filter(|(_, o, _)| o == "would_delete")
+        .map(|(k, _, _)| k)
+        .collect();
+    would.sort();
+    assert_eq!(would, eligible);
+    // A held ticket, now: present, old enough, held by its exclusion.
+    let h = app
+        .get_json(&format!(
+            "/policies/ticket-retention/items/{}",
+            percent_encoding::utf8_percent_encode(
+                &item(TENANTS[3], 7),
+                percent_encoding::NON_ALPHANUMERIC
+            )
+        ))
+        .await;
+    let now = &h["present_state"];
+    assert_eq!(
+        (&now["present"], &now["old_enough"], &now["eligible"]),
+        (
+            &serde_json::json!(true),
+            &serde_json::json!(true),
+            &serde_json::json!(false)
+        ),
+        "{h}"
+    );
+    assert_eq!(now["held_by"], "legal_hold", "{h}");
+}
