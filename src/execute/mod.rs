@@ -194,19 +194,26 @@ impl Loaded {
     }
 
     /// The idempotency key of `item`'s effect `n`: `{policy}:{window}:{item}` once per window,
-    /// `{policy}:{item}:{n}` once per item (docs/design.md §2.4); `{item}` is `sha256:` and the
-    /// hex SHA-256 of the item key text when the whole key would exceed 255 bytes with it
-    /// ([`crate::policy::idempotency_item`]).
+    /// `{policy}:{item}:{n}` once per item (docs/design.md §2.4). For a key of several columns,
+    /// `{item}` is `sha256:` and the hex SHA-256 of the item key text when the whole key would
+    /// exceed 255 bytes with it ([`crate::policy::idempotency_item`]); a one-column key's item
+    /// is sent as it always was, so an effect opened before composite keys existed keeps its key.
     pub(crate) fn idempotency_key(&self, item: &str, n: i32) -> String {
+        let composite = self.rules.key().is_composite();
+        let item = |others: usize| {
+            if composite {
+                crate::policy::idempotency_item(item, others)
+            } else {
+                item.to_string()
+            }
+        };
         if self.rules.action.once_per_window() {
             let window = crate::window::format(self.window);
-            let others = self.policy.len() + window.len() + 2;
-            let item = crate::policy::idempotency_item(item, others);
+            let item = item(self.policy.len() + window.len() + 2);
             format!("{}:{window}:{item}", self.policy)
         } else {
             let n = n.to_string();
-            let others = self.policy.len() + n.len() + 2;
-            let item = crate::policy::idempotency_item(item, others);
+            let item = item(self.policy.len() + n.len() + 2);
             format!("{}:{item}:{n}", self.policy)
         }
     }

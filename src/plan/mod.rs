@@ -287,6 +287,20 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         .or(chosen.as_ref().map(|c| c.path))
         .unwrap_or(PlanningPath::KeyOrder);
 
+    // A cursor is an item key this walk wrote; one the key cannot read (its columns or types
+    // changed under the run) would restart the walk and plan every row again: the job waits.
+    if let Some(c) = &job.cursor.key
+        && let Err(why) = rules.key().values(c)
+    {
+        return Err(Failure::held(
+            crate::retry::HoldKind::Schema,
+            format!(
+                "the planning cursor names no key {} of the table now ({why}); restore the \
+                 key's columns and types, or cancel the run",
+                rules.key().names()
+            ),
+        ));
+    }
     let page = scan_page(&mut tx, &rules, path, &job.cursor, page_rows)
         .await
         .map_err(db)?;

@@ -41,18 +41,33 @@ pub struct ColumnInfo {
 impl TableInfo {
     /// Reads `table`'s columns; `Ok(None)` when the table does not exist.
     pub async fn load(pool: &PgPool, table: &TableName) -> sqlx::Result<Option<TableInfo>> {
+        TableInfo::load_on(&mut *pool.acquire().await?, table).await
+    }
+
+    /// [`TableInfo::load`] on one connection.
+    pub async fn load_on(
+        conn: &mut sqlx::PgConnection,
+        table: &TableName,
+    ) -> sqlx::Result<Option<TableInfo>> {
+        // A type outside pg_catalog is named with its schema (`demo.int8`), so a type that
+        // shadows a built-in name is never taken for it.
         let rows: Vec<(String, String, String, bool)> = sqlx::query_as(
-            "select a.attname::text, format_type(a.atttypid, a.atttypmod), t.typname::text,
+            "select a.attname::text, format_type(a.atttypid, a.atttypmod),
+                    case when t.typnamespace = 'pg_catalog'::regnamespace then t.typname::text
+                         else t.typnamespace::regnamespace::text || '.' || t.typname end,
                     a.attnotnull
                from pg_attribute a join pg_type t on t.oid = a.atttypid
               where a.attrelid = to_regclass($1) and a.attnum > 0 and not a.attisdropped",
         )
         .bind(table.quoted())
-        .fetch_all(pool)
+        .fetch_all(&mut *conn)
         .await?;
         if rows.is_empty() {
             return Ok(None);
         }
+        // An index that compares a column under another collation than the column's, or under a
+        // nondeterministic one (`'a'` equal to `'A'`), does not make the key: the keyset walk,
+        // the key match and the item key text would disagree about which rows are one.
         let unique_indexes: Vec<Vec<String>> = sqlx::query_scalar(
             "select array(select a.attname::text
                             from unnest(i.indkey) with ordinality k(n, o)
@@ -61,10 +76,19 @@ impl TableInfo {
                from pg_index i
               where i.indrelid = to_regclass($1) and i.indisunique and i.indisvalid
                 and i.indpred is null and i.indexprs is null
+                and not exists (
+                    select 1
+                      from unnest(i.indkey::int2[], i.indcollation::oid[]) with ordinality
+                           k(n, coll, o)
+                      join pg_attribute a on a.attrelid = i.indrelid and a.attnum = k.n
+                      left join pg_collation c on c.oid = k.coll
+                     where k.o <= i.indnkeyatts
+                       and (k.coll is distinct from a.attcollation
+                            or not coalesce(c.collisdeterministic, true)))
               order by i.indisprimary desc, i.indexrelid",
         )
         .bind(table.quoted())
-        .fetch_all(pool)
+        .fetch_all(&mut *conn)
         .await?;
         Ok(Some(TableInfo {
             unique_indexes,

@@ -220,12 +220,14 @@ impl Check<'_> {
             return Ok(());
         }
         let key = t.key.first();
-        let (unique, leading): (bool, bool) = sqlx::query_as(
-            "select coalesce(bool_or(i.indisunique and i.indnatts = 1), false),
-                    coalesce(bool_or(true), false)
-               from pg_index i
-               join pg_attribute a on a.attrelid = i.indrelid and a.attnum = i.indkey[0]
-              where i.indrelid = to_regclass($1) and a.attname = $2",
+        // The same test as a composite key's: a unique index of exactly this column, valid, not
+        // partial, not on an expression, under the column's own deterministic collation.
+        let unique = self.info.unique_index_of(&t.key).is_some();
+        let leading: bool = sqlx::query_scalar(
+            "select exists (select 1 from pg_index i
+                              join pg_attribute a on a.attrelid = i.indrelid
+                                                 and a.attnum = i.indkey[0]
+                             where i.indrelid = to_regclass($1) and a.attname = $2)",
         )
         .bind(t.table.quoted())
         .bind(key.as_str())
@@ -246,8 +248,9 @@ impl Check<'_> {
             self.say(
                 Level::Error,
                 format!(
-                    "target.key: column {} has no unique index (primary key or unique constraint); \
-                     a key must name exactly one row",
+                    "target.key: column {} has no unique index (primary key or unique constraint; \
+                     one that is valid, not partial, not on an expression, under the column's own \
+                     deterministic collation); a key must name exactly one row",
                     key.as_str()
                 ),
             );
@@ -291,8 +294,8 @@ impl Check<'_> {
                 Level::Error,
                 format!(
                     "target.key: no primary key or unique index of {} is exactly {} (one that is \
-                     valid, not partial and not on expressions, in any column order); a key must \
-                     name exactly one row",
+                     valid, not partial, not on expressions, each column under its own \
+                     deterministic collation, in any column order); a key must name exactly one row",
                     t.table,
                     t.key.names()
                 ),
@@ -401,18 +404,14 @@ impl Check<'_> {
             .await?
             .is_none()
         {
+            let key_list = crate::policy::path::key_list(&mut conn, t).await?;
             self.say(
                 Level::Warning,
                 format!(
                     "target.timestamp: no index leads with {ts}; every run plans by walking every key of the \
                      table and the closure check after each run scans it (create index on {} ({ts}, {}))",
                     t.table,
-                    t.key
-                        .columns()
-                        .iter()
-                        .map(|c| c.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", "),
+                    key_list,
                     ts = t.timestamp.as_str(),
                 ),
             );

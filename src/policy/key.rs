@@ -142,10 +142,29 @@ impl<'de> Deserialize<'de> for KeyConfig {
                 mut seq: A,
             ) -> Result<KeyConfig, A::Error> {
                 let mut names = Vec::new();
-                while let Some(n) = seq.next_element::<String>()? {
+                while let Some(ColumnName(n)) = seq.next_element::<ColumnName>()? {
                     names.push(n);
                 }
                 Ok(KeyConfig::Many(names))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
+}
+
+/// One name in `target.key = [...]`, refused in our words when it is not a string.
+struct ColumnName(String);
+
+impl<'de> Deserialize<'de> for ColumnName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = ColumnName;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a column name (each entry of key = [...] names one column)")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ColumnName, E> {
+                Ok(ColumnName(v.to_string()))
             }
         }
         d.deserialize_any(Visitor)
@@ -437,6 +456,14 @@ impl Key {
             .collect()
     }
 
+    /// The key columns' bare names, in walk order.
+    pub fn walk_names(&self) -> Vec<&str> {
+        self.walk
+            .iter()
+            .map(|&i| self.columns[i].0.as_str())
+            .collect()
+    }
+
     /// `"a", "b"` (qualified by `qual`), in walk order: an `ORDER BY` or a row.
     pub fn walk_columns(&self, qual: &str) -> String {
         self.walk_column_list(qual).join(", ")
@@ -523,8 +550,8 @@ impl Key {
 
     /// The canonical values of an item key text, in the policy's order; Err says why the text
     /// names no key of this shape. Accepts equivalent spellings (see [`KeyType::canonical`]);
-    /// a composite key's text is a JSON array of one value per column, each a string (a number
-    /// is taken as written).
+    /// a composite key's text is a JSON array of one value per column, each a string (an integer
+    /// may be written bare).
     pub fn values(&self, text: &str) -> Result<Vec<String>, String> {
         match self.columns.as_slice() {
             [(_, t)] => Ok(vec![t.canonical(text)?]),
@@ -549,7 +576,11 @@ impl Key {
                     .map(|(v, (c, t))| {
                         let written = match v {
                             serde_json::Value::String(s) => s.clone(),
-                            serde_json::Value::Number(n) => n.to_string(),
+                            // An integer written bare (`[42, "..."]`) is its decimal text; any
+                            // other number has no exact spelling as one.
+                            serde_json::Value::Number(n) if n.is_i64() || n.is_u64() => {
+                                n.to_string()
+                            }
                             _ => return Err(shape()),
                         };
                         t.canonical(&written)
@@ -602,8 +633,8 @@ impl Key {
 
     /// Pushes ` and (a, b) > (cast($a as ta), cast($b as tb))` in walk order — the keyset
     /// cursor after the item `after` — preceded on the timestamp walk by its timestamp
-    /// (`(ts, a, b) > ($ts, $a, $b)`, `push_lead` pushing the timestamp expression). A cursor
-    /// text that names no key (impossible for one planning wrote) restarts the walk.
+    /// (`(ts, a, b) > ($ts, $a, $b)`, `push_lead` pushing the timestamp expression). The caller
+    /// has checked that `after` is a key of this shape ([`Key::values`]); pushes nothing if not.
     pub fn push_after(
         &self,
         q: &mut QueryBuilder<'_, Postgres>,
@@ -661,9 +692,11 @@ impl Key {
 /// Longest idempotency key sent (many APIs refuse longer ones, Stripe's among them).
 pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 255;
 
-/// How an item appears in an idempotency key: its text, or — when the whole idempotency key
-/// would exceed [`MAX_IDEMPOTENCY_KEY_BYTES`] with it — `sha256:` and the hex SHA-256 of the text.
-/// A fixed rule: changing it would change the key of an effect already open.
+/// How an item of a composite key appears in an idempotency key: its text, or — when the whole
+/// idempotency key would exceed [`MAX_IDEMPOTENCY_KEY_BYTES`] with it — `sha256:` and the hex
+/// SHA-256 of the text. A fixed rule: changing it would change the key of an effect already
+/// open, which is also why a one-column key's item is never hashed (effects opened before this
+/// rule existed keep the key they were called with).
 pub fn idempotency_item(item: &str, others_bytes: usize) -> String {
     use sha2::Digest;
     if others_bytes + item.len() <= MAX_IDEMPOTENCY_KEY_BYTES {
@@ -757,6 +790,9 @@ mod tests {
                 .contains("JSON array of 2 strings")
         );
         assert!(k.canonical("42").is_err());
+        // A number with no exact integer spelling is refused, not rounded.
+        assert!(k.canonical(r#"[1e26,"2026-08-01T00:00:00Z"]"#).is_err());
+        assert!(k.canonical(r#"[4.0,"2026-08-01T00:00:00Z"]"#).is_err());
         let t = key(&[("tenant", KeyType::Text), ("id", KeyType::Integer)]);
         assert_eq!(
             t.text_of(&["a\"\\\u{1}\u{7f}\n/é".into(), "1".into()]),

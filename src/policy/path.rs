@@ -69,6 +69,7 @@ pub async fn timestamp_index(
     conn: &mut PgConnection,
     target: &Target,
 ) -> sqlx::Result<Option<(String, bool)>> {
+    let walk = walk_order(conn, target).await?;
     sqlx::query_as(
         "select i.indexrelid::regclass::text,
                 coalesce(i.indnkeyatts > 1 and k.attname = $3, false) as key_second
@@ -84,7 +85,7 @@ pub async fn timestamp_index(
     )
     .bind(target.table.quoted())
     .bind(target.timestamp.as_str())
-    .bind(target.key.first().as_str())
+    .bind(&walk[0])
     .fetch_optional(conn)
     .await
 }
@@ -165,7 +166,7 @@ pub async fn choose(
             forced(format!(
                 "no index leads with {ts} (create index on {} ({ts}, {}))",
                 target.table,
-                key_list(target)
+                key_list(conn, target).await?
             )),
             None,
             None,
@@ -193,7 +194,7 @@ pub async fn choose(
     } else {
         format!(
             "; ({ts}, {}) would spare a sort within each timestamp",
-            key_list(target)
+            key_list(conn, target).await?
         )
     };
     Ok(PathChoice {
@@ -204,10 +205,25 @@ pub async fn choose(
     })
 }
 
-/// The key's columns as an index lists them after the timestamp: `id`, `tenant_id, id`.
-fn key_list(target: &Target) -> String {
-    let names: Vec<&str> = target.key.columns().iter().map(|c| c.as_str()).collect();
-    names.join(", ")
+/// The key's columns in the order planning walks them (the order of the unique index that makes
+/// the key; the policy's when the table cannot say).
+async fn walk_order(conn: &mut PgConnection, target: &Target) -> sqlx::Result<Vec<String>> {
+    let info = super::TableInfo::load_on(conn, &target.table).await?;
+    Ok(match info.and_then(|t| t.key(&target.key).ok()) {
+        Some(k) => k.walk_names().into_iter().map(String::from).collect(),
+        None => target
+            .key
+            .columns()
+            .iter()
+            .map(|c| c.as_str().to_string())
+            .collect(),
+    })
+}
+
+/// The key's columns as an index lists them after the timestamp, in walk order: `id`,
+/// `tenant_id, id`.
+pub async fn key_list(conn: &mut PgConnection, target: &Target) -> sqlx::Result<String> {
+    Ok(walk_order(conn, target).await?.join(", "))
 }
 
 /// `0.0048` → `"0.48 %"`, `0.6863` → `"69 %"`.

@@ -140,6 +140,16 @@ impl RuleSet {
             type_of(c)?;
         }
         let key = table.key(&pinned.target.key).map_err(Held::schema)?;
+        // Exactly-once rests on a key naming one row: without the index that makes it (dropped,
+        // made partial, or comparing under another collation) the work waits.
+        if table.unique_index_of(&pinned.target.key).is_none() {
+            return Err(Held::schema(format!(
+                "no primary key or unique index of {} is exactly {} (valid, not partial, not on \
+                 expressions, each column under its own deterministic collation): a key must \
+                 name exactly one row; restore the index",
+                pinned.target.table, pinned.target.key
+            )));
+        }
         type_of(&pinned.target.timestamp)?;
         for e in &exclude {
             let t = type_of(&e.column)?;

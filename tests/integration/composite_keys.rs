@@ -407,7 +407,18 @@ async fn check_config_says_what_a_composite_key_needs() {
          create table demo.wider (tenant_id text not null, id bigint not null, v int not null,
                                   closed_at timestamptz, primary key (tenant_id, id, v));
          create table demo.numeric (tenant_id text not null, n numeric not null, closed_at timestamptz,
-                                    primary key (tenant_id, n));",
+                                    primary key (tenant_id, n));
+         create collation demo.ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false);
+         create table demo.collated (name text collate demo.ci not null, id int not null,
+                                     closed_at timestamptz);
+         create unique index on demo.collated (name collate \"C\", id);
+         create table demo.insensitive (name text collate demo.ci not null, id int not null,
+                                        closed_at timestamptz, primary key (name, id));
+         create type demo.int8 as enum ('a', 'b');
+         create table demo.shadow (t text not null, id demo.int8 not null, closed_at timestamptz,
+                                   primary key (t, id));
+         create table demo.partial_one (id bigint not null, closed_at timestamptz);
+         create unique index on demo.partial_one (id) where id > 100;",
     )
     .execute(&pool)
     .await
@@ -425,6 +436,10 @@ async fn check_config_says_what_a_composite_key_needs() {
         policy("partial", "partial", r#"["tenant_id", "id"]"#),
         policy("wider", "wider", r#"["tenant_id", "id"]"#),
         policy("numeric", "numeric", r#"["tenant_id", "n"]"#),
+        policy("collated", "collated", r#"["name", "id"]"#),
+        policy("insensitive", "insensitive", r#"["name", "id"]"#),
+        policy("shadow", "shadow", r#"["t", "id"]"#),
+        policy("partial_one", "partial_one", r#""id""#),
     ]
     .join("\n");
     let path = write_config(&config_toml(&db.url, 0, "", &policies));
@@ -438,6 +453,14 @@ async fn check_config_says_what_a_composite_key_needs() {
         "error: policy[partial]: target.key: no primary key or unique index of demo.partial is exactly (tenant_id, id)",
         "error: policy[wider]: target.key: no primary key or unique index of demo.wider is exactly (tenant_id, id)",
         "error: policy[numeric]: target.key: column n is numeric; a key column is bigint, integer, smallint, uuid, text, varchar, timestamptz, timestamp or date",
+        // An index comparing under another collation, or a nondeterministic one ('a' = 'A'),
+        // does not make a key: the walk, the match and the text would disagree.
+        "error: policy[collated]: target.key: no primary key or unique index of demo.collated is exactly (name, id)",
+        "error: policy[insensitive]: target.key: no primary key or unique index of demo.insensitive is exactly (name, id)",
+        // A type named like a built-in one is not taken for it.
+        "error: policy[shadow]: target.key: column id is demo.int8; a key column is",
+        // A one-column key meets the same test: a partial unique index is no key.
+        "error: policy[partial_one]: target.key: column id has no unique index",
     ] {
         assert!(
             stdout.contains(expected),
@@ -461,6 +484,10 @@ async fn check_config_says_what_a_composite_key_needs() {
         (
             "5",
             "a column name (key = \"id\") or an array of 2 to 4 column names",
+        ),
+        (
+            r#"[["a", "b"], "c"]"#,
+            "a column name (each entry of key = [...] names one column)",
         ),
     ] {
         let path = write_config(&config_toml(&db.url, 0, "", &policy("bad", "ok", key)));
@@ -745,4 +772,54 @@ async fn a_dry_run_on_a_composite_key_records_each_eligible_item_key() {
         "{h}"
     );
     assert_eq!(now["held_by"], "legal_hold", "{h}");
+}
+
+/// A key whose unique index is gone once the server runs (`check-config` and start-up refuse
+/// such a key; a migration can drop the index later) holds the run at planning, kind `schema`,
+/// saying why: nothing is deleted without the index that makes each key name one row.
+#[tokio::test]
+async fn a_key_whose_unique_index_is_gone_holds_the_run_and_deletes_nothing() {
+    let app = Transport::Builtin
+        .app_with(TENANT_TICKETS, tenant_key)
+        .await;
+    seed_tenants(&app.pool).await;
+    sqlx::raw_sql(
+        "drop table demo.attachments;
+         alter table demo.tickets drop constraint tickets_pkey;
+         create index on demo.tickets (id, tenant_id);",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let run_id = app.api.trigger_new("ticket-retention", "").await;
+    let mut held: Option<(String, String)> = None;
+    for _ in 0..200 {
+        held = sqlx::query_as(
+            "select held_kind, held_reason from sweeper.planning_jobs
+              where run_id = $1 and held_kind is not null",
+        )
+        .bind(&run_id)
+        .fetch_optional(&app.pool)
+        .await
+        .unwrap();
+        if held.is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let (kind, reason) = held.expect("planning is held");
+    assert_eq!(kind, "schema");
+    assert!(
+        reason
+            .contains("no primary key or unique index of demo.tickets is exactly (tenant_id, id)"),
+        "{reason}"
+    );
+    let (left, audit, commands): (i64, i64, i64) = sqlx::query_as(
+        "select (select count(*) from demo.tickets), (select count(*) from sweeper.audit),
+                (select count(*) from sweeper.commands)",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!((left, audit, commands), (120, 0, 0));
 }
