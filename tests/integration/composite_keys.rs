@@ -823,3 +823,77 @@ async fn a_key_whose_unique_index_is_gone_holds_the_run_and_deletes_nothing() {
     .unwrap();
     assert_eq!((left, audit, commands), (120, 0, 0));
 }
+
+/// A row of a `(tenant_id, id)` key that another transaction holds locked delays only itself:
+/// the lock wait names the session that holds it, its neighbours are deleted and audited, the
+/// next try deletes with `FOR UPDATE SKIP LOCKED` over the composite key, and once the lock is
+/// released the run completes with every eligible key deleted once.
+#[tokio::test]
+async fn a_locked_row_of_a_composite_key_delays_only_itself() {
+    use sqlx::Connection;
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: tenant_key(ticket_policy(10)),
+        extra_toml: "[consume]\nlock_timeout = \"1s\"\n".into(),
+        setup_sql: TENANT_TICKETS,
+        workers: 0,
+    })
+    .await;
+    let eligible = seed_tenants(&app.pool).await;
+    let locked = item(TENANTS[1], 1);
+    let mut blocker = sqlx::PgConnection::connect(&app.db.url).await.unwrap();
+    sqlx::query("begin").execute(&mut blocker).await.unwrap();
+    let pid: i32 = sqlx::query_scalar(
+        "select pg_backend_pid() from demo.tickets where tenant_id = $1 and id = 1 for update",
+    )
+    .bind(TENANTS[1])
+    .fetch_one(&mut blocker)
+    .await
+    .unwrap();
+    let run_id = app.api.trigger_new("ticket-retention", "").await;
+    app.wait_planned(&run_id).await;
+    app.drain().await;
+    let (command, error, class): (String, String, String) = sqlx::query_as(
+        "select command_id, last_error, last_error_class from sweeper.commands
+          where run_id = $1 and $2 = any(item_keys)",
+    )
+    .bind(&run_id)
+    .bind(&locked)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(class, "locked", "{error}");
+    assert!(error.contains(&format!("pid {pid}")), "{error}");
+    let left_of_command: Vec<String> = sqlx::query_scalar(
+        "select k from sweeper.commands c, unnest(c.item_keys) k
+          where c.command_id = $1
+            and not exists (select 1 from sweeper.audit a where a.command_id = c.command_id
+                                                           and a.item_key = k)",
+    )
+    .bind(&command)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(left_of_command, vec![locked], "its neighbours are done");
+    // A second try while it is still locked takes the SKIP LOCKED path.
+    crate::kit::ledger::advance_clock(&app.pool, 6).await;
+    app.drain().await;
+    sqlx::query("commit").execute(&mut blocker).await.unwrap();
+    crate::kit::ledger::advance_clock(&app.pool, 6).await;
+    app.drain().await;
+    let done = app.wait_terminal(&run_id).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let mut deleted: Vec<String> = app
+        .audit(&run_id)
+        .await
+        .into_iter()
+        .filter(|(_, o, _)| o == "deleted")
+        .map(|(k, _, _)| k)
+        .collect();
+    deleted.sort();
+    assert_eq!(deleted, eligible);
+    assert_eq!(
+        crate::kit::ledger::items_with_several_outcomes(&app.pool).await,
+        0
+    );
+}
