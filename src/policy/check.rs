@@ -1,5 +1,6 @@
 //! Checking policies against the database (docs/design.md §6), for `sweeper check-config` and start-up:
-//! tables and columns exist; the key is `bigint`, `integer`, `uuid` or `text` and unique; the
+//! tables and columns exist; the key is one column or 2–4 that are exactly a unique index, each
+//! of a type in [`crate::policy::KEY_TYPES`]; the
 //! timestamp is `timestamptz` (or `timestamp` with `timestamp_zone`); exclusion values cast to
 //! their column's type; indexes support the scans; foreign keys that reference the target are
 //! reported with their `ON DELETE` rule; the connecting role holds SELECT, UPDATE and (when rows

@@ -2,7 +2,7 @@
 //! primary key or a unique index, and the one text that names an item of it everywhere — the
 //! ledger, the audit, effects, dead letters, idempotency keys and URLs.
 //!
-//! The item key text is written in SQL by [`Key::push_text`] (planning, the delete's `RETURNING`)
+//! The item key text is written in SQL by [`Key::text_sql`] (planning, the delete's `RETURNING`)
 //! and in Rust by [`Key::text_of`] (the item endpoint, tests); both write each column's
 //! canonical value ([`KeyType::value_sql`], [`KeyType::canonical`]) and, for a composite key,
 //! a compact JSON array of those values as strings, escaped as RFC 8785 escapes them. Exactly-once

@@ -3,7 +3,7 @@
 
 use super::*;
 
-/// What a policy cleans: a table, its key column and the timestamp that ages its rows.
+/// What a policy cleans: a table, its key and the timestamp that ages its rows.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Target {
     /// The table.

@@ -26,9 +26,9 @@ impl QueryParams for ItemQuery {
 /// `GET /policies/{policy}/items/{key}?cursor=&limit=` (scope `ops:read`): the record's audit
 /// rows across runs, oldest first, `limit` per page (default 100, at most 1000; `next_cursor`
 /// pages on, null on the last page), with its `effects` and `dead_letters` (each at most 100,
-/// on every page). The key is parsed as the key column's type and written canonically before
-/// the lookup (a bigint `007` is `7`, a uuid lower case); a text key is taken as the path
-/// segment decodes (`%2F` is `/`). When audit months were exported and dropped,
+/// on every page). The key is parsed per key column and written canonically before the lookup
+/// (a bigint `007` is `7`, a uuid lower case, a key of several columns compact JSON); a text
+/// key is taken as the path segment decodes (`%2F` is `/`). When audit months were exported and dropped,
 /// `history_complete_since` is the end of the last one and `exports` says where they went;
 /// otherwise it is null (the ledger holds the whole history).
 // Over 80 lines: parse, canonicalize, three reads and the answer's assembly, in order.
