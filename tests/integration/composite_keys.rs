@@ -897,3 +897,43 @@ async fn a_locked_row_of_a_composite_key_delays_only_itself() {
         0
     );
 }
+
+/// A one-column key keeps sending its whole text in the idempotency key, however long: the
+/// `sha256:` form is for keys of several columns only, so an effect opened by a release before
+/// it existed is retried with the key it was first called with.
+#[tokio::test]
+async fn a_long_one_column_key_is_sent_whole_in_the_idempotency_key() {
+    use crate::ext_common::*;
+    use crate::standin::{StandIn, ok};
+    let provider = StandIn::start(std::time::Duration::from_millis(1), |_, _| ok()).await;
+    let policy =
+        payments_policy("reconcile", "payments", 10, "", "").replace("/pay/{id}", "/pay/x");
+    let app = TestApp::spawn(Spawn {
+        setup_sql: "create schema ext;
+            create table ext.payments (id text primary key, status text not null default 'closed',
+                closed_at timestamptz, reconciled_at timestamptz)",
+        policies: dependency("payments", &provider.url(), "") + &policy,
+        workers: 0,
+        now: Some(at(NOW)),
+        extra_toml: String::new(),
+    })
+    .await;
+    let long = "p".repeat(300);
+    sqlx::query("insert into ext.payments (id, closed_at) values ($1, '2026-08-01')")
+        .bind(&long)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let (status, run) = app.trigger("reconcile", "?window=2026-09-01").await;
+    assert!(status == 202 || status == 200, "{run}");
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    app.wait_planned(&run_id).await;
+    app.drain().await;
+    assert_eq!(app.wait_terminal(&run_id).await["status"], "completed");
+    let keys: Vec<String> = provider
+        .calls()
+        .iter()
+        .map(|c| c.idempotency_key.clone().unwrap())
+        .collect();
+    assert_eq!(keys, [format!("reconcile:{long}:1")]);
+}
