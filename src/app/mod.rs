@@ -146,9 +146,10 @@ impl Application {
         check_identity(&pool, &config).await?;
         let mut checked_types = std::collections::HashMap::new();
         for p in &config.policies {
-            if let Some(t) = crate::policy::TableInfo::load(&pool, &p.spec.target.table).await? {
-                checked_types.insert(p.name.to_string(), t.types());
-            }
+            checked_types.insert(
+                p.name.to_string(),
+                crate::policy::checked_types(&pool, &p.spec).await?,
+            );
         }
         // One crypto provider for every rustls user (aws-lc-rs, crates.md §0).
         let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();

@@ -157,6 +157,7 @@ impl Run<'_> {
             .map(|c| c.to_string());
         match code.as_deref() {
             Some(LOCK_NOT_AVAILABLE) if !skip_locked => AttemptError::Locked,
+            Some(FOREIGN_KEY_VIOLATION) => AttemptError::Referenced(Failure::from_db(e)),
             Some(DEADLOCK_DETECTED) => AttemptError::Failed(Failure::locked(
                 Utc::now() + chrono::Duration::seconds(1),
                 format!(
@@ -265,6 +266,9 @@ impl Run<'_> {
             .execute(&mut *tx)
             .await?;
         let mut outcomes: ItemOutcomes = HashMap::new();
+        // Keys whose delete a referencing row refused: judged after, in a fresh snapshot (a
+        // hold that references the row is an exclusion that holds it now).
+        let mut referenced: HashMap<String, String> = HashMap::new();
         for key in &self.keys {
             let mut sp = sqlx::Connection::begin(&mut *tx).await?;
             let mut q = QueryBuilder::new("");
@@ -284,7 +288,12 @@ impl Run<'_> {
                     if f.class != FailureClass::Permanent {
                         return Err(AttemptError::Failed(f));
                     }
-                    outcomes.insert(key.clone(), (Outcome::Failed, Some(f.message)));
+                    let code = e.as_database_error().and_then(|d| d.code());
+                    if code.as_deref() == Some(FOREIGN_KEY_VIOLATION) {
+                        referenced.insert(key.clone(), f.message);
+                    } else {
+                        outcomes.insert(key.clone(), (Outcome::Failed, Some(f.message)));
+                    }
                 }
             }
         }
@@ -297,7 +306,14 @@ impl Run<'_> {
         let mut undecided = Vec::new();
         for (key, judged) in classify(&mut tx, rules, &left).await? {
             if judged == ledger::outcome::Judgement::Eligible {
-                undecided.push(key);
+                // Still eligible: a referencing row no exclusion tests keeps it (failed, with
+                // the database's reason); any other row the delete left is undecided.
+                match referenced.remove(&key) {
+                    Some(why) => {
+                        outcomes.insert(key, (Outcome::Failed, Some(why)));
+                    }
+                    None => undecided.push(key),
+                }
             } else {
                 outcomes.insert(key, judged.outcome(Outcome::Deleted));
             }
@@ -405,6 +421,8 @@ const NOT_DELETED: &str = "not_deleted: the delete left the row (a BEFORE DELETE
 const LOCK_NOT_AVAILABLE: &str = "55P03";
 /// SQLSTATE 40P01.
 const DEADLOCK_DETECTED: &str = "40P01";
+/// SQLSTATE 23503: a row the delete removed is still referenced.
+const FOREIGN_KEY_VIOLATION: &str = "23503";
 
 /// A failed statement of the bulk path: a permanent error (in the delete, or a deferred
 /// constraint — a DEFERRABLE foreign key or constraint trigger — at the commit) redoes the

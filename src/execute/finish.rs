@@ -122,7 +122,7 @@ pub(crate) async fn record_failure(
         && let Some(p) = state.config.policy_by_command(command_id)
     {
         // The target's schema does not match: read its columns afresh at the next try.
-        state.catalog.forget(&p.spec.target.table);
+        state.catalog.forget_all(&p.spec);
     }
     let mut tx = state.pool.begin().await.map_err(db)?;
     let Some(row) = command.lock_after_failure(&mut tx).await.map_err(db)? else {

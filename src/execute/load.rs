@@ -293,9 +293,12 @@ async fn rules_for(
     } else {
         Some(state.specs.get(tx, &c.policy, &c.current_version).await?)
     };
+    let specs: Vec<&crate::policy::PolicySpec> = std::iter::once(pinned.as_ref())
+        .chain(current.as_deref())
+        .collect();
     let table = state
         .catalog
-        .get(&state.pool, &pinned.target.table)
+        .tables(&state.pool, &specs)
         .await
         .map_err(AttemptError::Failed)?;
     Ok(RuleSet::effective(

@@ -309,6 +309,8 @@ pub async fn execute(
     let pace_wait = pace(state, command_id).await?;
     let deadline = state.config.consume.command_deadline.std();
     let mut mode = delete::Mode::Bulk;
+    // Whether the delete was already redone after a row it removed was referenced meanwhile.
+    let mut redone_after_reference = false;
     loop {
         let result = tokio::time::timeout(
             deadline,
@@ -339,7 +341,16 @@ pub async fn execute(
                         .await?;
                 return settle(state, command_id, &executor, outcome).await;
             }
-            Err(AttemptError::BulkFailed(f)) if mode != delete::Mode::PerItem => {
+            // A row the delete removed is referenced by a row committed while it ran (a hold
+            // whose foreign key points at it): once, the same delete again, whose fresh snapshot
+            // sees the new row and so the exclusion that holds it.
+            Err(AttemptError::Referenced(f)) if !redone_after_reference => {
+                info!(command_id, error = %f.message, "a row the delete removed was referenced meanwhile; deleting again");
+                redone_after_reference = true;
+            }
+            Err(AttemptError::BulkFailed(f)) | Err(AttemptError::Referenced(f))
+                if mode != delete::Mode::PerItem =>
+            {
                 info!(command_id, error = %f.message, "bulk delete failed permanently; retrying item by item");
                 mode = delete::Mode::PerItem;
             }
@@ -350,7 +361,9 @@ pub async fn execute(
                 );
                 mode = delete::Mode::SkipLocked;
             }
-            Err(AttemptError::BulkFailed(f)) | Err(AttemptError::Failed(f)) => {
+            Err(AttemptError::BulkFailed(f))
+            | Err(AttemptError::Referenced(f))
+            | Err(AttemptError::Failed(f)) => {
                 let outcome = record_failure(state, command_id, f, started, tried).await?;
                 return settle(state, command_id, &executor, outcome).await;
             }
@@ -436,6 +449,10 @@ async fn pace(state: &AppState, command_id: &str) -> Result<f64, Failure> {
 pub(super) enum AttemptError {
     /// The bulk delete hit a permanent error: redo the command with per-item savepoints.
     BulkFailed(Failure),
+    /// The bulk delete removed a row that a row committed meanwhile references (SQLSTATE
+    /// 23503): redo it once as it was (its new snapshot sees the referencing row, and an
+    /// exclusion that tests it), then item by item.
+    Referenced(Failure),
     /// The bulk delete waited `consume.lock_timeout` for a row another transaction holds: redo
     /// the command deleting only the rows no one holds.
     Locked,

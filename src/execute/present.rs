@@ -49,7 +49,7 @@ pub async fn present_state(
         .get(&mut conn, policy, &version)
         .await
         .map_err(db)?;
-    let table = state.catalog.get(&state.pool, &spec.target.table).await?;
+    let table = state.catalog.tables(&state.pool, &[spec.as_ref()]).await?;
     let cutoff = now - chrono::TimeDelta::seconds(spec.retain_for_seconds);
     let rules = RuleSet::effective(
         &spec,

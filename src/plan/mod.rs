@@ -149,7 +149,7 @@ async fn hold_job(state: &AppState, run_id: &str, token: Uuid, f: &Failure) {
     if kind == crate::retry::HoldKind::Schema
         && let Some(p) = state.config.policy_by_command(run_id)
     {
-        state.catalog.forget(&p.spec.target.table);
+        state.catalog.forget_all(&p.spec);
     }
     let recheck = state.config.hold_recheck_seconds();
     let r = ledger::planning::hold(

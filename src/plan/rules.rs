@@ -31,7 +31,8 @@ pub async fn run_rules(
         ledger::run_specs::<crate::policy::PolicySpec>(conn, run.policy, run.pinned_version)
             .await
             .map_err(|e| Failure::from_db(&e))?;
-    let table = state.catalog.get(&state.pool, &pinned.target.table).await?;
+    let specs: Vec<&crate::policy::PolicySpec> = std::iter::once(&pinned).chain(&current).collect();
+    let table = state.catalog.tables(&state.pool, &specs).await?;
     Ok(RuleSet::effective(
         &pinned,
         current.as_ref().map(|c| (current_version.as_str(), c)),

@@ -194,4 +194,65 @@ impl Catalog {
     pub fn forget(&self, table: &TableName) {
         self.tables.lock().expect("catalog lock").remove(table);
     }
+
+    /// The columns of every table `specs` read (their target and related tables); a missing
+    /// table holds the work.
+    pub async fn tables(
+        &self,
+        pool: &PgPool,
+        specs: &[&PolicySpec],
+    ) -> Result<Tables, crate::retry::Failure> {
+        let mut out = Tables::default();
+        for spec in specs {
+            for t in spec.tables() {
+                if !out.0.contains_key(t) {
+                    out.0.insert(t.clone(), self.get(pool, t).await?);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Forgets every table `spec` reads (after a schema error).
+    pub fn forget_all(&self, spec: &PolicySpec) {
+        for t in spec.tables() {
+            self.forget(t);
+        }
+    }
+}
+
+/// The tables a rule set reads, by name: its target and its related tables.
+#[derive(Debug, Clone, Default)]
+pub struct Tables(HashMap<TableName, std::sync::Arc<TableInfo>>);
+
+impl Tables {
+    /// `table`'s columns, if it was read.
+    pub fn get(&self, table: &TableName) -> Option<&TableInfo> {
+        self.0.get(table).map(|t| t.as_ref())
+    }
+
+    /// Adds `table`'s columns.
+    pub fn insert(&mut self, table: TableName, info: TableInfo) {
+        self.0.insert(table, std::sync::Arc::new(info));
+    }
+}
+
+/// The column types of every table `spec` reads, as this replica checks them at start-up
+/// ([`CheckedTypes`]): the target's under their bare names, a related table's under
+/// [`crate::policy::related::Related::type_key`].
+pub async fn checked_types(pool: &PgPool, spec: &PolicySpec) -> sqlx::Result<CheckedTypes> {
+    let mut out = CheckedTypes::new();
+    if let Some(t) = TableInfo::load(pool, &spec.target.table).await? {
+        out.extend(t.types());
+    }
+    for r in spec.related() {
+        if let Some(t) = TableInfo::load(pool, &r.table).await? {
+            out.extend(
+                t.types()
+                    .into_iter()
+                    .map(|(c, ty)| (format!("{}.{c}", r.table), ty)),
+            );
+        }
+    }
+    Ok(out)
 }

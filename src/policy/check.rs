@@ -10,7 +10,8 @@ use std::fmt;
 
 use sqlx::PgPool;
 
-use crate::policy::{ExclusionTest, KEY_TYPES, KeyType, Policy, TableInfo};
+use crate::policy::select::Selection;
+use crate::policy::{ExclusionRule, KEY_TYPES, KeyType, Policy, TableInfo, related};
 
 /// How serious a finding is. Errors stop `serve` and make `check-config` exit 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,11 +112,11 @@ async fn check_policy(
     c.key().await?;
     c.action_columns().await?;
     c.timestamp().await?;
-    c.exclusions().await?;
+    let covered = c.exclusions().await?;
     for m in crate::policy::select::check_columns(&p.spec.select, |n| c.col(n)) {
         c.say(Level::Error, m);
     }
-    c.foreign_keys().await
+    c.foreign_keys(&covered).await
 }
 
 /// One policy's checks against its table, each a section of findings.
@@ -448,79 +449,82 @@ impl Check<'_> {
         Ok(())
     }
 
-    /// Each exclusion: its column, its values against the column's type.
-    async fn exclusions(&mut self) -> sqlx::Result<()> {
+    /// Each exclusion: its column and its values against the column's type, or its related
+    /// rows ([`crate::policy::related::check`]); then each selection's related rows. Returns
+    /// the foreign keys a hold's finding already speaks for.
+    async fn exclusions(&mut self) -> sqlx::Result<Vec<String>> {
         let t = &self.p.spec.target;
+        let mut covered = Vec::new();
         for (i, e) in self.p.spec.exclude.iter().enumerate() {
-            let Some(c) = self.col(e.column.as_str()) else {
+            let path = format!("exclude[{i}]");
+            let c = match &e.rule {
+                ExclusionRule::Column(c) => c,
+                ExclusionRule::Related { exists } => {
+                    let (found, keys) = related::check(
+                        self.pool,
+                        t,
+                        &self.info,
+                        exists,
+                        (&format!("{path}.exists"), related::Use::Hold(&e.name)),
+                        &self.p.literals,
+                    )
+                    .await?;
+                    for (level, m) in found {
+                        self.say(level, m);
+                    }
+                    covered.extend(keys);
+                    continue;
+                }
+            };
+            let Some(info) = self.col(c.column.as_str()) else {
                 self.say(
                     Level::Error,
                     format!(
-                        "exclude[{i}]: column {} does not exist in {}",
-                        e.column.as_str(),
+                        "{path}: column {} does not exist in {}",
+                        c.column.as_str(),
                         t.table
                     ),
                 );
                 continue;
             };
-            // A boolean or a number written for a column of another kind would be cast to that
-            // type as text and match something else than meant (`true` against a text column is
-            // the string 'true', never 't').
-            for lit in self.p.exclusion_literals.get(i).into_iter().flatten() {
-                let textual = matches!(
-                    c.type_name.as_str(),
-                    "text" | "varchar" | "bpchar" | "name" | "citext"
-                );
-                let mismatch = match lit {
-                    crate::policy::Literal::Bool => c.type_name != "bool",
-                    crate::policy::Literal::Number => textual || c.type_name == "bool",
-                    crate::policy::Literal::Text => false,
-                };
-                if mismatch {
-                    self.say(
-                        Level::Error,
-                        format!(
-                            "exclude[{i}]: a {} value is given for column {}, which is {}: write the \
-                             value as a string exactly as the column holds it",
-                            match lit {
-                                crate::policy::Literal::Bool => "boolean",
-                                crate::policy::Literal::Number => "number",
-                                crate::policy::Literal::Text => "string",
-                            },
-                            e.column.as_str(),
-                            c.type_sql
-                        ),
-                    );
-                }
-            }
-            let values: Vec<String> = match &e.test {
-                ExclusionTest::Equals { value } => vec![value.clone()],
-                ExclusionTest::In { values } => values.clone(),
-                ExclusionTest::IsNull | ExclusionTest::IsNotNull => vec![],
-            };
-            for v in values {
-                let sql = format!("select cast($1 as {}) is not null", c.type_sql);
-                if let Err(err) = sqlx::query(&sql).bind(&v).execute(self.pool).await {
-                    let why = err
-                        .as_database_error()
-                        .map(|d| d.message().to_string())
-                        .unwrap_or_else(|| err.to_string());
-                    self.say(
-                        Level::Error,
-                        format!(
-                            "exclude[{i}]: value `{v}` is not a valid {} for column {}: {why}",
-                            c.type_sql,
-                            e.column.as_str()
-                        ),
-                    );
-                }
+            let found = related::check_values(
+                self.pool,
+                &path,
+                &c.column,
+                &c.test,
+                &info,
+                self.p.literals.get(&path),
+            )
+            .await?;
+            for (level, m) in found {
+                self.say(level, m);
             }
         }
-        Ok(())
+        for (i, s) in self.p.spec.select.iter().enumerate() {
+            let (field, r) = match s {
+                Selection::Exists { exists } => ("exists", exists),
+                Selection::NotExists { not_exists } => ("not_exists", not_exists),
+                Selection::Column { .. } => continue,
+            };
+            let (found, _) = related::check(
+                self.pool,
+                t,
+                &self.info,
+                r,
+                (&format!("select[{i}].{field}"), related::Use::Selection),
+                &self.p.literals,
+            )
+            .await?;
+            for (level, m) in found {
+                self.say(level, m);
+            }
+        }
+        Ok(covered)
     }
 
-    /// Foreign keys that reference the target, with their ON DELETE rule.
-    async fn foreign_keys(&mut self) -> sqlx::Result<()> {
+    /// Foreign keys that reference the target, with their ON DELETE rule (but those of a hold
+    /// kept in another table, whose finding already says what they do: `covered`).
+    async fn foreign_keys(&mut self, covered: &[String]) -> sqlx::Result<()> {
         let t = &self.p.spec.target;
         let fks: Vec<(String, String, String)> = sqlx::query_as(
             "select conname::text, conrelid::regclass::text,
@@ -532,7 +536,7 @@ impl Check<'_> {
         .bind(t.table.quoted())
         .fetch_all(self.pool)
         .await?;
-        for (name, from, rule) in fks {
+        for (name, from, rule) in fks.into_iter().filter(|(n, _, _)| !covered.contains(n)) {
             let consequence = match rule.as_str() {
                 "CASCADE" => {
                     "deleting a row also deletes its referencing rows, which are not audited"

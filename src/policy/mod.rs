@@ -20,6 +20,7 @@ mod key;
 mod name;
 pub mod path;
 pub mod references;
+pub mod related;
 mod rules;
 pub mod safety;
 pub mod select;
@@ -59,11 +60,11 @@ pub struct Policy {
     pub retry: RetryPolicy,
     /// Cap on commands executing at once, across replicas.
     pub max_concurrent_commands: u32,
-    /// The kinds of TOML literal each exclusion's values were written as, in `spec.exclude`
-    /// order (not part of the version: the values are compared as text cast to the column's
-    /// type, and check-config refuses a boolean or number written for a text column, where the
-    /// cast would silently change what matches).
-    pub exclusion_literals: Vec<Vec<Literal>>,
+    /// The kinds of TOML literal each value test's values were written as, by the path
+    /// check-config names the test by (not part of the version: the values are compared as text
+    /// cast to the column's type, and check-config refuses a boolean or number written for a
+    /// text column, where the cast would silently change what matches).
+    pub literals: related::Literals,
     /// When its work may run (not part of the version).
     pub safety: Safety,
     /// Policies whose run of the same window must complete before this one's executes
@@ -311,19 +312,10 @@ impl Policy {
             errors.push("max_concurrent_commands: must be between 1 and 1000".into());
         }
         let mut exclude = Vec::new();
-        let mut exclusion_literals = Vec::new();
+        let mut literals = related::Literals::new();
         for (i, e) in c.exclude.iter().enumerate() {
-            match exclusion_from_config(e) {
-                Ok(x) => {
-                    exclude.push(x);
-                    exclusion_literals.push(
-                        e.equals
-                            .iter()
-                            .chain(e.in_.iter().flatten())
-                            .map(Scalar::literal)
-                            .collect(),
-                    );
-                }
+            match exclusion_from_config(e, &format!("exclude[{i}]"), &mut literals) {
+                Ok(x) => exclude.push(x),
                 Err(msg) => errors.push(format!("exclude[{i}]: {msg}")),
             }
         }
@@ -348,11 +340,11 @@ impl Policy {
             ActionSpec::ObjectStore(o) => o.then.column(),
             ActionSpec::DeleteRows => None,
         }) {
-            let stamped = Exclusion {
-                name: column.as_str().to_string(),
-                column: column.clone(),
-                test: ExclusionTest::IsNotNull,
-            };
+            let stamped = Exclusion::column(
+                column.as_str().to_string(),
+                column.clone(),
+                ExclusionTest::IsNotNull,
+            );
             if !exclude.contains(&stamped) {
                 exclude.push(stamped);
             }
@@ -361,6 +353,7 @@ impl Policy {
             &c,
             matches!(action, Some(ActionSpec::DeleteRows)),
             &mut errors,
+            &mut literals,
         );
         let safety = safety_from_config(&c, &mut errors);
         if !errors.is_empty() {
@@ -389,7 +382,7 @@ impl Policy {
             version,
             retry,
             max_concurrent_commands,
-            exclusion_literals,
+            literals,
             safety,
             after: c.after,
             after_allows_dead_letters: c.after_allows_dead_letters,
@@ -403,45 +396,55 @@ impl Policy {
     }
 }
 
-fn exclusion_from_config(e: &ExclusionConfig) -> Result<Exclusion, String> {
-    let column = Ident::parse(&e.column).map_err(|m| format!("column: {m}"))?;
-    let mut tests = Vec::new();
-    if let Some(v) = &e.equals {
-        tests.push(ExclusionTest::Equals { value: v.to_text() });
-    }
-    if let Some(vs) = &e.in_ {
-        if vs.is_empty() {
-            return Err("in: give at least one value".into());
+fn exclusion_from_config(
+    e: &ExclusionConfig,
+    path: &str,
+    literals: &mut related::Literals,
+) -> Result<Exclusion, String> {
+    let tested =
+        e.equals.is_some() || e.in_.is_some() || e.is_null.is_some() || e.is_not_null.is_some();
+    let (rule, default_name) = match (&e.column, &e.exists) {
+        (Some(_), Some(_)) => {
+            return Err("give either `column` with its test or `exists`, not both".into());
         }
-        tests.push(ExclusionTest::In {
-            values: vs.iter().map(Scalar::to_text).collect(),
-        });
-    }
-    match e.is_null {
-        Some(true) => tests.push(ExclusionTest::IsNull),
-        Some(false) => return Err("is_null: write `is_null = true` or leave it out".into()),
-        None => {}
-    }
-    match e.is_not_null {
-        Some(true) => tests.push(ExclusionTest::IsNotNull),
-        Some(false) => return Err("is_not_null: write `is_not_null = true` or leave it out".into()),
-        None => {}
-    }
-    if tests.len() != 1 {
-        return Err(format!(
-            "give exactly one of equals, in, is_null, is_not_null (found {})",
-            tests.len()
-        ));
-    }
-    let name = e.name.clone().unwrap_or_else(|| e.column.clone());
+        (None, Some(_)) if tested => {
+            return Err(
+                "`exists` takes its tests in its own `where`; equals, in, is_null and \
+                 is_not_null beside it test a column of the target row"
+                    .into(),
+            );
+        }
+        (None, Some(r)) => {
+            let exists = related::Related::from_config(r, &format!("{path}.exists"), literals)
+                .map_err(|m| format!("exists.{m}"))?;
+            let name = exists.table.to_string();
+            (ExclusionRule::Related { exists }, name)
+        }
+        (Some(column), None) => {
+            let parsed = Ident::parse(column).map_err(|m| format!("column: {m}"))?;
+            let (test, kinds) = related::value_test(&e.equals, &e.in_, e.is_null, e.is_not_null)?;
+            literals.insert(path.to_string(), kinds);
+            (
+                ExclusionRule::Column(ColumnTest {
+                    column: parsed,
+                    test,
+                }),
+                column.clone(),
+            )
+        }
+        (None, None) => {
+            return Err(
+                "give `column` with one of equals, in, is_null, is_not_null; or `exists = { \
+                 table, on, where }` for a hold kept in another table"
+                    .into(),
+            );
+        }
+    };
+    let name = e.name.clone().unwrap_or(default_name);
     if name.is_empty() || name.len() > 100 || name.starts_with("unknown:") {
         return Err("name: 1-100 characters, not starting with `unknown:`".into());
     }
-    Ok(Exclusion {
-        name,
-        column,
-        test: tests.pop().unwrap(),
-    })
+    Ok(Exclusion { name, rule })
 }
 
 #[cfg(test)]
@@ -471,11 +474,11 @@ mod tests {
             .unwrap();
         assert_ne!(a.version, d.version);
         assert_eq!(d.spec.exclude[0].name, "legal_hold");
+        // An own-column exclusion keeps the JSON (and so the version) it had before related
+        // rows existed.
         assert_eq!(
-            d.spec.exclude[0].test,
-            ExclusionTest::Equals {
-                value: "true".into()
-            }
+            serde_json::to_string(&d.spec.exclude[0]).unwrap(),
+            r#"{"name":"legal_hold","column":"legal_hold","test":{"op":"equals","value":"true"}}"#
         );
     }
 

@@ -1,6 +1,8 @@
 //! The rules that decide eligibility at the moment of the effect (docs/design.md §2.3, §2.10): the
 //! target, the cutoff and every exclusion, turned into SQL with bound parameters.
 
+use super::related::NullMatches;
+use super::select::Selection;
 use super::*;
 
 /// The rules that decide eligibility at the moment of the effect: the target, the cutoff and
@@ -97,7 +99,7 @@ impl RuleSet {
         current: Option<(&str, &PolicySpec)>,
         run_cutoff: chrono::DateTime<chrono::Utc>,
         window: chrono::DateTime<chrono::Utc>,
-        table: &TableInfo,
+        tables: &Tables,
         checked: Option<&CheckedTypes>,
     ) -> Result<RuleSet, Held> {
         let mut exclude = pinned.exclude.clone();
@@ -122,19 +124,26 @@ impl RuleSet {
         }
         // Every column the rules use must exist, with the type this replica checked the policy
         // against: a retyped column can change what a value matches (`'true'` cast to text
-        // never equals `'t'`), so it holds the work instead of deleting under other rules.
-        let type_of = |c: &Ident| -> Result<&str, Held> {
-            let t = table.type_of(c).map_err(Held::schema)?;
-            match checked.and_then(|m| m.get(c.as_str())) {
+        // never equals `'t'`), so it holds the work instead of deleting under other rules. A
+        // related table's columns are checked under `schema.table.column`.
+        let type_in = |table: &TableInfo, prefix: &str, c: &Ident| -> Result<String, Held> {
+            let t = table
+                .type_of(c)
+                .map_err(|m| Held::schema(format!("{prefix}{m}")))?;
+            let checked_as = format!("{prefix}{}", c.as_str());
+            match checked.and_then(|m| m.get(&checked_as)) {
                 Some(was) if was != t => Err(Held::schema(format!(
-                    "column `{}` is {t} now; this replica checked the policy against {was}: \
-                     restore the type, or check the policy (sweeper check-config) and restart \
-                     the replicas to accept it",
-                    c.as_str()
+                    "column `{checked_as}` is {t} now; this replica checked the policy against \
+                     {was}: restore the type, or check the policy (sweeper check-config) and \
+                     restart the replicas to accept it"
                 ))),
-                _ => Ok(t),
+                _ => Ok(t.to_string()),
             }
         };
+        let table = tables
+            .get(&pinned.target.table)
+            .ok_or_else(|| Held::schema(format!("table {} does not exist", pinned.target.table)))?;
+        let type_of = |c: &Ident| type_in(table, "", c);
         let mut column_types = HashMap::new();
         for c in pinned.target.key.columns() {
             type_of(c)?;
@@ -152,19 +161,54 @@ impl RuleSet {
         }
         type_of(&pinned.target.timestamp)?;
         for e in &exclude {
-            let t = type_of(&e.column)?;
-            column_types.insert(e.column.as_str().to_string(), t.to_string());
+            if let ExclusionRule::Column(c) = &e.rule {
+                column_types.insert(c.column.as_str().to_string(), type_of(&c.column)?);
+            }
         }
         for s in &select {
-            let t = type_of(&s.column)?;
-            if s.test.is_temporal() && t != "timestamp with time zone" {
+            let Selection::Column { column, .. } = s else {
+                continue;
+            };
+            let t = type_of(column)?;
+            if s.is_temporal() && t != "timestamp with time zone" {
                 return Err(Held::schema(format!(
                     "select: column `{}` is {t}; older_than / newer_than compare a timestamptz \
                      with the window",
-                    s.column.as_str()
+                    column.as_str()
                 )));
             }
-            column_types.insert(s.column.as_str().to_string(), t.to_string());
+            column_types.insert(column.as_str().to_string(), t);
+        }
+        // Rows of another table: each `on` pair of one type (an implicit cast could change
+        // which rows are equal), each `where` column's type kept for its values' casts.
+        let related = exclude
+            .iter()
+            .filter_map(|e| match &e.rule {
+                ExclusionRule::Related { exists } => Some(exists),
+                ExclusionRule::Column(_) => None,
+            })
+            .chain(select.iter().filter_map(Selection::related));
+        for r in related {
+            let info = tables
+                .get(&r.table)
+                .ok_or_else(|| Held::schema(format!("table {} does not exist", r.table)))?;
+            let prefix = format!("{}.", r.table);
+            for p in &r.on {
+                let (theirs, ours) = (type_in(info, &prefix, &p.related)?, type_of(&p.target)?);
+                if theirs != ours {
+                    return Err(Held::schema(format!(
+                        "{}.{} is {theirs} but {}.{} is {ours}: the columns of an `on` pair \
+                         must have one type",
+                        r.table,
+                        p.related.as_str(),
+                        pinned.target.table,
+                        p.target.as_str()
+                    )));
+                }
+            }
+            for w in &r.where_ {
+                column_types.insert(r.type_key(&w.column), type_in(info, &prefix, &w.column)?);
+            }
         }
         for c in pinned.action.columns() {
             type_of(c)?;
@@ -252,7 +296,7 @@ impl RuleSet {
         q.push(", false)");
         for s in &self.select {
             q.push(" and ");
-            s.push(q, &self.column_types[s.column.as_str()], self.window);
+            s.push(q, &self.table_sql(), &self.column_types, self.window);
         }
         q.push(")");
     }
@@ -288,7 +332,7 @@ impl RuleSet {
         q.push_bind(self.younger_reason());
         for s in &self.select {
             q.push(" when not ");
-            s.push(q, &self.column_types[s.column.as_str()], self.window);
+            s.push(q, &self.table_sql(), &self.column_types, self.window);
             q.push(" then ");
             q.push_bind(s.unselected_reason());
         }
@@ -316,33 +360,34 @@ impl RuleSet {
             q.push_bind(run_id.clone());
             q.push(") then 'effect_open'");
         }
+        let table = self.table_sql();
         for e in &self.exclude {
-            let col = e.column.quoted();
-            let ty = &self.column_types[e.column.as_str()];
-            match &e.test {
-                ExclusionTest::Equals { value } => {
-                    q.push(format!(" when {col} is null then "));
-                    q.push_bind(format!("unknown:{}", e.column.as_str()));
-                    q.push(format!(" when {col} = cast("));
-                    q.push_bind(value.clone());
-                    q.push(format!(" as {ty}) then "));
+            match &e.rule {
+                ExclusionRule::Column(c) => {
+                    let col = c.column.quoted();
+                    let ty = &self.column_types[c.column.as_str()];
+                    if c.test.compares_values() {
+                        q.push(format!(" when {col} is null then "));
+                        q.push_bind(format!("unknown:{}", c.column.as_str()));
+                    }
+                    q.push(" when ");
+                    c.test.push(q, &col, ty);
+                    q.push(" then ");
                     q.push_bind(e.name.clone());
                 }
-                ExclusionTest::In { values } => {
-                    q.push(format!(" when {col} is null then "));
-                    q.push_bind(format!("unknown:{}", e.column.as_str()));
-                    q.push(format!(" when {col} = any(cast("));
-                    q.push_bind(values.clone());
-                    q.push(format!(" as {ty}[])) then "));
+                // A related row that matches holds the row under the exclusion's name; one that
+                // matches only through a NULL in a compared column holds it as unknown.
+                ExclusionRule::Related { exists } => {
+                    q.push(" when ");
+                    exists.push_exists(q, &table, &self.column_types, NullMatches::No);
+                    q.push(" then ");
                     q.push_bind(e.name.clone());
-                }
-                ExclusionTest::IsNull => {
-                    q.push(format!(" when {col} is null then "));
-                    q.push_bind(e.name.clone());
-                }
-                ExclusionTest::IsNotNull => {
-                    q.push(format!(" when {col} is not null then "));
-                    q.push_bind(e.name.clone());
+                    if exists.compares_values() {
+                        q.push(" when ");
+                        exists.push_exists(q, &table, &self.column_types, NullMatches::Yes);
+                        q.push(" then ");
+                        exists.push_unknown_reason(q, &table, &self.column_types);
+                    }
                 }
             }
         }
@@ -459,8 +504,11 @@ impl RuleSet {
         }
         let mut columns: Vec<&Ident> = self.target.key.columns().iter().collect();
         columns.push(&self.target.timestamp);
-        columns.extend(self.select.iter().map(|s| &s.column));
-        columns.extend(self.exclude.iter().map(|e| &e.column));
+        columns.extend(self.select.iter().flat_map(Selection::target_columns));
+        columns.extend(self.exclude.iter().flat_map(|e| match &e.rule {
+            ExclusionRule::Column(c) => vec![&c.column],
+            ExclusionRule::Related { exists } => exists.target_columns().collect(),
+        }));
         columns.extend(self.action.columns());
         let mut seen = std::collections::HashSet::new();
         columns.retain(|c| seen.insert(c.as_str()));

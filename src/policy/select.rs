@@ -11,15 +11,18 @@
 //! effect like every other rule; a row that stops matching is `not_eligible` with the reason
 //! `not_selected:{column}`.
 
+use super::related::{NullMatches, Related};
 use super::*;
 
 /// One `select` entry as written: `column` plus exactly one of `equals`, `in`, `is_null`,
-/// `is_not_null`, `older_than`, `newer_than`.
+/// `is_not_null`, `older_than`, `newer_than`; or `exists` / `not_exists`, rows of another table
+/// (see [`super::related`]).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SelectionConfig {
     /// Column tested.
-    pub column: String,
+    #[serde(default)]
+    pub column: Option<String>,
     /// Selected when equal.
     #[serde(default)]
     pub equals: Option<Scalar>,
@@ -38,15 +41,37 @@ pub struct SelectionConfig {
     /// Selected when the column (a `timestamptz`) is this long before the window or later.
     #[serde(default)]
     pub newer_than: Option<DurationSpec>,
+    /// Selected while a related row matches (a NULL in a compared column: no match).
+    #[serde(default)]
+    pub exists: Option<super::related::RelatedConfig>,
+    /// Selected while no related row matches (a NULL in a compared column: a match, so the row
+    /// is not selected).
+    #[serde(default)]
+    pub not_exists: Option<super::related::RelatedConfig>,
 }
 
-/// One `select` predicate: a row is selected when every predicate holds.
+/// One `select` predicate: a row is selected when every predicate holds. Untagged, so a
+/// column predicate keeps the JSON (and the policy version) it always had.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Selection {
-    /// The column it tests.
-    pub column: Ident,
-    /// The test.
-    pub test: SelectionTest,
+#[serde(untagged)]
+pub enum Selection {
+    /// A test of the target row's own column.
+    Column {
+        /// The column it tests.
+        column: Ident,
+        /// The test.
+        test: SelectionTest,
+    },
+    /// Selected while a related row matches.
+    Exists {
+        /// The related rows.
+        exists: Related,
+    },
+    /// Selected while no related row matches.
+    NotExists {
+        /// The related rows.
+        not_exists: Related,
+    },
 }
 
 /// A selection's test. Values are kept as text and cast to the column's type in SQL, always as
@@ -91,9 +116,45 @@ impl SelectionTest {
 }
 
 impl Selection {
-    /// Validates one written `select` entry; the error names the field.
-    pub fn from_config(c: &SelectionConfig) -> Result<Selection, String> {
-        let column = Ident::parse(&c.column).map_err(|m| format!("column: {m}"))?;
+    /// Validates one written `select` entry at `path` (`select[0]`); the error names the field.
+    pub fn from_config(
+        c: &SelectionConfig,
+        path: &str,
+        literals: &mut super::related::Literals,
+    ) -> Result<Selection, String> {
+        let related = [("exists", &c.exists), ("not_exists", &c.not_exists)]
+            .into_iter()
+            .filter_map(|(field, r)| r.as_ref().map(|r| (field, r)))
+            .collect::<Vec<_>>();
+        if let Some((field, r)) = related.first() {
+            let tested = c.equals.is_some()
+                || c.in_.is_some()
+                || c.is_null.is_some()
+                || c.is_not_null.is_some()
+                || c.older_than.is_some()
+                || c.newer_than.is_some();
+            if related.len() > 1 || c.column.is_some() || tested {
+                return Err(format!(
+                    "`{field}` stands alone: its tests go in its own `where` (give either a \
+                     column with its test, or one of exists, not_exists)"
+                ));
+            }
+            let rel = Related::from_config(r, &format!("{path}.{field}"), literals)
+                .map_err(|m| format!("{field}.{m}"))?;
+            return Ok(if *field == "exists" {
+                Selection::Exists { exists: rel }
+            } else {
+                Selection::NotExists { not_exists: rel }
+            });
+        }
+        let Some(column) = &c.column else {
+            return Err(
+                "give `column` with one of equals, in, is_null, is_not_null, older_than, \
+                 newer_than; or `exists` / `not_exists` for rows of another table"
+                    .into(),
+            );
+        };
+        let column = Ident::parse(column).map_err(|m| format!("column: {m}"))?;
         let mut tests = Vec::new();
         if let Some(v) = &c.equals {
             tests.push(SelectionTest::Equals { value: v.to_text() });
@@ -140,27 +201,76 @@ impl Selection {
                 tests.len()
             ));
         }
-        Ok(Selection {
+        Ok(Selection::Column {
             column,
             test: tests.pop().expect("one test"),
         })
     }
 
-    /// The reason recorded when this predicate stops holding: `not_selected:{column}`.
+    /// The reason recorded when this predicate stops holding: `not_selected:{column}`, or
+    /// `not_selected:exists:{table}` / `not_selected:not_exists:{table}`.
     pub fn unselected_reason(&self) -> String {
-        format!("not_selected:{}", self.column.as_str())
+        match self {
+            Selection::Column { column, .. } => format!("not_selected:{}", column.as_str()),
+            Selection::Exists { exists } => format!("not_selected:exists:{}", exists.table),
+            Selection::NotExists { not_exists } => {
+                format!("not_selected:not_exists:{}", not_exists.table)
+            }
+        }
     }
 
-    /// Pushes the predicate, false for a NULL in a value or time test. `ty` is the column's
-    /// SQL type (values are cast to it).
+    /// The related rows it tests, if it tests another table.
+    pub fn related(&self) -> Option<&Related> {
+        match self {
+            Selection::Column { .. } => None,
+            Selection::Exists { exists: r } | Selection::NotExists { not_exists: r } => Some(r),
+        }
+    }
+
+    /// The target's columns it reads.
+    pub fn target_columns(&self) -> Vec<&Ident> {
+        match self {
+            Selection::Column { column, .. } => vec![column],
+            _ => self
+                .related()
+                .map(|r| r.target_columns().collect())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Whether it compares a timestamp column with the window.
+    pub fn is_temporal(&self) -> bool {
+        matches!(self, Selection::Column { test, .. } if test.is_temporal())
+    }
+
+    /// Pushes the predicate for the row of `target` (the target's quoted name), false for a
+    /// NULL in a value or time test. `types` holds the column types of the rule set (a
+    /// column's values are cast to its type).
     pub fn push(
         &self,
         q: &mut QueryBuilder<'_, Postgres>,
-        ty: &str,
+        target: &str,
+        types: &HashMap<String, String>,
         window: chrono::DateTime<chrono::Utc>,
     ) {
-        let col = self.column.quoted();
-        match &self.test {
+        let (column, test) = match self {
+            Selection::Column { column, test } => (column, test),
+            Selection::Exists { exists } => {
+                q.push("(");
+                exists.push_exists(q, target, types, NullMatches::No);
+                q.push(")");
+                return;
+            }
+            Selection::NotExists { not_exists } => {
+                q.push("(not ");
+                not_exists.push_exists(q, target, types, NullMatches::Yes);
+                q.push(")");
+                return;
+            }
+        };
+        let col = column.quoted();
+        let ty = types.get(column.as_str()).map(String::as_str).unwrap_or("");
+        match test {
             SelectionTest::Equals { value } => {
                 q.push(format!("coalesce({col} = cast("));
                 q.push_bind(value.clone());
@@ -199,10 +309,11 @@ pub(super) fn selection_from_config(
     c: &PolicyConfig,
     deletes_rows: bool,
     errors: &mut Vec<String>,
+    literals: &mut super::related::Literals,
 ) -> (Vec<Selection>, i64) {
     let mut select = Vec::new();
     for (i, s) in c.select.iter().enumerate() {
-        match Selection::from_config(s) {
+        match Selection::from_config(s, &format!("select[{i}]"), literals) {
             Ok(s) if select.contains(&s) => {
                 errors.push(format!("select[{i}]: repeats an earlier predicate"));
             }
@@ -258,18 +369,22 @@ pub(super) fn check_columns(
 ) -> Vec<String> {
     let mut out = Vec::new();
     for (i, s) in select.iter().enumerate() {
-        match col(s.column.as_str()) {
+        let Selection::Column { column, test } = s else {
+            continue;
+        };
+        match col(column.as_str()) {
             None => out.push(format!(
                 "select[{i}]: column {} does not exist in the target table",
-                s.column.as_str()
+                column.as_str()
             )),
-            Some(c) if s.test.is_temporal() && c.type_sql != "timestamp with time zone" => out
-                .push(format!(
+            Some(c) if test.is_temporal() && c.type_sql != "timestamp with time zone" => {
+                out.push(format!(
                     "select[{i}]: column {} is {}; older_than / newer_than compare a timestamptz \
                      with the window",
-                    s.column.as_str(),
+                    column.as_str(),
                     c.type_sql
-                )),
+                ))
+            }
             Some(_) => {}
         }
     }

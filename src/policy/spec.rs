@@ -20,12 +20,46 @@ pub struct Target {
 /// One exclusion: rows it matches are never acted on (docs/design.md §2.3).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Exclusion {
-    /// The reason recorded when it holds a row (defaults to the column name).
+    /// The reason recorded when it holds a row (defaults to the column name, or to the related
+    /// table's name).
     pub name: String,
+    /// What it tests: one of the row's own columns, or rows of another table. Flattened, so an
+    /// own-column exclusion keeps the JSON (and the policy version) it always had.
+    #[serde(flatten)]
+    pub rule: ExclusionRule,
+}
+
+/// What an exclusion tests.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ExclusionRule {
+    /// A column of the target row (`column = "legal_hold", equals = true`).
+    Column(ColumnTest),
+    /// Rows of another table related to the target row (`exists = { table, on, where }`): the
+    /// row is held while one matches (see [`crate::policy::related`]).
+    Related {
+        /// The related rows.
+        exists: super::related::Related,
+    },
+}
+
+/// A value test on one column: an own-column exclusion, or one `where` entry of related rows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ColumnTest {
     /// The column it tests.
     pub column: Ident,
     /// The test.
     pub test: ExclusionTest,
+}
+
+impl Exclusion {
+    /// An exclusion on the target row's own `column`.
+    pub fn column(name: String, column: Ident, test: ExclusionTest) -> Self {
+        Exclusion {
+            name,
+            rule: ExclusionRule::Column(ColumnTest { column, test }),
+        }
+    }
 }
 
 /// An exclusion's test. Values are kept as text and cast to the column's type in SQL, always as
@@ -47,6 +81,48 @@ pub enum ExclusionTest {
     IsNull,
     /// `column IS NOT NULL`.
     IsNotNull,
+}
+
+impl ExclusionTest {
+    /// Whether it compares values (`equals`, `in`): its column being NULL leaves it unknown.
+    pub fn compares_values(&self) -> bool {
+        matches!(
+            self,
+            ExclusionTest::Equals { .. } | ExclusionTest::In { .. }
+        )
+    }
+
+    /// The values it compares, as text.
+    pub fn values(&self) -> Vec<String> {
+        match self {
+            ExclusionTest::Equals { value } => vec![value.clone()],
+            ExclusionTest::In { values } => values.clone(),
+            ExclusionTest::IsNull | ExclusionTest::IsNotNull => vec![],
+        }
+    }
+
+    /// Pushes the bare test on `col` (a column as SQL), values cast to `ty`: NULL when a
+    /// compared column is NULL, for the caller to decide which side that falls on.
+    pub fn push(&self, q: &mut QueryBuilder<'_, Postgres>, col: &str, ty: &str) {
+        match self {
+            ExclusionTest::Equals { value } => {
+                q.push(format!("{col} = cast("));
+                q.push_bind(value.clone());
+                q.push(format!(" as {ty})"));
+            }
+            ExclusionTest::In { values } => {
+                q.push(format!("{col} = any(cast("));
+                q.push_bind(values.clone());
+                q.push(format!(" as {ty}[]))"));
+            }
+            ExclusionTest::IsNull => {
+                q.push(format!("{col} is null"));
+            }
+            ExclusionTest::IsNotNull => {
+                q.push(format!("{col} is not null"));
+            }
+        }
+    }
 }
 
 /// What happens to an eligible item.
@@ -121,6 +197,28 @@ impl PolicySpec {
     pub fn version(&self) -> String {
         let json = serde_json::to_vec(self).expect("a spec always serializes");
         hex::encode(&Sha256::digest(&json)[..8])
+    }
+
+    /// The related tables its exclusions and selections read (`exists`, `not_exists`), each
+    /// once, in configuration order.
+    pub fn related(&self) -> Vec<&super::related::Related> {
+        let exclusions = self.exclude.iter().filter_map(|e| match &e.rule {
+            ExclusionRule::Related { exists } => Some(exists),
+            ExclusionRule::Column(_) => None,
+        });
+        let selections = self.select.iter().filter_map(|s| s.related());
+        exclusions.chain(selections).collect()
+    }
+
+    /// Every table its rules read: the target, then each related table once.
+    pub fn tables(&self) -> Vec<&TableName> {
+        let mut out = vec![&self.target.table];
+        for r in self.related() {
+            if !out.contains(&&r.table) {
+                out.push(&r.table);
+            }
+        }
+        out
     }
 }
 

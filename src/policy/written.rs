@@ -122,13 +122,15 @@ pub struct TargetConfig {
     pub timestamp_zone: Option<String>,
 }
 
-/// One `exclude` entry: `column` plus exactly one of `equals`, `in`, `is_null`, `is_not_null`.
+/// One `exclude` entry: `column` plus exactly one of `equals`, `in`, `is_null`, `is_not_null`;
+/// or `exists`, rows of another table that hold the row (see [`super::related`]).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExclusionConfig {
     /// Column tested.
-    pub column: String,
-    /// Reason recorded; defaults to the column name.
+    #[serde(default)]
+    pub column: Option<String>,
+    /// Reason recorded; defaults to the column name (or the related table's name).
     #[serde(default)]
     pub name: Option<String>,
     /// Excluded when equal.
@@ -143,4 +145,7 @@ pub struct ExclusionConfig {
     /// `is_not_null = true`: excluded when not NULL.
     #[serde(default)]
     pub is_not_null: Option<bool>,
+    /// Excluded while a related row of another table matches.
+    #[serde(default)]
+    pub exists: Option<super::related::RelatedConfig>,
 }

@@ -27,6 +27,7 @@ mod pubsub;
 mod push_bodies;
 mod qstash;
 mod refusals;
+mod related_holds;
 mod runbook;
 mod safety;
 mod scenarios;
