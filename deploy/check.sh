@@ -7,7 +7,8 @@
 #   * DRY_RUN=1 runs of deploy/cloudrun/setup.sh and deploy/qstash/schedules.sh, with stubs in
 #     front of gcloud, curl, openssl, podman and docker that fail the check if either script calls
 #     them;
-#   * every deploy/kubernetes/*.yaml parses, and each document has apiVersion, kind, metadata.name;
+#   * every deploy/kubernetes/*.yaml and deploy/monitoring/*.yaml parses, and each document has
+#     apiVersion, kind, metadata.name;
 #   * every deploy/**/*.toml parses;
 #   * the scripts agree with the configurations they go with (policies, schedules, audiences,
 #     service accounts, deadlines, attempts, scopes), and the Kubernetes CronJob with the
@@ -127,7 +128,7 @@ def max_attempts(policy):
 
 # --- YAML manifests --------------------------------------------------------------------------
 manifests = {}
-for path in sorted(glob.glob("deploy/kubernetes/*.yaml")):
+for path in sorted(glob.glob("deploy/kubernetes/*.yaml") + glob.glob("deploy/monitoring/*.yaml")):
     try:
         docs = [d for d in yaml.safe_load_all(open(path)) if d is not None]
     except yaml.YAMLError as e:

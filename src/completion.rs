@@ -52,8 +52,13 @@ pub(crate) async fn complete_run(
     }
     tx.commit().await?;
     info!(run_id, status, "run completed");
-    if let (false, Some(seconds)) = (run_id.contains(":dry-"), seconds) {
-        crate::metrics::run_completed(policy_of(run_id), seconds);
+    if let (false, Some(t)) = (run_id.contains(":dry-"), seconds) {
+        let policy = policy_of(run_id);
+        let backfill = state
+            .config
+            .policy(policy)
+            .is_some_and(|p| crate::trigger::is_backfill(p, t.window, t.created));
+        crate::metrics::run_completed(policy, t.since_window, t.since_created, backfill);
     }
     Ok(Some(status))
 }

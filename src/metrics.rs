@@ -17,36 +17,188 @@ use crate::retry::FailureClass;
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
-/// Every series `GET /metrics` exports (docs/metrics.md lists the same), each present from start-up:
-/// process counters at 0 for every label value known then (attempt outcomes and classes, the
-/// configured dependencies), ledger-wide values for every state, status and configured policy.
-/// Only `sweeper_held_at_planning` has a series per reason a run actually held.
-pub const SERIES: &[&str] = &[
-    "sweeper_dead_letters_open",
-    "sweeper_dead_letters_oldest_open_age_seconds",
-    "sweeper_quarantined_total",
-    "sweeper_attempts_total",
-    "sweeper_commands",
-    "sweeper_oldest_due_command_age_seconds",
-    "sweeper_runs",
-    "sweeper_planning_jobs_failing",
-    "sweeper_last_successful_run_timestamp_seconds",
-    "sweeper_missed_windows",
-    "sweeper_held_at_planning",
-    "sweeper_held",
-    "sweeper_held_overdue",
-    "sweeper_held_oldest_age_seconds",
-    "sweeper_holds_total",
-    "sweeper_consume_shed_total",
-    "sweeper_consume_unknown_commands_total",
-    "sweeper_dependency_calls_total",
-    "sweeper_dependency_pauses_total",
-    "sweeper_held_runs",
-    "sweeper_items_total",
-    "sweeper_trigger_lag_seconds",
-    "sweeper_consume_duration_seconds",
-    "sweeper_run_duration_seconds",
+/// A metric family's type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Goes up and down.
+    Gauge,
+    /// Only goes up (a restart starts a process counter at 0).
+    Counter,
+    /// Observations in buckets.
+    Histogram,
+}
+
+/// Every family `GET /metrics` exports, with its type and HELP text (docs/metrics.md lists the
+/// same), each present from start-up: process counters at 0 for every label value known then
+/// (attempt outcomes and classes, the configured dependencies), ledger-wide values for every
+/// state, status and configured policy. Only `sweeper_held_at_planning` has a series per reason
+/// a run actually held, and `sweeper_run_execution_seconds` one per trigger kind observed.
+pub const FAMILIES: &[(&str, Kind, &str)] = &[
+    (
+        "sweeper_dead_letters_open",
+        Kind::Gauge,
+        "Dead letters in status open (ledger-wide).",
+    ),
+    (
+        "sweeper_dead_letters_oldest_open_age_seconds",
+        Kind::Gauge,
+        "Age of the oldest open dead letter, 0 when none (ledger-wide).",
+    ),
+    (
+        "sweeper_quarantined_total",
+        Kind::Counter,
+        "Dead letters ever created (ledger-wide; never goes down).",
+    ),
+    (
+        "sweeper_attempts_total",
+        Kind::Counter,
+        "Command attempts by outcome and failure class (this process).",
+    ),
+    (
+        "sweeper_commands",
+        Kind::Gauge,
+        "Commands per state (ledger-wide).",
+    ),
+    (
+        "sweeper_oldest_due_command_age_seconds",
+        Kind::Gauge,
+        "How long the oldest due pending command has waited, 0 when none (ledger-wide).",
+    ),
+    (
+        "sweeper_runs",
+        Kind::Gauge,
+        "Runs per status (ledger-wide).",
+    ),
+    (
+        "sweeper_open_run_window_age_seconds",
+        Kind::Gauge,
+        "Seconds since the window of the policy's oldest run that is not finished (dry runs \
+         aside), 0 when none (ledger-wide).",
+    ),
+    (
+        "sweeper_planning_jobs_failing",
+        Kind::Gauge,
+        "Planning jobs whose last page failed (ledger-wide).",
+    ),
+    (
+        "sweeper_last_successful_run_timestamp_seconds",
+        Kind::Gauge,
+        "Unix time the policy's latest completed run completed, 0 before the first (ledger-wide).",
+    ),
+    (
+        "sweeper_policy_period_seconds",
+        Kind::Gauge,
+        "The longest gap between two ticks of the policy's schedule (configuration).",
+    ),
+    (
+        "sweeper_missed_windows",
+        Kind::Gauge,
+        "Ticks among the policy's latest 1000 with no run (ledger-wide).",
+    ),
+    (
+        "sweeper_held_at_planning",
+        Kind::Gauge,
+        "Rows the planned run of the policy's latest window held, per reason (ledger-wide).",
+    ),
+    (
+        "sweeper_held",
+        Kind::Gauge,
+        "Unfinished commands and planning jobs held now, per hold kind (ledger-wide).",
+    ),
+    (
+        "sweeper_held_overdue",
+        Kind::Gauge,
+        "Held work held longer than ledger.hold_alert_after, per hold kind (ledger-wide).",
+    ),
+    (
+        "sweeper_held_oldest_age_seconds",
+        Kind::Gauge,
+        "Age of the oldest hold, 0 when none (ledger-wide).",
+    ),
+    (
+        "sweeper_held_runs",
+        Kind::Gauge,
+        "Runs with held work now, per hold kind (ledger-wide).",
+    ),
+    (
+        "sweeper_dependency_paused",
+        Kind::Gauge,
+        "1 while calls to the dependency are paused (its API asked to wait), else 0 (ledger-wide).",
+    ),
+    (
+        "sweeper_holds_total",
+        Kind::Counter,
+        "Holds that began on this process, per hold kind.",
+    ),
+    (
+        "sweeper_consume_shed_total",
+        Kind::Counter,
+        "/consume requests refused with 503 overloaded at consume.max_in_flight (this process).",
+    ),
+    (
+        "sweeper_consume_unknown_commands_total",
+        Kind::Counter,
+        "Deliveries of a command the ledger does not know (this process).",
+    ),
+    (
+        "sweeper_dependency_calls_total",
+        Kind::Counter,
+        "Outbound calls to a dependency by result (this process).",
+    ),
+    (
+        "sweeper_dependency_pauses_total",
+        Kind::Counter,
+        "Pauses stored for a dependency (this process).",
+    ),
+    (
+        "sweeper_items_total",
+        Kind::Counter,
+        "Items whose audit rows committed, by policy and outcome (this process).",
+    ),
+    (
+        "sweeper_trigger_lag_seconds",
+        Kind::Histogram,
+        "Arrival minus window of each live trigger that created its run (this process).",
+    ),
+    (
+        "sweeper_consume_duration_seconds",
+        Kind::Histogram,
+        "One authenticated /consume request, start to answer (this process).",
+    ),
+    (
+        "sweeper_run_duration_seconds",
+        Kind::Histogram,
+        "Window to completion of each run this process completed (a backfill counts from its \
+         old window; sweeper_run_execution_seconds does not).",
+    ),
+    (
+        "sweeper_run_execution_seconds",
+        Kind::Histogram,
+        "Creation to completion of each run this process completed, by trigger (live or \
+         backfill).",
+    ),
 ];
+
+/// Describes every family to the recorder in scope, so each is exported with its HELP text (a
+/// recorder writes the HELP of the families it has series of, and only those).
+fn describe() {
+    for (name, kind, help) in FAMILIES {
+        match kind {
+            Kind::Gauge => metrics::describe_gauge!(*name, *help),
+            Kind::Counter => metrics::describe_counter!(*name, *help),
+            Kind::Histogram => metrics::describe_histogram!(*name, *help),
+        }
+    }
+}
+
+/// The HELP text of `family`.
+fn help_of(family: &str) -> &'static str {
+    FAMILIES
+        .iter()
+        .find(|(n, _, _)| *n == family)
+        .map(|(_, _, h)| *h)
+        .unwrap_or("")
+}
 
 /// Buckets of `sweeper_trigger_lag_seconds` (arrival − window; negative for an early
 /// trigger) and `sweeper_run_duration_seconds` (window to completion), in seconds.
@@ -130,11 +282,15 @@ pub fn handle() -> &'static PrometheusHandle {
             .and_then(|b| {
                 b.set_buckets_for_metric(full("sweeper_consume_duration_seconds"), CONSUME_BUCKETS)
             })
+            .and_then(|b| {
+                b.set_buckets_for_metric(full("sweeper_run_execution_seconds"), LAG_BUCKETS)
+            })
             .expect("the bucket lists are not empty")
             .build_recorder();
         let handle = recorder.handle();
         // A second recorder (another Application in the same process) keeps the first.
         let _ = metrics::set_global_recorder(recorder);
+        describe();
         handle
     })
 }
@@ -169,10 +325,15 @@ pub fn consume_finished(seconds: f64) {
     histogram!("sweeper_consume_duration_seconds").record(seconds);
 }
 
-/// Observes a live run completed by this process: its window to its completion, in seconds
-/// (`sweeper_run_duration_seconds{policy}`).
-pub fn run_completed(policy: &str, seconds: f64) {
-    histogram!("sweeper_run_duration_seconds", "policy" => policy.to_string()).record(seconds);
+/// Observes a run completed by this process: its window to its completion
+/// (`sweeper_run_duration_seconds{policy}`) and its creation to its completion
+/// (`sweeper_run_execution_seconds{policy, trigger}`, `trigger` `live` or `backfill`), in
+/// seconds.
+pub fn run_completed(policy: &str, since_window: f64, since_created: f64, backfill: bool) {
+    histogram!("sweeper_run_duration_seconds", "policy" => policy.to_string()).record(since_window);
+    let trigger = if backfill { "backfill" } else { "live" };
+    histogram!("sweeper_run_execution_seconds", "policy" => policy.to_string(), "trigger" => trigger)
+        .record(since_created);
 }
 
 /// Counts a failed attempt or snooze (`sweeper_attempts_total{outcome, class}`).
@@ -223,14 +384,26 @@ pub fn consume_unknown_command() {
     counter!("sweeper_consume_unknown_commands_total").increment(1);
 }
 
+/// A configured policy's figures for [`render`].
+#[derive(Debug, Clone, Copy)]
+pub struct PolicyFigures<'a> {
+    /// Its name.
+    pub name: &'a str,
+    /// Its missed windows among its latest 1,000 ticks.
+    pub missed: usize,
+    /// The longest gap between two ticks of its schedule, in seconds.
+    pub period_seconds: i64,
+}
+
 /// Reads the ledger-wide values and renders everything in Prometheus text format.
 ///
 /// The ledger-wide values go through a recorder local to this scrape, so concurrent scrapes
 /// (or several applications in one test process) cannot mix their numbers.
 ///
 /// `policies` are the configured policies with their missed windows among their latest 1,000
-/// ticks (`sweeper_missed_windows`, [`crate::windows`]): each has a
+/// ticks (`sweeper_missed_windows`, [`crate::windows`]) and their schedule's period: each has a
 /// `sweeper_last_successful_run_timestamp_seconds`, 0 until its first successful run.
+/// `dependencies` are the configured dependencies (`sweeper_dependency_paused`).
 ///
 /// `hold_alert_after` (seconds) makes held work overdue (`sweeper_held_overdue`; never an
 /// expected wait: active hours, pace). `held_policies` are the policies this replica holds now,
@@ -239,7 +412,8 @@ pub fn consume_unknown_command() {
 // Over 80 lines: one block per metric family, in the order of the exposition.
 pub async fn render(
     pool: &PgPool,
-    policies: &[(&str, usize)],
+    policies: &[PolicyFigures<'_>],
+    dependencies: &[&str],
     hold_alert_after: i64,
     held_policies: (&[String], &[String]),
 ) -> sqlx::Result<String> {
@@ -282,6 +456,20 @@ pub async fn render(
     .fetch_all(pool)
     .await?;
     let held_work = crate::ledger::holds::held_work(pool, hold_alert_after, held_policies).await?;
+    // The oldest unfinished run of each policy, by its window.
+    let open_runs: Vec<(String, f64)> = sqlx::query_as(
+        "select policy, extract(epoch from sweeper.now() - min(window_at))::float8
+           from sweeper.runs
+          where status in ('planning', 'running') and not dry_run
+          group by policy",
+    )
+    .fetch_all(pool)
+    .await?;
+    let paused: Vec<String> = sqlx::query_scalar(
+        "select dependency from sweeper.dependency_pauses where paused_until > sweeper.now()",
+    )
+    .fetch_all(pool)
+    .await?;
     let last: Vec<(String, f64)> = sqlx::query_as(
         "select policy, extract(epoch from max(completed_at))::float8 from sweeper.runs
           where status = 'completed' and not dry_run group by policy",
@@ -292,6 +480,7 @@ pub async fn render(
     let scrape = PrometheusBuilder::new().build_recorder();
     let scrape_handle = scrape.handle();
     metrics::with_local_recorder(&scrape, || {
+        describe();
         gauge!("sweeper_dead_letters_open").set(open as f64);
         gauge!("sweeper_dead_letters_oldest_open_age_seconds").set(oldest_open.unwrap_or(0.0));
         counter!("sweeper_quarantined_total").absolute(quarantined_total as u64);
@@ -326,21 +515,34 @@ pub async fn render(
             gauge!("sweeper_held_at_planning", "policy" => policy.clone(), "reason" => reason.clone())
                 .set(*n as f64);
         }
-        for (policy, missed) in policies {
-            gauge!("sweeper_missed_windows", "policy" => policy.to_string()).set(*missed as f64);
-            let at = last
-                .iter()
-                .find(|(p, _)| p == policy)
-                .map(|(_, at)| *at)
-                .unwrap_or(0.0);
-            gauge!("sweeper_last_successful_run_timestamp_seconds", "policy" => policy.to_string())
-                .set(at);
+        for f in policies {
+            let policy = f.name.to_string();
+            gauge!("sweeper_missed_windows", "policy" => policy.clone()).set(f.missed as f64);
+            let figure = |rows: &[(String, f64)]| {
+                rows.iter()
+                    .find(|(p, _)| *p == policy)
+                    .map_or(0.0, |(_, v)| *v)
+            };
+            gauge!("sweeper_last_successful_run_timestamp_seconds", "policy" => policy.clone())
+                .set(figure(&last));
+            gauge!("sweeper_open_run_window_age_seconds", "policy" => policy.clone())
+                .set(figure(&open_runs));
+            gauge!("sweeper_policy_period_seconds", "policy" => policy)
+                .set(f.period_seconds as f64);
+        }
+        for d in dependencies {
+            let now = paused.iter().any(|p| p == d);
+            gauge!("sweeper_dependency_paused", "dependency" => d.to_string()).set(if now {
+                1.0
+            } else {
+                0.0
+            });
         }
     });
     let process = handle();
     process.run_upkeep();
     let mut text = format!("{}{}", scrape_handle.render(), process.render());
-    let names: Vec<&str> = policies.iter().map(|(p, _)| *p).collect();
+    let names: Vec<&str> = policies.iter().map(|f| f.name).collect();
     append_empty_histograms(&mut text, &names);
     Ok(text)
 }
@@ -364,6 +566,13 @@ fn append_empty_histograms(text: &mut String, policies: &[&str]) {
             LAG_BUCKETS,
             format!("policy=\"{p}\""),
         ));
+        for trigger in ["live", "backfill"] {
+            series.push((
+                "sweeper_run_execution_seconds",
+                LAG_BUCKETS,
+                format!("policy=\"{p}\",trigger=\"{trigger}\""),
+            ));
+        }
     }
     let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
     for (name, buckets, labels) in series {
@@ -396,6 +605,7 @@ fn append_empty_histograms(text: &mut String, policies: &[&str]) {
                 lines.splice(end..end, add);
             }
             None => {
+                lines.push(format!("# HELP {name} {}", help_of(name)));
                 lines.push(type_line);
                 lines.extend(add);
             }

@@ -200,12 +200,12 @@ pub async fn record_command(
 /// the UPDATE is guarded by the run's status, so of two concurrent callers one changes it and the
 /// other finds it completed. Callers run it after their own commit (a snapshot that sees their
 /// command terminal): the last command to commit always sees every other one terminal. Returns
-/// the status when this call completed the run, and the seconds from its window to now — None
-/// when a redrive reopened it (that completion measures the operator, not the run).
+/// the status when this call completed the run, with its timing — None when a redrive reopened
+/// it (that completion measures the operator, not the run).
 pub async fn complete_if_done(
     conn: &mut PgConnection,
     run_id: &str,
-) -> sqlx::Result<Option<(String, Option<f64>)>> {
+) -> sqlx::Result<Option<(String, Option<Completion>)>> {
     sqlx::query_as(
         "update sweeper.runs r
             set status = case when exists (select 1 from sweeper.dead_letters d
@@ -217,14 +217,45 @@ pub async fn complete_if_done(
             and not exists (select 1 from sweeper.commands c
                              where c.run_id = r.run_id and c.state in ('pending', 'leased'))
           returning r.status,
-                    case when not exists (select 1 from sweeper.dead_letters d
-                                           where d.run_id = r.run_id
-                                             and d.status in ('redriven', 'resolved'))
-                         then extract(epoch from r.completed_at - r.window_at)::float8 end",
+                    not exists (select 1 from sweeper.dead_letters d
+                                 where d.run_id = r.run_id
+                                   and d.status in ('redriven', 'resolved')) as unreopened,
+                    r.window_at, r.created_at,
+                    extract(epoch from r.completed_at - r.window_at)::float8,
+                    extract(epoch from r.completed_at - r.created_at)::float8",
     )
     .bind(run_id)
     .fetch_optional(conn)
     .await
+    .map(|row: Option<CompletedRow>| {
+        row.map(
+            |(status, unreopened, window, created, since_window, since_created)| {
+                let timing = unreopened.then_some(Completion {
+                    window,
+                    created,
+                    since_window,
+                    since_created,
+                });
+                (status, timing)
+            },
+        )
+    })
+}
+
+/// A completed run's row as [`complete_if_done`] returns it.
+type CompletedRow = (String, bool, DateTime<Utc>, DateTime<Utc>, f64, f64);
+
+/// When a run completed, against its window and its creation.
+#[derive(Debug, Clone, Copy)]
+pub struct Completion {
+    /// Its window.
+    pub window: DateTime<Utc>,
+    /// When it was created.
+    pub created: DateTime<Utc>,
+    /// Seconds from its window to its completion.
+    pub since_window: f64,
+    /// Seconds from its creation to its completion.
+    pub since_created: f64,
 }
 
 /// Runs that are done but not completed: planning done, nothing pending, status still

@@ -609,8 +609,10 @@ exclude = [ { column = "keep", equals = true }, { column = "n", in = ["a", 1] } 
     );
 }
 
-/// Every documented series is in the first scrape of a fresh process, before anything happened
-/// (an alert cannot be written against a series that appears only once it moves).
+/// Every documented family is in the first scrape of a fresh process, before anything happened
+/// (an alert cannot be written against a series that appears only once it moves), with its HELP
+/// and TYPE lines; and every metric the monitoring kit's alert rules and dashboard name
+/// (deploy/monitoring/) is one of them.
 #[tokio::test]
 async fn every_documented_series_is_exported_from_start_up() {
     let db = TestDb::create().await;
@@ -626,20 +628,45 @@ async fn every_documented_series_is_exported_from_start_up() {
     drop(server);
     let page =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/metrics.md")).unwrap();
-    for series in sweeper::metrics::SERIES {
+    for (family, kind, _) in sweeper::metrics::FAMILIES {
         assert!(
-            page.contains(series),
-            "docs/metrics.md does not document {series}"
+            page.contains(family),
+            "docs/metrics.md does not document {family}"
         );
-        if *series == "sweeper_held_at_planning" {
+        if *family == "sweeper_held_at_planning" {
             continue; // one series per reason a run held: none yet
         }
         assert!(
             // A histogram's samples are its `_bucket`, `_sum` and `_count` lines.
-            text.lines().any(|l| l.starts_with(&format!("{series}{{"))
-                || l.starts_with(&format!("{series} "))
-                || l.starts_with(&format!("{series}_count"))),
-            "{series} missing from the first scrape:\n{text}"
+            text.lines().any(|l| l.starts_with(&format!("{family}{{"))
+                || l.starts_with(&format!("{family} "))
+                || l.starts_with(&format!("{family}_count"))),
+            "{family} missing from the first scrape:\n{text}"
+        );
+        let type_name = match kind {
+            sweeper::metrics::Kind::Gauge => "gauge",
+            sweeper::metrics::Kind::Counter => "counter",
+            sweeper::metrics::Kind::Histogram => "histogram",
+        };
+        for head in [
+            format!("# HELP {family} "),
+            format!("# TYPE {family} {type_name}"),
+        ] {
+            assert_eq!(
+                text.lines().filter(|l| l.starts_with(&head)).count(),
+                1,
+                "`{head}` not exactly once in:\n{text}"
+            );
+        }
+    }
+    // Every family in the text is documented and described.
+    for line in text.lines().filter(|l| l.starts_with("# TYPE ")) {
+        let family = line.split(' ').nth(2).unwrap();
+        assert!(
+            sweeper::metrics::FAMILIES
+                .iter()
+                .any(|(f, _, _)| *f == family),
+            "{family} is exported but not in FAMILIES"
         );
     }
     for expected in [
@@ -647,10 +674,48 @@ async fn every_documented_series_is_exported_from_start_up() {
         "sweeper_attempts_total{outcome=\"quarantined\",class=\"permanent\"} 0",
         "sweeper_dependency_calls_total{dependency=\"payments\",result=\"throttled\"} 0",
         "sweeper_last_successful_run_timestamp_seconds{policy=\"ticket-retention\"} 0",
+        "sweeper_dependency_paused{dependency=\"payments\"} 0",
+        "sweeper_policy_period_seconds{policy=\"ticket-retention\"} 86400",
+        "sweeper_open_run_window_age_seconds{policy=\"ticket-retention\"} 0",
+        "sweeper_run_execution_seconds_count{policy=\"ticket-retention\",trigger=\"backfill\"} 0",
     ] {
         assert!(
             text.lines().any(|l| l == expected),
             "no `{expected}` in:\n{text}"
+        );
+    }
+    // The monitoring kit names only metrics a server exports.
+    let kit = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/monitoring");
+    let mut named = std::collections::BTreeSet::new();
+    for file in ["alerts.yml", "alerts.test.yml", "dashboard.json"] {
+        let body = std::fs::read_to_string(kit.join(file)).unwrap();
+        let mut rest = body.as_str();
+        while let Some(at) = rest.find("sweeper_") {
+            let name: String = rest[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            rest = &rest[at + name.len()..];
+            named.insert((file, name));
+        }
+    }
+    assert!(named.len() > 10, "{named:?}");
+    for (file, name) in &named {
+        let family = ["_bucket", "_count", "_sum"]
+            .iter()
+            .find_map(|suffix| name.strip_suffix(suffix))
+            .filter(|base| {
+                sweeper::metrics::FAMILIES
+                    .iter()
+                    .any(|(f, k, _)| f == base && *k == sweeper::metrics::Kind::Histogram)
+            })
+            .unwrap_or(name);
+        // Every family but sweeper_held_at_planning was required above with HELP and TYPE.
+        assert!(
+            sweeper::metrics::FAMILIES
+                .iter()
+                .any(|(f, _, _)| *f == family),
+            "deploy/monitoring/{file} names {name}, which no server exports"
         );
     }
 }

@@ -103,3 +103,64 @@ retain_for = "1d"
         .unwrap();
     assert_eq!(left, 3);
 }
+
+/// `sweeper_run_execution_seconds` counts from a run's creation and tells a live run from a
+/// backfill (a window older than the latest tick minus the early tolerance); the window-based
+/// `sweeper_run_duration_seconds` keeps its meaning. A policy of its own, so the process-wide
+/// series of other tests do not mix in.
+#[tokio::test]
+async fn run_execution_seconds_tells_live_runs_from_backfills() {
+    let policy = crate::common::ticket_policy(10).replace("ticket-retention", "execution-metric");
+    let app = crate::common::TestApp::spawn(crate::common::Spawn {
+        now: Some(crate::common::at("2026-09-01T02:01:00Z")),
+        policies: policy,
+        ..Default::default()
+    })
+    .await;
+    crate::common::seed_mixed(&app.pool, 30, crate::common::at("2026-09-01T02:00:00Z")).await;
+    for window in ["2026-09-01T02:00:00Z", "2026-08-29T02:00:00Z"] {
+        let (status, run) = app
+            .trigger("execution-metric", &format!("?window={window}"))
+            .await;
+        assert!(status == 202 || status == 200, "{run}");
+        let run_id = run["run_id"].as_str().unwrap().to_string();
+        app.wait_planned(&run_id).await;
+        app.drain().await;
+        app.wait_terminal(&run_id).await;
+    }
+    let text = app.api.metrics().await;
+    let count = |labels: &str| -> f64 {
+        let prefix = format!("sweeper_run_execution_seconds_count{{{labels}}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .unwrap_or_else(|| panic!("no {prefix} in:\n{text}"))
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(count("policy=\"execution-metric\",trigger=\"live\""), 1.0);
+    assert_eq!(
+        count("policy=\"execution-metric\",trigger=\"backfill\""),
+        1.0
+    );
+    // The backfill's window-based duration is days; its execution seconds are not.
+    let sum = |family: &str, labels: &str| -> f64 {
+        let prefix = format!("{family}_sum{{{labels}}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .unwrap_or_else(|| panic!("no {prefix} in:\n{text}"))
+            .parse()
+            .unwrap()
+    };
+    assert!(
+        sum(
+            "sweeper_run_duration_seconds",
+            "policy=\"execution-metric\""
+        ) > 3.0 * 86_400.0
+    );
+    assert!(
+        sum(
+            "sweeper_run_execution_seconds",
+            "policy=\"execution-metric\",trigger=\"backfill\""
+        ) < 3_600.0
+    );
+}

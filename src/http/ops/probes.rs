@@ -143,13 +143,23 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         .iter()
         .map(|p| p.name.as_str())
         .collect();
-    let mut with_missed = Vec::with_capacity(policies.len());
+    let mut figures = Vec::with_capacity(policies.len());
     for p in &state.config.policies {
         match crate::windows::missed_recently(&state, p).await {
-            Ok(n) => with_missed.push((p.name.as_str(), n)),
+            Ok(missed) => figures.push(crate::metrics::PolicyFigures {
+                name: p.name.as_str(),
+                missed,
+                period_seconds: p.schedule.longest_period_seconds(),
+            }),
             Err(e) => return Problem::unavailable(e, 5).into_response(),
         }
     }
+    let dependencies: Vec<&str> = state
+        .config
+        .dependencies
+        .iter()
+        .map(|d| d.name.as_str())
+        .collect();
     let (mut hours, mut governor) = (Vec::new(), Vec::new());
     for p in &policies {
         match crate::holds::policy_hold(&state, p).map(|h| h.kind) {
@@ -160,7 +170,8 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
     }
     match crate::metrics::render(
         &state.pool,
-        &with_missed,
+        &figures,
+        &dependencies,
         state.config.ledger.hold_alert_after.seconds(),
         (&hours, &governor),
     )
