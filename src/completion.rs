@@ -57,7 +57,7 @@ pub(crate) async fn complete_run(
         let backfill = state
             .config
             .policy(policy)
-            .is_some_and(|p| crate::trigger::is_backfill(p, t.window, t.created));
+            .is_some_and(|p| p.is_backfill(t.window, t.created));
         crate::metrics::run_completed(policy, t.since_window, t.since_created, backfill);
     }
     Ok(Some(status))

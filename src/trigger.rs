@@ -51,30 +51,6 @@ pub enum TriggerError {
     Db(#[from] sqlx::Error),
 }
 
-/// The latest tick a trigger arriving at `arrival` may create (the early tolerance counts);
-/// `window` when the schedule has none.
-fn latest_tick(
-    policy: &Policy,
-    window: chrono::DateTime<chrono::Utc>,
-    arrival: chrono::DateTime<chrono::Utc>,
-) -> chrono::DateTime<chrono::Utc> {
-    policy
-        .schedule
-        .latest_tick_at_or_before(arrival + policy.early_tolerance.delta())
-        .unwrap_or(window)
-}
-
-/// Whether a run of `window` created at `arrival` is a backfill: its window is older than the
-/// latest tick minus the early tolerance (creating it needs `ops:write`; its metrics are kept
-/// apart from live runs').
-pub fn is_backfill(
-    policy: &Policy,
-    window: chrono::DateTime<chrono::Utc>,
-    arrival: chrono::DateTime<chrono::Utc>,
-) -> bool {
-    window < latest_tick(policy, window, arrival) - policy.early_tolerance.delta()
-}
-
 /// Resolves the window and creates or finds its run.
 ///
 /// The window is the schedule-time header when present, else `?window=`, else the latest tick at
@@ -123,8 +99,8 @@ pub async fn trigger(
             policy.early_tolerance
         )));
     }
-    let latest = latest_tick(policy, window, arrival);
-    let backfill = is_backfill(policy, window, arrival);
+    let latest = policy.latest_tick(window, arrival);
+    let backfill = policy.is_backfill(window, arrival);
 
     if !dry_run && let Some(run) = existing_run(&mut conn, policy, window).await? {
         return Ok(TriggerOutcome::Existing(run));

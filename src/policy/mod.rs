@@ -389,6 +389,29 @@ impl Policy {
         })
     }
 
+    /// The latest tick a trigger arriving at `arrival` may create (the early tolerance counts);
+    /// `window` when the schedule has none.
+    pub fn latest_tick(
+        &self,
+        window: chrono::DateTime<chrono::Utc>,
+        arrival: chrono::DateTime<chrono::Utc>,
+    ) -> chrono::DateTime<chrono::Utc> {
+        self.schedule
+            .latest_tick_at_or_before(arrival + self.early_tolerance.delta())
+            .unwrap_or(window)
+    }
+
+    /// Whether a run of `window` created at `arrival` is a backfill: its window is older than the
+    /// latest tick minus the early tolerance (creating it needs `ops:write`; its metrics are kept
+    /// apart from live runs').
+    pub fn is_backfill(
+        &self,
+        window: chrono::DateTime<chrono::Utc>,
+        arrival: chrono::DateTime<chrono::Utc>,
+    ) -> bool {
+        window < self.latest_tick(window, arrival) - self.early_tolerance.delta()
+    }
+
     /// The run's cutoff for `window`: `window − retain_for` (docs/design.md §2.2); the window itself for a
     /// selection policy.
     pub fn cutoff(&self, window: chrono::DateTime<chrono::Utc>) -> chrono::DateTime<chrono::Utc> {
