@@ -209,7 +209,10 @@ impl Run<'_> {
         )
         .await?;
         crate::crash_point!("consume_before_commit");
-        tx.commit().await?;
+        if let Err(e) = tx.commit().await {
+            // A deferred constraint is checked here: the command is redone item by item.
+            return Err(bulk_failed(&e));
+        }
         crate::metrics::attempt_committed(&l.policy, &decided.counts);
         let retry_after = self.state.config.consume.retry_after;
         Err(AttemptError::Failed(Failure::locked(
@@ -346,8 +349,9 @@ impl Run<'_> {
             .into_iter()
             .filter(|k| !unlocked.contains(k))
             .collect();
-        for key in unlocked {
-            outcomes.insert(key, (Outcome::NotEligible, Some(NOT_DELETED.to_string())));
+        if !unlocked.is_empty() {
+            self.delete_unlocked(&mut tx, unlocked, &mut outcomes)
+                .await?;
         }
         if locked.is_empty() {
             return self.succeed(tx, outcomes).await;
@@ -361,6 +365,45 @@ impl Run<'_> {
             .collect();
         let decided = audit_rows(&decided_keys, outcomes);
         self.wait_for_locked(tx, decided, &locked).await
+    }
+
+    /// Keys the delete left though present, old enough and unheld, that no other transaction
+    /// holds (this transaction locked them): deleted again in a new statement, whose snapshot
+    /// sees what committed since — a hold released while the first delete ran, a row changed
+    /// twice. A key that one leaves too is judged once more: still eligible, a `BEFORE DELETE`
+    /// trigger or a row security policy kept it (`not_eligible`, `not_deleted: …`); otherwise
+    /// what it is now.
+    async fn delete_unlocked(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        unlocked: HashSet<String>,
+        outcomes: &mut ItemOutcomes,
+    ) -> Result<(), AttemptError> {
+        let rules = &self.loaded.rules;
+        let keys: Vec<String> = unlocked.into_iter().collect();
+        let mut q = QueryBuilder::new("");
+        rules.push_delete_first(&mut q, &keys, true);
+        let deleted: HashSet<String> = match q.build_query_scalar().fetch_all(&mut **tx).await {
+            Ok(d) => d.into_iter().collect(),
+            Err(e) => return Err(self.delete_failed(&e, true)),
+        };
+        let left: Vec<String> = keys
+            .iter()
+            .filter(|k| !deleted.contains(*k))
+            .cloned()
+            .collect();
+        for key in deleted {
+            outcomes.insert(key, (Outcome::Deleted, None));
+        }
+        for (key, judged) in classify(tx, rules, &left).await? {
+            let outcome = if judged == ledger::outcome::Judgement::Eligible {
+                (Outcome::NotEligible, Some(NOT_DELETED.to_string()))
+            } else {
+                judged.outcome(Outcome::Deleted)
+            };
+            outcomes.insert(key, outcome);
+        }
+        Ok(())
     }
 
     /// Every key has its outcome (`outcomes`; a key without one is `already_absent`): its audit
@@ -407,8 +450,10 @@ impl Run<'_> {
         .await?;
         crate::crash_point!("consume_before_commit");
         if let Err(e) = tx.commit().await {
-            // A deferred constraint is checked here: already item by item, it fails the try.
-            return Err(AttemptError::Failed(Failure::from_db(&e)));
+            // A deferred constraint is checked here (a DEFERRABLE foreign key, a constraint
+            // trigger): after the bulk delete the command is redone item by item, with
+            // constraints immediate; item by item already, it fails the try.
+            return Err(bulk_failed(&e));
         }
         self.executed(counts, recorded).await
     }

@@ -11,6 +11,9 @@ pub struct TableInfo {
     /// The column names of each valid unique index that is neither partial nor on expressions,
     /// in index order (included columns left out); the primary key first.
     pub unique_indexes: Vec<Vec<String>>,
+    /// Whether row security applies to the connecting role's reads of the table
+    /// (`row_security_active`): rows a policy hides are not there for it.
+    pub row_security: bool,
 }
 
 /// Column name → type (`format_type`, e.g. `boolean`) of a policy's table as this replica
@@ -36,6 +39,8 @@ pub struct ColumnInfo {
     pub type_name: String,
     /// Whether the column is declared NOT NULL.
     pub not_null: bool,
+    /// Its collation (`"C"`, `"default"`), for a collatable type.
+    pub collation: Option<String>,
 }
 
 impl TableInfo {
@@ -51,11 +56,12 @@ impl TableInfo {
     ) -> sqlx::Result<Option<TableInfo>> {
         // A type outside pg_catalog is named with its schema (`demo.int8`), so a type that
         // shadows a built-in name is never taken for it.
-        let rows: Vec<(String, String, String, bool)> = sqlx::query_as(
+        let rows: Vec<(String, String, String, bool, Option<String>)> = sqlx::query_as(
             "select a.attname::text, format_type(a.atttypid, a.atttypmod),
                     case when t.typnamespace = 'pg_catalog'::regnamespace then t.typname::text
                          else t.typnamespace::regnamespace::text || '.' || t.typname end,
-                    a.attnotnull
+                    a.attnotnull,
+                    case when a.attcollation <> 0 then a.attcollation::regcollation::text end
                from pg_attribute a join pg_type t on t.oid = a.atttypid
               where a.attrelid = to_regclass($1) and a.attnum > 0 and not a.attisdropped",
         )
@@ -90,17 +96,23 @@ impl TableInfo {
         .bind(table.quoted())
         .fetch_all(&mut *conn)
         .await?;
+        let row_security: bool = sqlx::query_scalar("select row_security_active(to_regclass($1))")
+            .bind(table.quoted())
+            .fetch_one(&mut *conn)
+            .await?;
         Ok(Some(TableInfo {
             unique_indexes,
+            row_security,
             columns: rows
                 .into_iter()
-                .map(|(name, type_sql, type_name, not_null)| {
+                .map(|(name, type_sql, type_name, not_null, collation)| {
                     (
                         name,
                         ColumnInfo {
                             type_sql,
                             type_name,
                             not_null,
+                            collation,
                         },
                     )
                 })

@@ -506,18 +506,23 @@ impl Check<'_> {
                 Selection::NotExists { not_exists } => ("not_exists", not_exists),
                 Selection::Column { .. } => continue,
             };
-            let (found, _) = related::check(
+            let keeps = field == "not_exists";
+            let (found, keys) = related::check(
                 self.pool,
                 t,
                 &self.info,
                 r,
-                (&format!("select[{i}].{field}"), related::Use::Selection),
+                (
+                    &format!("select[{i}].{field}"),
+                    related::Use::Selection { keeps },
+                ),
                 &self.p.literals,
             )
             .await?;
             for (level, m) in found {
                 self.say(level, m);
             }
+            covered.extend(keys);
         }
         Ok(covered)
     }
@@ -526,8 +531,10 @@ impl Check<'_> {
     /// kept in another table, whose finding already says what they do: `covered`).
     async fn foreign_keys(&mut self, covered: &[String]) -> sqlx::Result<()> {
         let t = &self.p.spec.target;
-        let fks: Vec<(String, String, String)> = sqlx::query_as(
+        let fks: Vec<(String, String, String, String)> = sqlx::query_as(
             "select conname::text, conrelid::regclass::text,
+                    (select n.nspname || '.' || c.relname from pg_class c
+                       join pg_namespace n on n.oid = c.relnamespace where c.oid = conrelid),
                     case confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT'
                                      when 'c' then 'CASCADE' when 'n' then 'SET NULL'
                                      when 'd' then 'SET DEFAULT' end
@@ -536,7 +543,10 @@ impl Check<'_> {
         .bind(t.table.quoted())
         .fetch_all(self.pool)
         .await?;
-        for (name, from, rule) in fks.into_iter().filter(|(n, _, _)| !covered.contains(n)) {
+        for (name, from, _, rule) in fks
+            .into_iter()
+            .filter(|(n, _, table, _)| !covered.contains(&format!("{table}:{n}")))
+        {
             let consequence = match rule.as_str() {
                 "CASCADE" => {
                     "deleting a row also deletes its referencing rows, which are not audited"

@@ -276,14 +276,20 @@ pub(super) fn value_test(
 pub(super) enum Use<'a> {
     /// An exclusion, by name: a hold.
     Hold(&'a str),
-    /// A selection (`exists` or `not_exists`).
-    Selection,
+    /// A selection: `not_exists` (its related rows keep the target row, as a hold does) or
+    /// `exists`.
+    Selection {
+        /// Whether it is `not_exists`.
+        keeps: bool,
+    },
 }
 
-/// A foreign key of the related table that references the target on exactly the `on` pairs.
+/// A foreign key of the related table that references the target.
 struct HoldKey {
     name: String,
     on_delete: String,
+    /// Whether its columns are exactly the `on` pairs (the only key that ties a hold to the row).
+    exact: bool,
 }
 
 /// check-config's findings on one related-rows rule at `path` of a policy over `target`
@@ -312,6 +318,12 @@ pub(super) async fn check(
             .bind(r.table.quoted())
             .fetch_one(pool)
             .await?;
+    if info.row_security {
+        out.push((
+            Level::Error,
+            format!("{path}.table: {}", row_security_hides(&r.table)),
+        ));
+    }
     if !readable {
         out.push((
             Level::Error,
@@ -322,40 +334,66 @@ pub(super) async fn check(
         ));
     }
     for (i, p) in r.on.iter().enumerate() {
-        let related = info.columns.get(p.related.as_str());
-        let own = target_info.columns.get(p.target.as_str());
-        match (related, own) {
-            (None, _) => out.push((
+        let at = format!("{path}.on[{i}]");
+        let (Some(a), Some(b)) = (
+            info.columns.get(p.related.as_str()),
+            target_info.columns.get(p.target.as_str()),
+        ) else {
+            if !info.columns.contains_key(p.related.as_str()) {
+                out.push((
+                    Level::Error,
+                    format!(
+                        "{at}.related: column {} does not exist in {}",
+                        p.related.as_str(),
+                        r.table
+                    ),
+                ));
+            }
+            if !target_info.columns.contains_key(p.target.as_str()) {
+                out.push((
+                    Level::Error,
+                    format!(
+                        "{at}.target: column {} does not exist in {}",
+                        p.target.as_str(),
+                        target.table
+                    ),
+                ));
+            }
+            continue;
+        };
+        let (theirs, ours) = (
+            format!("{}.{}", r.table, p.related.as_str()),
+            format!("{}.{}", target.table, p.target.as_str()),
+        );
+        if a.type_sql != b.type_sql {
+            out.push((
                 Level::Error,
                 format!(
-                    "{path}.on[{i}].related: column {} does not exist in {}",
-                    p.related.as_str(),
-                    r.table
+                    "{at}: {theirs} is {} but {ours} is {}; the columns of a pair must have one \
+                     type (an implicit cast could change which rows are equal and keep any index \
+                     from serving the lookup)",
+                    a.type_sql, b.type_sql
                 ),
-            )),
-            (_, None) => out.push((
+            ));
+        } else if a.collation != b.collation {
+            out.push((
                 Level::Error,
                 format!(
-                    "{path}.on[{i}].target: column {} does not exist in {}",
-                    p.target.as_str(),
-                    target.table
+                    "{at}: {theirs} is collated {} but {ours} is collated {}; the columns of a \
+                     pair must compare under one collation",
+                    a.collation.as_deref().unwrap_or("(none)"),
+                    b.collation.as_deref().unwrap_or("(none)")
                 ),
-            )),
-            (Some(a), Some(b)) if a.type_sql != b.type_sql => out.push((
+            ));
+        } else if !has_equality(pool, &a.type_sql).await? {
+            out.push((
                 Level::Error,
                 format!(
-                    "{path}.on[{i}]: {}.{} is {} but {}.{} is {}; the columns of a pair must \
-                     have one type (an implicit cast could change which rows are equal and \
-                     keep any index from serving the lookup)",
-                    r.table,
-                    p.related.as_str(),
-                    a.type_sql,
-                    target.table,
-                    p.target.as_str(),
-                    b.type_sql
+                    "{at}: {theirs} and {ours} are {}, which has no equality operator; pair \
+                     columns that compare with =",
+                    a.type_sql
                 ),
-            )),
-            _ => {}
+            ));
         }
     }
     for (i, w) in r.where_.iter().enumerate() {
@@ -387,12 +425,34 @@ pub(super) async fn check(
             ),
         ));
     }
-    let Use::Hold(name) = role else {
-        return Ok((out, vec![]));
+    // An exclusion's rows, and a `not_exists` selection's, keep the target row: what one
+    // committed while a delete runs does is theirs to say. (An `exists` selection's rows are
+    // the reason to act; its foreign keys are reported as any other.)
+    let name = match role {
+        Use::Hold(name) => name,
+        Use::Selection { keeps: true } => "not_exists",
+        Use::Selection { keeps: false } => return Ok((out, vec![])),
     };
     let keys = hold_keys(pool, target, r).await?;
-    let covered = keys.iter().map(|k| k.name.clone()).collect();
+    let covered = keys
+        .iter()
+        .map(|k| format!("{}:{}", r.table, k.name))
+        .collect();
     out.push(concurrency(target, r, name, path, &keys));
+    // The key makes every referencing row block the delete, also one `where` no longer
+    // matches (a released hold): its target row can then never be deleted.
+    if let Some(k) = keys.iter().find(|k| k.exact && !r.where_.is_empty()) {
+        out.push((
+            Level::Warning,
+            format!(
+                "{path} ({name}): a row of {} that no longer matches `where` (a released hold) \
+                 still references its row through foreign key {}: the delete fails \
+                 (SQLSTATE 23503) and the item is recorded `failed`, an item dead letter, until \
+                 that row is deleted; delete released holds, or test them without `where`",
+                r.table, k.name
+            ),
+        ));
+    }
     Ok((out, covered))
 }
 
@@ -404,6 +464,8 @@ fn concurrency(
     path: &str,
     keys: &[HoldKey],
 ) -> (Level, String) {
+    // Any such key, on whichever columns: deleting a row would delete or blank the rows that
+    // reference it, a hold among them.
     if let Some(k) = keys
         .iter()
         .find(|k| matches!(k.on_delete.as_str(), "CASCADE" | "SET NULL" | "SET DEFAULT"))
@@ -425,15 +487,16 @@ fn concurrency(
             ),
         );
     }
-    if let Some(k) = keys.first() {
+    if let Some(k) = keys.iter().find(|k| k.exact) {
         return (
             Level::Info,
             format!(
                 "{path} ({name}): a hold committed while a command deletes is safe: foreign key \
-                 {} on {} references {} on exactly the `on` columns with ON DELETE {}, so the \
-                 hold's insert and the delete conflict on the target row and whichever commits \
-                 second fails: a delete that meets a new hold is redone and the row recorded \
-                 `excluded` as {name}; a hold whose insert fails names a row already deleted",
+                 {} on {} references {} on exactly the `on` columns with ON DELETE {}, so of a \
+                 hold's insert and the delete of its row, whichever commits second fails \
+                 (SQLSTATE 23503): a delete that meets a new hold is redone and the row \
+                 recorded `excluded` as {name}; a hold whose insert fails names a row already \
+                 deleted",
                 k.name, r.table, target.table, k.on_delete
             ),
         );
@@ -441,18 +504,29 @@ fn concurrency(
     (
         Level::Warning,
         format!(
-            "{path} ({name}): a hold committed while a command's delete runs can miss that \
-             command: the delete re-reads the target row's own columns at their newest version, \
-             but reads {} as of the moment its statement began (READ COMMITTED), so a hold \
-             inserted later is honoured from the next command on. This is the case for any hold \
-             kept per customer or per matter. It is closed when the application, in the hold's \
-             transaction, also sets a column of the target rows that an own-column exclusion \
-             tests, or when {} references {} with a foreign key on exactly the `on` columns \
-             (ON DELETE NO ACTION or RESTRICT); see docs/configuration.md, \"Holds kept in \
-             another table\"",
+            "{path} ({name}): a hold committed while a delete statement runs can miss it: the \
+             delete re-reads the target row's own columns at their newest version, but reads {} \
+             as of the moment its statement began (READ COMMITTED), so a hold inserted later is \
+             honoured by every delete that starts after it commits, not by those already running \
+             (up to max_concurrent_commands commands of batch_size rows). This is the case for \
+             any hold kept per customer or per matter. It is closed when the application, in the \
+             hold's transaction, also sets a column of the target rows that an own-column \
+             exclusion tests (check-config cannot see that), or, for holds per row, when {} \
+             references {} with a foreign key on exactly the `on` columns (ON DELETE NO ACTION \
+             or RESTRICT); see docs/configuration.md, \"Holds kept in another table\"",
             r.table, r.table, target.table
         ),
     )
+}
+
+/// Whether values of `type_sql` (a type as `format_type` writes it) compare with `=`.
+async fn has_equality(pool: &PgPool, type_sql: &str) -> sqlx::Result<bool> {
+    let sql = format!("select null::{type_sql} = null::{type_sql}");
+    match sqlx::query(&sql).execute(pool).await {
+        Ok(_) => Ok(true),
+        Err(sqlx::Error::Database(_)) => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// Whether a valid, non-partial index of the related table has the `on` columns first (in any
@@ -502,14 +576,18 @@ async fn hold_keys(pool: &PgPool, target: &Target, r: &Related) -> sqlx::Result<
     .await?;
     Ok(rows
         .into_iter()
-        .filter(|(_, from, to, _)| {
-            from.len() == r.on.len()
-                && from.iter().zip(to).all(|(f, t)| {
+        .map(|(name, from, to, on_delete)| {
+            let exact = from.len() == r.on.len()
+                && from.iter().zip(&to).all(|(f, t)| {
                     r.on.iter()
                         .any(|p| p.related.as_str() == f && p.target.as_str() == t)
-                })
+                });
+            HoldKey {
+                name,
+                on_delete,
+                exact,
+            }
         })
-        .map(|(name, _, _, on_delete)| HoldKey { name, on_delete })
         .collect())
 }
 
@@ -615,6 +693,22 @@ mod tests {
         let plain =
             policy("retain_for = '90d'\nexclude = [ { column = 'x', equals = 1 } ]").unwrap();
         assert_ne!(p.version, plain.version);
+    }
+
+    /// The TOML 1.0 form the docs show (a table per exclusion, dotted keys) reads as the inline
+    /// form does.
+    #[test]
+    fn the_documented_table_form_reads_as_the_inline_form() {
+        let inline = policy(HOLD).unwrap();
+        let table = policy(
+            "retain_for = '90d'\n[[exclude]]\nname = 'legal_hold'\n\
+             exists.table = 'legal.holds'\n\
+             exists.on = [ { related = 'customer_id', target = 'customer_id' } ]\n\
+             exists.where = [ { column = 'released_at', is_null = true },\n\
+             { column = 'scope', in = ['all', 1] } ]\n",
+        )
+        .unwrap();
+        assert_eq!(inline.version, table.version);
     }
 
     #[test]

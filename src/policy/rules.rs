@@ -127,9 +127,10 @@ impl RuleSet {
         // never equals `'t'`), so it holds the work instead of deleting under other rules. A
         // related table's columns are checked under `schema.table.column`.
         let type_in = |table: &TableInfo, prefix: &str, c: &Ident| -> Result<String, Held> {
-            let t = table
-                .type_of(c)
-                .map_err(|m| Held::schema(format!("{prefix}{m}")))?;
+            let t = table.type_of(c).map_err(|m| match prefix {
+                "" => Held::schema(m),
+                _ => Held::schema(format!("{m} in {}", prefix.trim_end_matches('.'))),
+            })?;
             let checked_as = format!("{prefix}{}", c.as_str());
             match checked.and_then(|m| m.get(&checked_as)) {
                 Some(was) if was != t => Err(Held::schema(format!(
@@ -192,6 +193,10 @@ impl RuleSet {
             let info = tables
                 .get(&r.table)
                 .ok_or_else(|| Held::schema(format!("table {} does not exist", r.table)))?;
+            // A row security policy would hide holds from this role: held rows would look free.
+            if info.row_security {
+                return Err(Held::schema(row_security_hides(&r.table)));
+            }
             let prefix = format!("{}.", r.table);
             for p in &r.on {
                 let (theirs, ours) = (type_in(info, &prefix, &p.related)?, type_of(&p.target)?);
@@ -518,6 +523,15 @@ impl RuleSet {
             .collect();
         format!("md5(jsonb_build_array({})::text)", list.join(", "))
     }
+}
+
+/// Why rows of another table cannot be tested under row security.
+pub fn row_security_hides(table: &TableName) -> String {
+    format!(
+        "row security is active on {table} for this database role: its policies would hide \
+         related rows (a hidden hold leaves its rows free to delete); give the role BYPASSRLS, \
+         or make it the table's owner without FORCE ROW LEVEL SECURITY"
+    )
 }
 
 /// Appends to `into` each of `more` it does not hold yet (both versions' rules apply).

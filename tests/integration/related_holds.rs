@@ -38,6 +38,10 @@ create table legal.ticket_holds (
     placed_at timestamptz not null default now()
 );
 create index on legal.ticket_holds (ticket_id);
+create table legal.deferred_holds (
+    ticket_id bigint not null references demo.tickets (id) deferrable initially deferred
+);
+create index on legal.deferred_holds (ticket_id);
 ";
 
 /// The hold by customer: an unreleased hold whose scope covers tickets.
@@ -503,6 +507,14 @@ async fn check_config_says_what_a_hold_in_another_table_needs_and_guarantees() {
     let policies = [
         with("customer", CUSTOMER_HOLD),
         with("ticket", TICKET_HOLD),
+        with(
+            "released",
+            &rel(
+                "legal.ticket_holds",
+                by_ticket,
+                r#"{ column = "placed_at", is_not_null = true }"#,
+            ),
+        ),
         with("cascading", &rel("legal.cascading", by_ticket, "")),
         with("missing", &rel("legal.nothing", by_customer, "")),
         with(
@@ -538,7 +550,8 @@ async fn check_config_says_what_a_hold_in_another_table_needs_and_guarantees() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{stdout}");
     for expected in [
-        "warning: policy[customer]: exclude[0].exists (customer_hold): a hold committed while a command's delete runs can miss that command",
+        "warning: policy[customer]: exclude[0].exists (customer_hold): a hold committed while a delete statement runs can miss it",
+        "warning: policy[released]: exclude[0].exists (legal.ticket_holds): a row of legal.ticket_holds that no longer matches `where` (a released hold) still references its row through foreign key ticket_holds_ticket_id_fkey",
         "info: policy[ticket]: exclude[0].exists (ticket_hold): a hold committed while a command deletes is safe: foreign key ticket_holds_ticket_id_fkey on legal.ticket_holds references demo.tickets on exactly the `on` columns with ON DELETE NO ACTION",
         "error: policy[cascading]: exclude[0].exists (legal.cascading): foreign key cascading_ticket_id_fkey on legal.cascading references demo.tickets with ON DELETE CASCADE: deleting a row would delete the hold itself",
         "warning: policy[cascading]: exclude[0].exists: no index of legal.cascading leads with ticket_id; every row the rule tests scans it (create index on legal.cascading (ticket_id))",
@@ -627,4 +640,286 @@ async fn a_related_table_dropped_at_run_time_holds_the_work() {
             && why.as_deref().is_some_and(|w| w.contains("legal.holds"))),
         "{held:?}"
     );
+}
+
+/// The state of each command of the run: state, hold kind, last error.
+async fn command_rows(
+    pool: &PgPool,
+    run_id: &str,
+) -> Vec<(String, Option<String>, Option<String>)> {
+    sqlx::query_as(
+        "select state, held_kind, last_error from sweeper.commands where run_id = $1 order by 1",
+    )
+    .bind(run_id)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// A hold whose foreign key is `DEFERRABLE INITIALLY DEFERRED` commits while the delete runs, in
+/// a command that also has a row the delete leaves (a `BEFORE DELETE` trigger keeps it): the
+/// conflict comes at the commit, the command is redone item by item — not quarantined — and the
+/// held ticket is `excluded`.
+#[tokio::test]
+async fn a_deferred_foreign_key_met_at_the_commit_redoes_the_command_item_by_item() {
+    let hold = r#"{ name = "ticket_hold", exists = { table = "legal.deferred_holds",
+      on = [ { related = "ticket_id", target = "id" } ] } }"#;
+    let app = spawn(policy(1_000, &[hold]), "").await;
+    seed_old(&app.pool, 1, 1_000, 10).await;
+    sqlx::raw_sql(
+        "create function demo.keep_and_slow() returns trigger language plpgsql as $$
+         begin
+           if old.id = 10 then return null; end if;
+           if old.id = 400 then perform pg_sleep(1.5); end if;
+           return old;
+         end $$;
+         create trigger keep_and_slow before delete on demo.tickets
+             for each row execute function demo.keep_and_slow();",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let (run_id, _) = app.planned_run().await;
+    let worker = drain_in_background(&app);
+    wait_for_delete(&app.pool, "PgSleep").await;
+    sqlx::query("insert into legal.deferred_holds (ticket_id) values (500), (600)")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    worker.await.unwrap();
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(
+        run["status"],
+        "completed",
+        "{run} {:?}",
+        command_rows(&app.pool, &run_id).await
+    );
+    assert_eq!(
+        outcomes(&app.pool, &run_id).await,
+        vec![
+            ("deleted".into(), None, 997),
+            ("excluded".into(), Some("ticket_hold".into()), 2),
+            (
+                "not_eligible".into(),
+                Some(
+                    "not_deleted: the delete left the row (a BEFORE DELETE trigger or a row \
+                     security policy kept it)"
+                        .into()
+                ),
+                1
+            ),
+        ]
+    );
+    assert_eq!(
+        count(&app.pool, "select count(*) from sweeper.dead_letters").await,
+        0
+    );
+}
+
+/// A hold released while the delete runs: the delete, which read it as of its start, leaves
+/// the customer's rows; they are deleted again in a new statement, which sees the release — not
+/// blamed on a trigger or a row security policy.
+#[tokio::test]
+async fn a_hold_released_while_the_delete_runs_lets_the_rows_go_in_the_same_command() {
+    let app = spawn(policy(1_000, &[CUSTOMER_HOLD]), "").await;
+    seed_old(&app.pool, 1, 1_000, 10).await;
+    sqlx::raw_sql(
+        "create function demo.slow_delete() returns trigger language plpgsql as $$
+         begin perform pg_sleep(1); return old; end $$;
+         create trigger slow_delete after delete on demo.tickets
+             for each row when (old.id = 500) execute function demo.slow_delete();",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let (run_id, _) = app.planned_run().await;
+    sqlx::query("insert into legal.holds (customer_id, scope) values (3, 'all')")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let worker = drain_in_background(&app);
+    wait_for_delete(&app.pool, "PgSleep").await;
+    sqlx::query("update legal.holds set released_at = now() where customer_id = 3")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    worker.await.unwrap();
+    assert_eq!(app.wait_terminal(&run_id).await["status"], "completed");
+    assert_eq!(
+        outcomes(&app.pool, &run_id).await,
+        vec![("deleted".into(), None, 1_000)]
+    );
+}
+
+/// Row security on the related table would hide holds from sweeper's role: `check-config`
+/// refuses it, and a policy that meets it at run time (enabled after start) is held, deleting
+/// nothing.
+#[tokio::test]
+async fn row_security_on_a_hold_table_is_refused_and_holds_the_work() {
+    let db = TestDb::create().await;
+    let pool = PgPool::connect(&db.url).await.unwrap();
+    let role = format!(
+        "sweeper_rls_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    sqlx::raw_sql(SETUP).execute(&pool).await.unwrap();
+    // The role owns the database and every table (as sweeper's role owns its ledger): only
+    // FORCE ROW LEVEL SECURITY makes a policy apply to it.
+    sqlx::raw_sql(&format!(
+        "create role {role} login;
+         alter database {db} owner to {role};
+         do $$ declare r record; begin
+           for r in select c.oid::regclass::text as n from pg_class c
+                      join pg_namespace s on s.oid = c.relnamespace
+                     where s.nspname in ('sweeper', 'demo', 'legal', 'public')
+                       and c.relkind in ('r', 'p', 'v', 'm')
+           loop execute format('alter table %s owner to {role}', r.n); end loop;
+           for r in select p.oid::regprocedure::text as n from pg_proc p
+                      join pg_namespace s on s.oid = p.pronamespace
+                     where s.nspname in ('sweeper', 'demo', 'legal')
+           loop execute format('alter routine %s owner to {role}', r.n); end loop;
+         end $$;
+         alter schema sweeper owner to {role};
+         alter schema demo owner to {role};
+         alter schema legal owner to {role};",
+        db = db.name
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let url = {
+        let mut u = url::Url::parse(&db.url).unwrap();
+        u.set_username(&role).unwrap();
+        u.to_string()
+    };
+    seed_old(&pool, 1, 100, 10).await;
+    sqlx::query("insert into legal.holds (customer_id, scope) values (3, 'all')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let policies = policy(1_000, &[CUSTOMER_HOLD]);
+    let served = Served::start(&url, &policies).await;
+    crate::kit::ledger::set_clock(&pool, at("2026-09-01T02:01:00Z")).await;
+    // Holds per tenant; sweeper's role sets no tenant, so it would see none.
+    sqlx::raw_sql(
+        "alter table legal.holds enable row level security;
+         alter table legal.holds force row level security;
+         create policy tenant on legal.holds using (scope = current_setting('app.tenant', true));",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let path = write_config(&config_toml(&url, 0, "", &policies));
+    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains(
+            "error: policy[ticket-retention]: exclude[0].exists.table: row security is active on \
+             legal.holds for this database role"
+        ),
+        "{stdout}"
+    );
+    let run_id = served.api.trigger_new("ticket-retention", "").await;
+    let mut held = None;
+    for _ in 0..200 {
+        held = sqlx::query_as::<_, (String, String)>(
+            "select held_kind, held_reason from sweeper.planning_jobs
+              where run_id = $1 and held_kind is not null",
+        )
+        .bind(&run_id)
+        .fetch_optional(&pool)
+        .await
+        .unwrap();
+        if held.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    served.stop().await;
+    let (kind, reason) = held.expect("planning is held");
+    assert_eq!(kind, "schema");
+    assert!(
+        reason.contains("row security is active on legal.holds"),
+        "{reason}"
+    );
+    assert_eq!(count(&pool, "select count(*) from demo.tickets").await, 100);
+    pool.close().await;
+    drop(db);
+    // The role owns nothing once its database is gone.
+    let mut admin = crate::kit::db::admin().await;
+    let _ = sqlx::query(&format!("drop role if exists {role}"))
+        .execute(&mut admin)
+        .await;
+}
+
+/// `check-config` on `on` pairs that cannot compare (no `=`, two collations), foreign keys that
+/// would delete or blank a hold whichever columns they use, keys of the same name on two
+/// tables, and a `not_exists` selection over a key that cascades.
+#[tokio::test]
+async fn check_config_refuses_pairs_that_cannot_compare_and_keys_that_destroy_holds() {
+    let db = TestDb::create().await;
+    let pool = PgPool::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(SETUP).execute(&pool).await.unwrap();
+    sqlx::raw_sql(
+        r#"alter table demo.tickets add column doc json, add column ref text collate "C";
+         create table legal.jsonholds (doc json);
+         create table legal.collholds (ref text collate "POSIX");
+         create index on legal.collholds (ref);
+         create table legal.same (ticket_id bigint, constraint samename foreign key (ticket_id) references demo.tickets (id));
+         create index on legal.same (ticket_id);
+         create table legal.other (ticket_id bigint, constraint samename foreign key (ticket_id) references demo.tickets (id) on delete cascade);
+         create index on legal.other (ticket_id);
+         create table legal.subset (ticket_id bigint references demo.tickets (id) on delete set null, customer_id bigint);
+         create index on legal.subset (ticket_id, customer_id);"#,
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let with = |name: &str, exclude: &str| {
+        format!(
+            "[[policy]]\nname = \"{name}\"\nschedule = {{ cron = \"0 2 * * *\" }}\n\
+             target = {{ table = \"demo.tickets\", key = \"id\", timestamp = \"closed_at\" }}\n\
+             retain_for = \"90d\"\nexclude = [ {exclude} ]\n"
+        )
+    };
+    let policies = [
+        with("json", r#"{ exists = { table = "legal.jsonholds", on = [ { related = "doc", target = "doc" } ] } }"#),
+        with("collation", r#"{ exists = { table = "legal.collholds", on = [ { related = "ref", target = "ref" } ] } }"#),
+        with("samename", r#"{ exists = { table = "legal.same", on = [ { related = "ticket_id", target = "id" } ] } }"#),
+        with(
+            "subset",
+            r#"{ exists = { table = "legal.subset", on = [ { related = "ticket_id", target = "id" }, { related = "customer_id", target = "customer_id" } ] } }"#,
+        ),
+        r#"[[policy]]
+name = "notexists"
+schedule = { cron = "0 2 * * *" }
+target = { table = "demo.tickets", key = "id", timestamp = "closed_at" }
+select = [ { not_exists = { table = "legal.other", on = [ { related = "ticket_id", target = "id" } ] } } ]
+allow_delete = true
+"#
+        .to_string(),
+    ]
+    .join("\n");
+    let path = write_config(&config_toml(&db.url, 0, "", &policies));
+    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    for expected in [
+        "error: policy[json]: exclude[0].exists.on[0]: legal.jsonholds.doc and demo.tickets.doc are json, which has no equality operator",
+        "error: policy[collation]: exclude[0].exists.on[0]: legal.collholds.ref is collated \"POSIX\" but demo.tickets.ref is collated \"C\"",
+        "info: policy[samename]: exclude[0].exists (legal.same): a hold committed while a command deletes is safe: foreign key samename on legal.same",
+        "warning: policy[samename]: foreign key samename on legal.other references demo.tickets with ON DELETE CASCADE",
+        "error: policy[subset]: exclude[0].exists (legal.subset): foreign key subset_ticket_id_fkey on legal.subset references demo.tickets with ON DELETE SET NULL: deleting a row would rewrite the hold itself",
+        "error: policy[notexists]: select[0].not_exists (not_exists): foreign key samename on legal.other references demo.tickets with ON DELETE CASCADE",
+    ] {
+        assert!(
+            stdout.contains(expected),
+            "missing `{expected}` in:\n{stdout}"
+        );
+    }
 }
