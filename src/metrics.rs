@@ -32,7 +32,7 @@ pub enum Kind {
 /// same), each present from start-up: process counters at 0 for every label value known then
 /// (attempt outcomes and classes, the configured dependencies), ledger-wide values for every
 /// state, status and configured policy. Only `sweeper_held_at_planning` has a series per reason
-/// a run actually held, and `sweeper_run_execution_seconds` one per trigger kind observed.
+/// a run actually held.
 pub const FAMILIES: &[(&str, Kind, &str)] = &[
     (
         "sweeper_dead_letters_open",
@@ -70,10 +70,11 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
         "Runs per status (ledger-wide).",
     ),
     (
-        "sweeper_open_run_window_age_seconds",
+        "sweeper_open_run_age_seconds",
         Kind::Gauge,
-        "Seconds since the window of the policy's oldest run that is not finished (dry runs \
-         aside), 0 when none (ledger-wide).",
+        "Seconds the policy's oldest unfinished run has been due: since its window, or since its \
+         creation when it was created later (a backfill, a late trigger); dry runs aside, 0 when \
+         none (ledger-wide).",
     ),
     (
         "sweeper_planning_jobs_failing",
@@ -84,6 +85,11 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
         "sweeper_last_successful_run_timestamp_seconds",
         Kind::Gauge,
         "Unix time the policy's latest completed run completed, 0 before the first (ledger-wide).",
+    ),
+    (
+        "sweeper_policy_suspended",
+        Kind::Gauge,
+        "1 while the policy is suspended by an operator, else 0 (ledger-wide).",
     ),
     (
         "sweeper_policy_period_seconds",
@@ -175,7 +181,7 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
         "sweeper_run_execution_seconds",
         Kind::Histogram,
         "Creation to completion of each run this process completed, by trigger (live or \
-         backfill).",
+         backfill); a cancelled or superseded run is not observed.",
     ),
 ];
 
@@ -456,15 +462,21 @@ pub async fn render(
     .fetch_all(pool)
     .await?;
     let held_work = crate::ledger::holds::held_work(pool, hold_alert_after, held_policies).await?;
-    // The oldest unfinished run of each policy, by its window.
+    // The oldest unfinished run of each policy, due since its window or, created later, since
+    // its creation.
     let open_runs: Vec<(String, f64)> = sqlx::query_as(
-        "select policy, extract(epoch from sweeper.now() - min(window_at))::float8
+        "select policy,
+                extract(epoch from sweeper.now() - min(greatest(window_at, created_at)))::float8
            from sweeper.runs
           where status in ('planning', 'running') and not dry_run
           group by policy",
     )
     .fetch_all(pool)
     .await?;
+    let suspended: Vec<String> =
+        sqlx::query_scalar("select policy from sweeper.policy_state where suspended")
+            .fetch_all(pool)
+            .await?;
     let paused: Vec<String> = sqlx::query_scalar(
         "select dependency from sweeper.dependency_pauses where paused_until > sweeper.now()",
     )
@@ -525,8 +537,14 @@ pub async fn render(
             };
             gauge!("sweeper_last_successful_run_timestamp_seconds", "policy" => policy.clone())
                 .set(figure(&last));
-            gauge!("sweeper_open_run_window_age_seconds", "policy" => policy.clone())
+            gauge!("sweeper_open_run_age_seconds", "policy" => policy.clone())
                 .set(figure(&open_runs));
+            let stopped = suspended.contains(&policy);
+            gauge!("sweeper_policy_suspended", "policy" => policy.clone()).set(if stopped {
+                1.0
+            } else {
+                0.0
+            });
             gauge!("sweeper_policy_period_seconds", "policy" => policy)
                 .set(f.period_seconds as f64);
         }

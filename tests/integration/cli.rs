@@ -676,7 +676,8 @@ async fn every_documented_series_is_exported_from_start_up() {
         "sweeper_last_successful_run_timestamp_seconds{policy=\"ticket-retention\"} 0",
         "sweeper_dependency_paused{dependency=\"payments\"} 0",
         "sweeper_policy_period_seconds{policy=\"ticket-retention\"} 86400",
-        "sweeper_open_run_window_age_seconds{policy=\"ticket-retention\"} 0",
+        "sweeper_open_run_age_seconds{policy=\"ticket-retention\"} 0",
+        "sweeper_policy_suspended{policy=\"ticket-retention\"} 0",
         "sweeper_run_execution_seconds_count{policy=\"ticket-retention\",trigger=\"backfill\"} 0",
     ] {
         assert!(
