@@ -158,6 +158,17 @@ impl Run<'_> {
         match code.as_deref() {
             Some(LOCK_NOT_AVAILABLE) if !skip_locked => AttemptError::Locked,
             Some(FOREIGN_KEY_VIOLATION) => AttemptError::Referenced(Failure::from_db(e)),
+            // A row of the command moved to another partition by an update the delete waited
+            // on (PostgreSQL cannot follow it, even under READ COMMITTED): the moved row has a
+            // new key, so the next attempt finds the old one gone. No attempt is spent.
+            Some(SERIALIZATION_FAILURE) => AttemptError::Failed(Failure::locked(
+                Utc::now() + chrono::Duration::seconds(1),
+                format!(
+                    "a row of the command moved to another partition while the delete waited on \
+                     it; the command runs again ({})",
+                    Failure::from_db(e).message
+                ),
+            )),
             Some(DEADLOCK_DETECTED) => AttemptError::Failed(Failure::locked(
                 Utc::now() + chrono::Duration::seconds(1),
                 format!(
@@ -287,11 +298,15 @@ impl Run<'_> {
                 }
                 Err(e) => {
                     sp.rollback().await?;
+                    let code = e.as_database_error().and_then(|d| d.code());
+                    if code.as_deref() == Some(SERIALIZATION_FAILURE) {
+                        // Its row moved to another partition (a new key): judged below, gone.
+                        continue;
+                    }
                     let f = Failure::from_db(&e);
                     if f.class != FailureClass::Permanent {
                         return Err(AttemptError::Failed(f));
                     }
-                    let code = e.as_database_error().and_then(|d| d.code());
                     if code.as_deref() == Some(FOREIGN_KEY_VIOLATION) {
                         referenced.insert(key.clone(), f.message);
                     } else {
@@ -464,6 +479,9 @@ const NOT_DELETED: &str = "not_deleted: the delete left the row (a BEFORE DELETE
 
 /// SQLSTATE 55P03: `lock_timeout` expired.
 const LOCK_NOT_AVAILABLE: &str = "55P03";
+/// SQLSTATE 40001: under READ COMMITTED, a row moved to another partition by the update the
+/// statement waited on.
+const SERIALIZATION_FAILURE: &str = "40001";
 /// SQLSTATE 40P01.
 const DEADLOCK_DETECTED: &str = "40P01";
 /// SQLSTATE 23503: a row the delete removed is still referenced.

@@ -46,7 +46,9 @@ pub(super) async fn load(
         }
         return Ok(step);
     }
-    let rules = rules_for(state, tx, &c).await?;
+    let rules = rules_for(state, tx, &c)
+        .await?
+        .in_partition(c.partition_constraint.clone());
     let finished = if c.has_outcomes {
         ledger::commands::finished_keys(tx, command_id, c.redrive_of.is_some()).await?
     } else {
@@ -88,6 +90,12 @@ async fn lock_command(
             (p.name.as_str(), slots as i32)
         })
         .unzip();
+    let targets: Vec<String> = state
+        .config
+        .policies
+        .iter()
+        .map(|p| p.spec.target.table.quoted())
+        .collect();
     let claim = match executor {
         Executor::Claimed(claim) => Some(claim),
         Executor::Delivery { .. } => None,
@@ -101,6 +109,7 @@ async fn lock_command(
             statement_timeout_seconds: state.config.consume.statement_timeout.seconds(),
             policies: &names,
             slots: &caps,
+            targets: &targets,
         },
     )
     .await

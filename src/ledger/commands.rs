@@ -737,6 +737,10 @@ pub struct Locked {
     /// Some of its items have outcomes already (its counts, read from the row's newest version
     /// once locked): an earlier attempt finished part of it; [`finished_keys`] says which.
     pub has_outcomes: bool,
+    /// The partition constraint of the leaf its keys were planned in, while the leaf is still
+    /// attached under the policy's target ([`crate::policy::partitions`]); `None`: the whole
+    /// target.
+    pub partition_constraint: Option<String>,
 }
 
 /// The keys of `command_id` an earlier attempt already audited (a command whose rows were locked,
@@ -779,6 +783,9 @@ pub struct GateLimits<'a> {
     pub policies: &'a [&'a str],
     /// Their `max_concurrent_commands` slots, as this replica's governor scales them.
     pub slots: &'a [i32],
+    /// Their targets, quoted (`"schema"."table"`): a command planned in a leaf partition is
+    /// confined to it while the leaf is still attached under its policy's target.
+    pub targets: &'a [String],
 }
 
 /// One statement: lock the command row; read its run, its policy's suspension and current
@@ -793,7 +800,14 @@ pub async fn lock(
     claim: Option<&CommandTry>,
     limits: &GateLimits<'_>,
 ) -> sqlx::Result<Option<(Locked, CommandTry)>> {
-    let locked: Option<Locked> = sqlx::query_as(
+    // The leaf's constraint is read after the row lock and the timeouts are set (the target
+    // list is evaluated in order); it takes the leaf's ACCESS SHARE lock for the transaction.
+    let partition = crate::policy::partitions::constraint_sql(
+        "c.partition",
+        "(select pt.target from unnest($4::text[], $7::text[]) as pt(policy, target)
+           where pt.policy = r.policy)",
+    );
+    let locked: Option<Locked> = sqlx::query_as(&format!(
         "select c.state, c.item_keys, c.attempts, c.run_id, c.held_kind, c.held_reason,
                 greatest(0, extract(epoch from c.next_attempt_at - (select sweeper.now())))::float8
                     as due_in_seconds,
@@ -816,18 +830,20 @@ pub async fn lock(
                                                                   as caps(policy, cap)
                                                              where caps.policy = r.policy), 1) - 1) s
                          where pg_try_advisory_xact_lock(hashtext($6 || r.policy), s))
-                    as slot_free
+                    as slot_free,
+                {partition} as partition_constraint
            from sweeper.commands c join sweeper.runs r using (run_id)
            left join sweeper.policy_state ps on ps.policy = r.policy
           where c.command_id = $1
-          for update of c",
-    )
+          for update of c"
+    ))
     .bind(command_id)
     .bind(format!("{}s", limits.lock_timeout_seconds))
     .bind(format!("{}s", limits.statement_timeout_seconds))
     .bind(limits.policies)
     .bind(limits.slots)
     .bind(slot_lock_key(""))
+    .bind(limits.targets)
     .fetch_optional(conn)
     .await?;
     Ok(locked.map(|l| {

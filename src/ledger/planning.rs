@@ -182,6 +182,12 @@ pub struct Page<'a> {
     pub done: bool,
     /// The renewed lease.
     pub lease_seconds: f64,
+    /// The leaf partition the new commands' keys were planned in (a partitioned target).
+    pub partition: Option<&'a str>,
+    /// A partitioned target's leaves in walk order, on the run's first page.
+    pub partitions: Option<&'a [String]>,
+    /// The position in them of the leaf the cursor is in after this page.
+    pub cursor_partition: usize,
 }
 
 /// Writes a page in the caller's transaction (which locked the job row): the commands (due at
@@ -194,10 +200,10 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
         sqlx::query(
             "insert into sweeper.commands
                  (command_id, run_id, batch_no, item_keys, transport, next_attempt_at, due_since,
-                  publish_due)
+                  publish_due, partition)
              select $1 || ':' || (b.ord - 1 + $3), $1, b.ord - 1 + $3,
                     array(select jsonb_array_elements_text(b.keys)), $4, r.window_at,
-                    greatest(r.window_at, sweeper.now()), $4 <> 'builtin'
+                    greatest(r.window_at, sweeper.now()), $4 <> 'builtin', $5
                from jsonb_array_elements($2) with ordinality as b(keys, ord),
                     sweeper.runs r
               where r.run_id = $1",
@@ -206,6 +212,7 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
         .bind(sqlx::types::Json(p.batches))
         .bind(p.next_batch_no)
         .bind(p.transport)
+        .bind(p.partition)
         .execute(&mut *conn)
         .await?;
     }
@@ -215,7 +222,8 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
                 failures = 0, held_kind = null, held_reason = null, held_since = null,
                 done = $4, lease_until = (select sweeper.now()) + make_interval(secs => $5),
                 carry_keys = $6, cursor_timestamp = $7::timestamptz,
-                path = coalesce(path, $8), path_reason = coalesce(path_reason, $9)
+                path = coalesce(path, $8), path_reason = coalesce(path_reason, $9),
+                partitions = coalesce(partitions, $10), cursor_partition = $11
           where run_id = $1",
     )
     .bind(p.run_id)
@@ -227,6 +235,8 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
     .bind(p.cursor_timestamp)
     .bind(p.path.map(|(path, _)| path))
     .bind(p.path.map(|(_, reason)| reason))
+    .bind(p.partitions)
+    .bind(p.cursor_partition as i32)
     .execute(&mut *conn)
     .await?;
     if p.done {

@@ -19,6 +19,7 @@
 mod batches;
 pub mod estimate;
 mod guard;
+mod leaf;
 mod rules;
 mod scan;
 
@@ -171,6 +172,10 @@ async fn hold_job(state: &AppState, run_id: &str, token: Uuid, f: &Failure) {
 /// inputs.
 struct Job {
     cursor: Cursor,
+    /// A partitioned target's leaves, in the order planning walks them (fixed on the run's
+    /// first page), and the position of the one the cursor is in.
+    partitions: Option<Vec<String>>,
+    cursor_partition: usize,
     /// The run's path, once its first page chose it.
     path: Option<PlanningPath>,
     carry: Vec<String>,
@@ -190,7 +195,7 @@ async fn lock_job(
 ) -> sqlx::Result<Option<Job>> {
     let job = sqlx::query(
         "select j.cursor_key, j.cursor_timestamp::text as cursor_timestamp, j.path, j.carry_keys, j.next_batch_no, r.policy, r.policy_version, r.window_at, r.cutoff,
-                r.dry_run
+                r.dry_run, j.partitions, j.cursor_partition
            from sweeper.planning_jobs j join sweeper.runs r using (run_id)
           where j.run_id = $1 and j.lease_token = $2 and not j.done
           for update of j",
@@ -204,6 +209,8 @@ async fn lock_job(
             key: job.get("cursor_key"),
             timestamp: job.get("cursor_timestamp"),
         },
+        partitions: job.get("partitions"),
+        cursor_partition: job.get::<i32, _>("cursor_partition").max(0) as usize,
         path: job
             .get::<Option<String>, _>("path")
             .as_deref()
@@ -301,13 +308,45 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
             ),
         ));
     }
-    let page = scan_page(&mut tx, &rules, path, &job.cursor, page_rows)
-        .await
-        .map_err(db)?;
+    // A partitioned target is walked one leaf at a time (docs/design.md §2.12): the leaves are
+    // fixed on the first page; a leaf detached since is passed over.
+    let leaves = match (&job.partitions, job.path) {
+        (Some(l), _) => Some(l.clone()),
+        (None, None) => walked_leaves(state, &mut tx, &rules).await?,
+        (None, Some(_)) => None,
+    };
+    let walk = match &leaves {
+        Some(leaves) => Some(
+            leaf::LeafWalk::resume(&mut tx, &rules.target.table, leaves, job.cursor_partition)
+                .await
+                .map_err(db)?,
+        ),
+        None => None,
+    };
+    if let Some(w) = &walk
+        && w.moved_on()
+        && !job.carry.is_empty()
+    {
+        // Keys carried in a leaf detached since: their own command, in their leaf.
+        return record_carry_of_detached_leaf(state, tx, run_id, &job, w, batch_size).await;
+    }
+    let scoped = match &walk {
+        Some(w) => rules.clone().in_partition(w.constraint()),
+        None => rules.clone(),
+    };
+    let start = walk
+        .as_ref()
+        .map_or(job.cursor.clone(), |w| w.start(&job.cursor));
+    let page = match &walk {
+        Some(w) if w.is_past_end() => scan::Scanned::empty(),
+        _ => scan_page(&mut tx, &scoped, path, &start, page_rows)
+            .await
+            .map_err(db)?,
+    };
     // The whole page is consumed: the cursor moves past its last row, and its eligible keys
     // join those carried from earlier pages. On the timestamp walk a row met on an earlier page
     // (its timestamp moved forward past the cursor) was classified then: it is skipped.
-    let cursor = page.cursor_after(path, &job.cursor);
+    let mut cursor = page.cursor_after(path, &start);
     let old_enough = |r: &sqlx::postgres::PgRow| r.get::<bool, _>("old_enough");
     let rows: Vec<&sqlx::postgres::PgRow> = if path == PlanningPath::TimestampIndex {
         let met: Vec<String> = page
@@ -334,8 +373,14 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         .map(|r| r.get::<String, _>("item_key"));
     let mut keys = job.carry.clone();
     keys.extend(found);
-    let done = page.end_of_walk;
-    let (batches, carry) = fill_commands(keys, batch_size, COMMAND_KEY_BYTES, done);
+    // Commands are filled within one leaf, never across two: a leaf's last page writes its
+    // remainder; the walk is done after the last leaf.
+    let leaf_done = page.end_of_walk;
+    let (done, cursor_partition) = match &walk {
+        Some(w) => w.after_page(leaf_done, &mut cursor),
+        None => (leaf_done, 0),
+    };
+    let (batches, carry) = fill_commands(keys, batch_size, COMMAND_KEY_BYTES, leaf_done);
     let items: i64 = batches.iter().map(|b| b.len() as i64).sum();
     let cap = state.config.planning.closure_check_cap;
     if done {
@@ -362,6 +407,9 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         held: &held,
         done,
         lease_seconds: state.config.planning.lease.seconds() as f64,
+        partition: walk.as_ref().and_then(|w| w.leaf()),
+        partitions: leaves.as_deref(),
+        cursor_partition,
     };
     let status = ledger::planning::record_page(&mut tx, &page)
         .await
@@ -393,6 +441,79 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     } else {
         Ok(PlanStep::Page)
     }
+}
+
+/// The leaves of a partitioned target a run walks, in bound order, skipping those whose range on
+/// the timestamp starts at or after the run's cutoff (no row in them is old enough); `None` for
+/// a table that is not partitioned.
+async fn walked_leaves(
+    state: &AppState,
+    tx: &mut sqlx::PgConnection,
+    rules: &RuleSet,
+) -> Result<Option<Vec<String>>, Failure> {
+    let db = |e: sqlx::Error| Failure::from_db(&e);
+    let target = &rules.target;
+    if !crate::policy::partitions::is_partitioned(&mut *tx, &target.table)
+        .await
+        .map_err(db)?
+    {
+        return Ok(None);
+    }
+    let info = state.catalog.get(&state.pool, &target.table).await?;
+    let Some(ts) = info.columns.get(target.timestamp.as_str()) else {
+        return Ok(None);
+    };
+    let leaves = crate::policy::partitions::leaves(&mut *tx, target, &ts.type_sql)
+        .await
+        .map_err(db)?;
+    Ok(Some(
+        leaves
+            .into_iter()
+            .filter(|l| !l.newer_than(rules.cutoff))
+            .map(|l| l.name)
+            .collect(),
+    ))
+}
+
+/// A page that only writes the keys carried in a leaf detached since their page: their own
+/// command, naming that leaf (its keys are `already_absent` unless the rows are still in the
+/// target); the cursor moves to the start of the next attached leaf.
+async fn record_carry_of_detached_leaf(
+    state: &AppState,
+    mut tx: sqlx::Transaction<'_, Postgres>,
+    run_id: &str,
+    job: &Job,
+    walk: &leaf::LeafWalk,
+    batch_size: usize,
+) -> Result<PlanStep, Failure> {
+    let db = |e: sqlx::Error| Failure::from_db(&e);
+    let batches = cut_batches(job.carry.clone(), batch_size, COMMAND_KEY_BYTES);
+    let configured = state.config.policy(&job.policy);
+    let page = ledger::planning::Page {
+        run_id,
+        batches: &batches,
+        next_batch_no: job.next_batch_no,
+        transport: configured
+            .map(|p| p.transport)
+            .unwrap_or(crate::policy::Transport::Builtin)
+            .as_str(),
+        path: None,
+        cursor: None,
+        cursor_timestamp: None,
+        carry: &[],
+        items: job.carry.len() as i64,
+        held: &BTreeMap::new(),
+        done: false,
+        lease_seconds: state.config.planning.lease.seconds() as f64,
+        partition: walk.left_leaf(job.cursor_partition),
+        partitions: None,
+        cursor_partition: walk.at(),
+    };
+    ledger::planning::record_page(&mut tx, &page)
+        .await
+        .map_err(db)?;
+    tx.commit().await.map_err(db)?;
+    Ok(PlanStep::Page)
 }
 
 /// Held rows counted once the walk is done: rows with a NULL key or, for a temporal key column,

@@ -26,6 +26,14 @@ pub(super) struct Scanned {
 }
 
 impl Scanned {
+    /// A page with no rows that ends its walk (no leaf was left to scan).
+    pub(super) fn empty() -> Scanned {
+        Scanned {
+            rows: Vec::new(),
+            end_of_walk: true,
+        }
+    }
+
     /// The cursor after the page: its last row, or `before` when the page was empty. The
     /// key-order walk has no timestamp in its cursor.
     pub(super) fn cursor_after(&self, path: PlanningPath, before: &Cursor) -> Cursor {
@@ -81,6 +89,7 @@ pub(super) async fn scan_page(
         ")::text as cursor_ts from {} where ",
         rules.table_sql()
     ));
+    rules.push_partition_scope(&mut q);
     rules.push_has_key(&mut q);
     push_after_cursor(&mut q, rules, path, cursor);
     q.push(format!(" order by {order} limit "));

@@ -112,6 +112,7 @@ async fn check_policy(
     c.key().await?;
     c.action_columns().await?;
     c.timestamp().await?;
+    c.partitions().await?;
     let covered = c.exclusions().await?;
     for m in crate::policy::select::check_columns(&p.spec.select, |n| c.col(n)) {
         c.say(Level::Error, m);
@@ -446,6 +447,64 @@ impl Check<'_> {
                 choice.reason
             ),
         );
+        Ok(())
+    }
+
+    /// A partitioned target: its leaves in the order planning walks them, with their bounds; the
+    /// index each walk reads every leaf through; a default partition warned about (its
+    /// constraint is the negation of all its siblings', which prunes nothing by range and
+    /// changes whenever a partition is attached).
+    async fn partitions(&mut self) -> sqlx::Result<()> {
+        let t = &self.p.spec.target;
+        let mut conn = self.pool.acquire().await?;
+        if !crate::policy::partitions::is_partitioned(&mut conn, &t.table).await? {
+            return Ok(());
+        }
+        let Some(ts) = self.col(t.timestamp.as_str()) else {
+            return Ok(());
+        };
+        let leaves = crate::policy::partitions::leaves(&mut conn, t, &ts.type_sql).await?;
+        let key_index = self
+            .info
+            .unique_index_of(&t.key)
+            .map(|cols| cols.join(", "))
+            .unwrap_or_else(|| t.key.names());
+        let ts_index = crate::policy::path::timestamp_index(&mut conn, t).await?;
+        self.say(
+            Level::Info,
+            format!(
+                "target: {} is partitioned ({} leaf partitions); planning walks them one at a time \
+                 in this order, each command within one, and skips those whose range on {} starts \
+                 at or after the run's cutoff; the key-order walk reads each leaf through its copy \
+                 of the unique index on ({key_index}){}",
+                t.table,
+                leaves.len(),
+                t.timestamp.as_str(),
+                match &ts_index {
+                    Some((name, _)) => format!(", the timestamp walk through its copy of {name}"),
+                    None => format!(", and no index leads with {}", t.timestamp.as_str()),
+                }
+            ),
+        );
+        for l in &leaves {
+            self.say(
+                Level::Info,
+                format!("target: partition {} {}", l.name, l.bound),
+            );
+            if l.default {
+                self.say(
+                    Level::Warning,
+                    format!(
+                        "target: {} is a default partition: its commands are confined to it by \
+                         the negation of every other partition's bounds, which prunes nothing by \
+                         range; rows moved out of it (a partition created for their range) are \
+                         already_absent for a run that planned them there and met again by the \
+                         next",
+                        l.name
+                    ),
+                );
+            }
+        }
         Ok(())
     }
 

@@ -18,6 +18,7 @@ mod catalog;
 pub mod check;
 mod key;
 mod name;
+pub mod partitions;
 pub mod path;
 pub mod references;
 pub mod related;

@@ -31,6 +31,10 @@ pub struct RuleSet {
     effects: Option<(String, String)>,
     key: Key,
     column_types: HashMap<String, String>,
+    /// The partition constraint of the leaf a command's keys were planned in, while it is still
+    /// attached under the target ([`crate::policy::partitions`]): the command's statements are
+    /// confined to that leaf. `None`: the whole target.
+    partition: Option<String>,
 }
 
 /// The current version's cutoff, when it is earlier than the run's: what a run reports as its
@@ -230,6 +234,7 @@ impl RuleSet {
             effects: None,
             key,
             column_types,
+            partition: None,
         })
     }
 
@@ -247,6 +252,22 @@ impl RuleSet {
             self.effects = Some((policy.to_string(), run_id.to_string()));
         }
         self
+    }
+
+    /// These rules confined to one leaf partition of the target: `constraint` is its partition
+    /// constraint as PostgreSQL prints it (constants only, so every plan is pruned to the leaf),
+    /// `None` for the whole target.
+    pub fn in_partition(mut self, constraint: Option<String>) -> Self {
+        self.partition = constraint;
+        self
+    }
+
+    /// Pushes `(constraint) and ` when the rules are confined to a leaf ([`RuleSet::in_partition`]),
+    /// right after a `where` on the target (its column names are unqualified).
+    pub fn push_partition_scope(&self, q: &mut QueryBuilder<'_, Postgres>) {
+        if let Some(c) = &self.partition {
+            q.push(format!("({c}) and "));
+        }
     }
 
     /// `"schema"."table"`.
@@ -573,6 +594,7 @@ impl crate::ledger::commands::DeleteTarget for RuleSet {
         q.push("delete from ");
         q.push(self.table_sql());
         q.push(" where ");
+        self.push_partition_scope(q);
         self.push_key_in(q, keys.to_vec());
         q.push(" and ");
         self.push_eligible(q);
@@ -582,6 +604,7 @@ impl crate::ledger::commands::DeleteTarget for RuleSet {
                 " and ({columns}) in (select {columns} from {} where ",
                 self.table_sql()
             ));
+            self.push_partition_scope(q);
             self.push_key_in(q, keys.to_vec());
             q.push(" for update skip locked)");
         }
@@ -600,6 +623,7 @@ impl crate::ledger::commands::DeleteTarget for RuleSet {
         q.push(" as not_eligible_reason from ");
         q.push(self.table_sql());
         q.push(" where ");
+        self.push_partition_scope(q);
         self.push_key_in(q, keys.to_vec());
     }
 
@@ -623,6 +647,7 @@ impl crate::ledger::commands::DeleteTarget for RuleSet {
         q.push(format!("select {} from ", self.key_text_sql()));
         q.push(self.table_sql());
         q.push(" where ");
+        self.push_partition_scope(q);
         self.push_key_in(q, keys.to_vec());
         q.push(" for update skip locked");
     }
