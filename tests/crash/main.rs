@@ -18,6 +18,7 @@ mod external;
 #[allow(dead_code)]
 #[path = "../kit/mod.rs"]
 mod kit;
+mod partitioned;
 mod pubsub;
 mod shutdown;
 #[allow(dead_code)]

@@ -429,3 +429,96 @@ async fn wait_for_lock_wait(pool: &PgPool) {
     }
     panic!("no delete waits on a lock");
 }
+
+/// pg_partman (Debian's `postgresql-15-partman`, 4.7) manages the table: after a run planned,
+/// `run_maintenance()` detaches the oldest partition under its retention (keeping the table); the
+/// run completes, that partition's keys `already_absent`, the kept table untouched, the rest swept.
+#[tokio::test]
+async fn pg_partman_detaching_a_partition_mid_run() {
+    let app = TestApp::spawn(Spawn {
+        setup_sql: "create schema demo;
+create schema legal;
+create table demo.events (
+    id bigint not null,
+    created_at timestamptz not null,
+    payload text,
+    primary key (id, created_at)
+) partition by range (created_at);
+create table legal.event_holds (event_id bigint not null, released_at timestamptz)",
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: PARTITIONED_POLICY.into(),
+        extra_toml: String::new(),
+        workers: 0,
+    })
+    .await;
+    let installed = sqlx::raw_sql(
+        "create schema partman;
+         create extension pg_partman schema partman;",
+    )
+    .execute(&app.pool)
+    .await;
+    if let Err(e) = installed {
+        panic!(
+            "pg_partman must be installed (Debian package postgresql-15-partman; .ci/run installs it): {e}"
+        );
+    }
+    sqlx::query(
+        "select partman.create_parent(p_parent_table => 'demo.events', p_control => 'created_at',
+                 p_type => 'native', p_interval => 'monthly', p_premake => 1,
+                 p_start_partition => '2026-01-01')",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    seed(&app.pool, 10, 8).await;
+    let run_id = app.api.trigger_new("events", "").await;
+    app.wait_planned(&run_id).await;
+    let planned: Vec<String> = sqlx::query_scalar(
+        "select unnest(partitions) from sweeper.planning_jobs where run_id = $1",
+    )
+    .bind(&run_id)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(planned[0], "demo.events_p2026_01", "{planned:?}");
+    // Retention by the database's own clock, set so that January alone has ended before now()
+    // minus it; the table is kept, detached.
+    sqlx::query(
+        "update partman.part_config
+            set retention = (now() - timestamptz '2026-02-15')::text,
+                retention_keep_table = true
+          where parent_table = 'demo.events'",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    sqlx::query("select partman.run_maintenance('demo.events')")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let attached: bool = sqlx::query_scalar(
+        "select exists (select 1 from pg_inherits where inhrelid = 'demo.events_p2026_01'::regclass)",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!(!attached, "pg_partman detached January");
+    drain(&app).await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(run["already_absent"], 10, "January's keys: {run}");
+    assert_eq!(run["deleted"], 4 * 10, "February to May: {run}");
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_p2026_01").await,
+        10,
+        "the detached table is kept as it was"
+    );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from demo.events where created_at < '2026-06-03'"
+        )
+        .await,
+        0
+    );
+}
