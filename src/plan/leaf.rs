@@ -1,4 +1,4 @@
-//! Walking a partitioned target one leaf at a time (docs/design.md §2.12): which leaf a page
+//! Walking a partitioned target one leaf at a time (docs/design.md §14 "Partitioned targets"): which leaf a page
 //! scans, the constraint that confines its scan, and where the cursor goes after it.
 
 use super::scan::Cursor;

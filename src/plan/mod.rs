@@ -308,7 +308,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
             ),
         ));
     }
-    // A partitioned target is walked one leaf at a time (docs/design.md §2.12): the leaves are
+    // A partitioned target is walked one leaf at a time (docs/design.md §14 "Partitioned targets"): the leaves are
     // fixed on the first page; a leaf detached since is passed over.
     let leaves = match (&job.partitions, job.path) {
         (Some(l), _) => Some(l.clone()),

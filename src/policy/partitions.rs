@@ -1,4 +1,4 @@
-//! A declaratively partitioned target (docs/design.md §2.12): its leaf partitions in bound order,
+//! A declaratively partitioned target (docs/design.md §14 "Partitioned targets"): its leaf partitions in bound order,
 //! and the predicate that confines a statement to one of them.
 //!
 //! A partitioned target is always addressed through its parent. Planning walks it one leaf at a
