@@ -161,14 +161,16 @@ impl Run<'_> {
             // A row of the command moved to another partition by an update the delete waited
             // on (PostgreSQL cannot follow it, even under READ COMMITTED): the moved row has a
             // new key, so the next attempt finds the old one gone. No attempt is spent.
-            Some(SERIALIZATION_FAILURE) => AttemptError::Failed(Failure::locked(
-                Utc::now() + chrono::Duration::seconds(1),
-                format!(
-                    "a row of the command moved to another partition while the delete waited on \
+            Some(SERIALIZATION_FAILURE) if moved_to_another_partition(e) => {
+                AttemptError::Failed(Failure::locked(
+                    Utc::now() + chrono::Duration::seconds(1),
+                    format!(
+                        "a row of the command moved to another partition while the delete waited on \
                      it; the command runs again ({})",
-                    Failure::from_db(e).message
-                ),
-            )),
+                        Failure::from_db(e).message
+                    ),
+                ))
+            }
             Some(DEADLOCK_DETECTED) => AttemptError::Failed(Failure::locked(
                 Utc::now() + chrono::Duration::seconds(1),
                 format!(
@@ -299,7 +301,9 @@ impl Run<'_> {
                 Err(e) => {
                     sp.rollback().await?;
                     let code = e.as_database_error().and_then(|d| d.code());
-                    if code.as_deref() == Some(SERIALIZATION_FAILURE) {
+                    if code.as_deref() == Some(SERIALIZATION_FAILURE)
+                        && moved_to_another_partition(&e)
+                    {
                         // Its row moved to another partition (a new key): judged below, gone.
                         continue;
                     }
@@ -482,6 +486,16 @@ const LOCK_NOT_AVAILABLE: &str = "55P03";
 /// SQLSTATE 40001: under READ COMMITTED, a row moved to another partition by the update the
 /// statement waited on.
 const SERIALIZATION_FAILURE: &str = "40001";
+/// Whether `e` is PostgreSQL's 40001 for a row an update moved to another partition while this
+/// statement waited on it ("tuple to be deleted was already moved to another partition due to
+/// concurrent update", or "to be locked"). Told from other serialization failures by its message:
+/// under a server whose messages are translated it is not recognized, and fails the attempt as
+/// any other transient error does (the next attempt finds the old key gone all the same).
+fn moved_to_another_partition(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .is_some_and(|d| d.message().contains("moved to another partition"))
+}
+
 /// SQLSTATE 40P01.
 const DEADLOCK_DETECTED: &str = "40P01";
 /// SQLSTATE 23503: a row the delete removed is still referenced.

@@ -110,6 +110,7 @@ async fn lock_command(
             policies: &names,
             slots: &caps,
             targets: &targets,
+            partition_constraint: crate::policy::partitions::constraint_sql,
         },
     )
     .await

@@ -738,7 +738,7 @@ pub struct Locked {
     /// once locked): an earlier attempt finished part of it; [`finished_keys`] says which.
     pub has_outcomes: bool,
     /// The partition constraint of the leaf its keys were planned in, while the leaf is still
-    /// attached under the policy's target ([`crate::policy::partitions`]); `None`: the whole
+    /// attached under the policy's target; `None`: the whole
     /// target.
     pub partition_constraint: Option<String>,
 }
@@ -786,6 +786,10 @@ pub struct GateLimits<'a> {
     /// Their targets, quoted (`"schema"."table"`): a command planned in a leaf partition is
     /// confined to it while the leaf is still attached under its policy's target.
     pub targets: &'a [String],
+    /// The SQL expression that reads the partition constraint of the command's leaf: given the
+    /// leaf's name as `c.partition` and the policy's target as `target`, a scalar subquery
+    /// (written by the rules' owner, which knows what confines a statement to a leaf).
+    pub partition_constraint: fn(leaf: &str, target: &str) -> String,
 }
 
 /// One statement: lock the command row; read its run, its policy's suspension and current
@@ -802,7 +806,7 @@ pub async fn lock(
 ) -> sqlx::Result<Option<(Locked, CommandTry)>> {
     // The leaf's constraint is read after the row lock and the timeouts are set (the target
     // list is evaluated in order); it takes the leaf's ACCESS SHARE lock for the transaction.
-    let partition = crate::policy::partitions::constraint_sql(
+    let partition = (limits.partition_constraint)(
         "c.partition",
         "(select pt.target from unnest($4::text[], $7::text[]) as pt(policy, target)
            where pt.policy = r.policy)",

@@ -243,11 +243,13 @@ pub async fn redrive(
             let (new_id, inserted): (String, bool) = sqlx::query_as(
                 "insert into sweeper.commands
                      (command_id, run_id, batch_no, item_keys, transport, next_attempt_at,
-                      due_since, redrive_of, publish_due)
+                      due_since, redrive_of, publish_due, partition)
                  select $1 || ':redrive-' || $3, $1, -$3::int, array[$2], t.transport,
-                        sweeper.now(), sweeper.now(), $3, t.transport <> 'builtin'
+                        sweeper.now(), sweeper.now(), $3, t.transport <> 'builtin', t.partition
                    from (select coalesce((select transport from sweeper.commands
-                                           where command_id = $4), 'builtin') as transport) t
+                                           where command_id = $4), 'builtin') as transport,
+                                (select partition from sweeper.commands
+                                  where command_id = $4) as partition) t
                  on conflict (command_id) do update
                     set state = 'pending', attempts = 0, next_attempt_at = sweeper.now(),
                         publish_due = sweeper.commands.transport <> 'builtin',
