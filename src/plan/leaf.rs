@@ -25,19 +25,14 @@ impl LeafWalk {
         cursor_partition: usize,
     ) -> sqlx::Result<LeafWalk> {
         let from = cursor_partition.min(leaves.len());
-        let constraints = partitions::constraints(conn, target, &leaves[from..]).await?;
-        let found = constraints
-            .into_iter()
-            .enumerate()
-            .find_map(|(i, c)| c.map(|c| (i, c)));
-        let (skipped, constraint) = match found {
-            Some((i, c)) => (i, Some(c)),
-            None => (leaves.len() - from, None),
+        let (at, constraint) = match partitions::next_attached(conn, target, leaves, from).await? {
+            Some((at, c)) => (at, Some(c)),
+            None => (leaves.len(), None),
         };
         Ok(LeafWalk {
             leaves: leaves.to_vec(),
-            at: from + skipped,
-            moved_on: skipped > 0,
+            at,
+            moved_on: at > from,
             constraint,
         })
     }

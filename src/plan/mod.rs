@@ -453,10 +453,10 @@ async fn walked_leaves(
 ) -> Result<Option<Vec<String>>, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
     let target = &rules.target;
-    if !crate::policy::partitions::is_partitioned(&mut *tx, &target.table)
+    let layout = crate::policy::partitions::layout(&mut *tx, &target.table)
         .await
-        .map_err(db)?
-    {
+        .map_err(db)?;
+    if layout != crate::policy::partitions::Layout::Partitioned {
         return Ok(None);
     }
     let info = state.catalog.get(&state.pool, &target.table).await?;

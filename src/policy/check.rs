@@ -457,8 +457,23 @@ impl Check<'_> {
     async fn partitions(&mut self) -> sqlx::Result<()> {
         let t = &self.p.spec.target;
         let mut conn = self.pool.acquire().await?;
-        if !crate::policy::partitions::is_partitioned(&mut conn, &t.table).await? {
-            return Ok(());
+        use crate::policy::partitions::{Layout, layout};
+        match layout(&mut conn, &t.table).await? {
+            Layout::Plain => return Ok(()),
+            Layout::Partitioned => {}
+            Layout::Hashed => {
+                self.say(
+                    Level::Warning,
+                    format!(
+                        "target: {} is hash partitioned at some level: a statement cannot be \
+                         confined to one hash partition (its bound prunes nothing), so planning \
+                         walks the table through its parent as it walks a plain table, and every \
+                         statement of a command plans and locks every partition its keys may be in",
+                        t.table
+                    ),
+                );
+                return Ok(());
+            }
         }
         let Some(ts) = self.col(t.timestamp.as_str()) else {
             return Ok(());

@@ -40,14 +40,35 @@ impl Leaf {
     }
 }
 
-/// Whether `table` is a partitioned table (`relkind = 'p'`).
-pub async fn is_partitioned(conn: &mut PgConnection, table: &TableName) -> sqlx::Result<bool> {
-    sqlx::query_scalar(
-        "select coalesce((select relkind = 'p' from pg_class where oid = to_regclass($1)), false)",
+/// How a target is laid out, as planning walks it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Not a partitioned table.
+    Plain,
+    /// Partitioned by range or list at every level: walked one leaf at a time.
+    Partitioned,
+    /// Some level is hash partitioned: a hash leaf's constraint (`satisfies_hash_partition`)
+    /// prunes nothing, so a scan confined to it would still read every sibling; the table is
+    /// walked through its parent as a plain table is, commands across partitions.
+    Hashed,
+}
+
+/// How `table` is laid out.
+pub async fn layout(conn: &mut PgConnection, table: &TableName) -> sqlx::Result<Layout> {
+    let (partitioned, hashed): (bool, bool) = sqlx::query_as(
+        "select coalesce((select relkind = 'p' from pg_class where oid = to_regclass($1)), false),
+                exists (select 1 from pg_partition_tree(to_regclass($1)) t
+                          join pg_partitioned_table pt on pt.partrelid = t.relid
+                         where pt.partstrat = 'h')",
     )
     .bind(table.quoted())
     .fetch_one(conn)
-    .await
+    .await?;
+    Ok(match (partitioned, hashed) {
+        (false, _) => Layout::Plain,
+        (true, false) => Layout::Partitioned,
+        (true, true) => Layout::Hashed,
+    })
 }
 
 /// The leaf partitions of `target` (empty when it is not partitioned), in bound order: by the
@@ -141,37 +162,45 @@ fn push_literal_as_timestamp(
     };
 }
 
-/// The current partition constraint of each of `leaves` still attached under `target` (`None`
-/// for a leaf detached, dropped or renamed since), in order. Reading a constraint takes the
-/// leaf's ACCESS SHARE lock until the transaction ends, so it cannot be detached under a
-/// statement that uses it. One statement.
-pub async fn constraints(
+/// The first of `leaves[from..]` still attached under `target` (`target` among its ancestors:
+/// the policy's table may itself be a partition), with its position and its current partition
+/// constraint (`true` for the only partition of a tree, a default one, which has none); `None`
+/// when every one was detached, dropped or renamed since. Only that leaf's constraint is read,
+/// which takes its ACCESS SHARE lock until the transaction ends, so it cannot be detached under
+/// the statements that use it; the others are looked up in the catalog without a lock. One
+/// statement.
+pub async fn next_attached(
     conn: &mut PgConnection,
     target: &TableName,
     leaves: &[String],
-) -> sqlx::Result<Vec<Option<String>>> {
-    sqlx::query_scalar(
-        "select (select pg_get_partition_constraintdef(c.oid)
-                   from pg_class c
-                  where c.oid = to_regclass(l.name) and c.relispartition and c.relkind = 'r'
-                    and pg_partition_root(c.oid) = to_regclass($1))
-           from unnest($2::text[]) with ordinality l(name, n)
-          order by l.n",
+    from: usize,
+) -> sqlx::Result<Option<(usize, String)>> {
+    let found: Option<(i64, String)> = sqlx::query_as(
+        "select f.n, coalesce(pg_get_partition_constraintdef(f.oid), 'true')
+           from (select l.n, c.oid
+                   from unnest($2::text[]) with ordinality l(name, n)
+                   join pg_class c on c.oid = to_regclass(l.name)
+                  where l.n > $3 and c.relispartition and c.relkind = 'r'
+                    and to_regclass($1) in (select a.relid from pg_partition_ancestors(c.oid) a)
+                  order by l.n
+                  limit 1) f",
     )
     .bind(target.quoted())
     .bind(leaves)
-    .fetch_all(conn)
-    .await
+    .bind(from as i64)
+    .fetch_optional(conn)
+    .await?;
+    Ok(found.map(|(n, c)| (n as usize - 1, c)))
 }
 
 /// The SQL that reads, in the gate's statement, the current constraint of the command's leaf
 /// (`leaf`: a column holding its name) under the policy's target (`target`: an expression
-/// naming it): as in [`constraints`].
+/// naming it): as in [`next_attached`].
 pub fn constraint_sql(leaf: &str, target: &str) -> String {
     format!(
-        "(select pg_get_partition_constraintdef(pc.oid)
+        "(select coalesce(pg_get_partition_constraintdef(pc.oid), 'true')
             from pg_class pc
            where pc.oid = to_regclass({leaf}) and pc.relispartition and pc.relkind = 'r'
-             and pg_partition_root(pc.oid) = to_regclass({target}))"
+             and to_regclass({target}) in (select a.relid from pg_partition_ancestors(pc.oid) a))"
     )
 }

@@ -213,13 +213,35 @@ async fn a_commands_statements_are_pruned_to_its_leaf() {
     .await
     .unwrap();
     let mut conn = app.pool.acquire().await.unwrap();
-    let constraints = sweeper::policy::partitions::constraints(
-        &mut conn,
-        &sweeper::policy::TableName::parse("demo.events").unwrap(),
-        std::slice::from_ref(&leaf),
+    let mut tx = conn.begin().await.unwrap();
+    let all: Vec<String> = sqlx::query_scalar(
+        "select unnest(partitions) from sweeper.planning_jobs where run_id = $1",
     )
+    .bind(&run_id)
+    .fetch_all(&mut *tx)
     .await
     .unwrap();
+    let at = all.iter().position(|l| *l == leaf).unwrap();
+    let (found, constraint) = sweeper::policy::partitions::next_attached(
+        &mut tx,
+        &sweeper::policy::TableName::parse("demo.events").unwrap(),
+        &all,
+        at,
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(found, at);
+    // Only that leaf's constraint was read: one leaf locked, not every one after it.
+    let locked: i64 = sqlx::query_scalar(
+        "select count(*) from pg_locks l join pg_class c on c.oid = l.relation
+          where l.pid = pg_backend_pid() and c.relname like 'events_2026_%' and c.relkind = 'r'",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(locked, 1);
+    tx.rollback().await.unwrap();
     let (window, cutoff, version): (
         chrono::DateTime<chrono::Utc>,
         chrono::DateTime<chrono::Utc>,
@@ -241,7 +263,7 @@ async fn a_commands_statements_are_pruned_to_its_leaf() {
     let rules = sweeper::plan::run_rules(&app.state, &mut conn, &run)
         .await
         .unwrap()
-        .in_partition(constraints[0].clone());
+        .in_partition(Some(constraint));
     let leaves_in = |plan: &str| -> Vec<String> {
         let mut seen: Vec<String> = plan
             .split(|c: char| !(c.is_alphanumeric() || c == '_'))
@@ -276,14 +298,15 @@ async fn a_commands_statements_are_pruned_to_its_leaf() {
         .execute(&app.pool)
         .await
         .unwrap();
-    let gone = sweeper::policy::partitions::constraints(
+    let gone = sweeper::policy::partitions::next_attached(
         &mut conn,
         &sweeper::policy::TableName::parse("demo.events").unwrap(),
         std::slice::from_ref(&leaf),
+        0,
     )
     .await
     .unwrap();
-    assert_eq!(gone, vec![None]);
+    assert_eq!(gone, None);
 }
 
 fn leaf_name(qualified: &str) -> String {
@@ -521,4 +544,91 @@ create table legal.event_holds (event_id bigint not null, released_at timestampt
         .await,
         0
     );
+}
+
+/// Other layouts: a policy whose target is itself a partition (sub-partitioned by month), a table
+/// whose only partition is a default one (no constraint at all), and a hash-partitioned table
+/// (walked through its parent: a hash bound prunes nothing). Each run deletes exactly the old rows.
+#[tokio::test]
+async fn an_intermediate_partition_a_lone_default_and_a_hash_layout_are_swept() {
+    let months: String = (1..=12)
+        .map(|m| {
+            let to = if m == 12 {
+                "2027-01-01".to_string()
+            } else {
+                format!("2026-{:02}-01", m + 1)
+            };
+            format!(
+                "create table demo.events_2026_{m:02} partition of demo.events_2026 \
+                 for values from ('2026-{m:02}-01') to ('{to}');"
+            )
+        })
+        .collect();
+    let layouts: [(&str, String, &str); 3] = [
+        (
+            "intermediate",
+            format!(
+                "create table demo.events_2026 partition of demo.events
+                     for values from ('2026-01-01') to ('2027-01-01') partition by range (created_at);
+                 {months}"
+            ),
+            "demo.events_2026",
+        ),
+        (
+            "lone default",
+            "create table demo.events_default partition of demo.events default".into(),
+            "demo.events",
+        ),
+        (
+            "hash",
+            "create table demo.events_h0 partition of demo.events for values with (modulus 2, remainder 0);
+             create table demo.events_h1 partition of demo.events for values with (modulus 2, remainder 1)"
+                .into(),
+            "demo.events",
+        ),
+    ];
+    for (what, partitions, target) in layouts {
+        let by = if what == "hash" {
+            "hash (id)"
+        } else {
+            "range (created_at)"
+        };
+        let setup: &'static str = Box::leak(
+            format!(
+                "create schema demo; create schema legal;
+                 create table legal.event_holds (event_id bigint not null, released_at timestamptz);
+                 create table demo.events (id bigint not null, created_at timestamptz not null,
+                     payload text, primary key (id, created_at)) partition by {by};
+                 {partitions}"
+            )
+            .into_boxed_str(),
+        );
+        let app = TestApp::spawn(Spawn {
+            setup_sql: setup,
+            now: Some(at("2026-09-01T02:01:00Z")),
+            policies: PARTITIONED_POLICY.replace("\"demo.events\"", &format!("\"{target}\"")),
+            extra_toml: String::new(),
+            workers: 0,
+        })
+        .await;
+        seed(&app.pool, 10, 9).await;
+        let run_id = app.api.trigger_new("events", "").await;
+        app.wait_planned(&run_id).await;
+        drain(&app).await;
+        let run = app.wait_terminal(&run_id).await;
+        assert_eq!(run["status"], "completed", "{what}: {run}");
+        assert_eq!(run["deleted"], 50, "{what}: {run}");
+        assert_eq!(
+            count(&app.pool, "select count(*) from demo.events").await,
+            40,
+            "{what}: June to September kept"
+        );
+        let walked: Option<Vec<String>> =
+            sqlx::query_scalar("select partitions from sweeper.planning_jobs where run_id = $1")
+                .bind(&run_id)
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+        assert_eq!(walked.is_none(), what == "hash", "{what}: {walked:?}");
+    }
 }
