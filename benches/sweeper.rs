@@ -10,6 +10,9 @@
 //! `--json PATH` (target/bench/sweeper.json), `--growth N,N,...` (the sparse scenario's table
 //! sizes, 1000000,3000000,10000000), `--sparse-eligible N` (50000), `--smoke` (small sizes, for
 //! CI).
+//!
+//! The dense scenario also runs on the composite-key rows moved into a table range partitioned on
+//! `closed_at` (issue 33), once in 6 and once in 120 leaves over the same span of time.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -44,6 +47,8 @@ struct Opts {
     growth: Vec<i64>,
     /// Eligible rows in each of them.
     sparse_eligible: i64,
+    /// A smoke run (CI): the partitioned contenders with 1 worker only, their WAL not read.
+    smoke: bool,
 }
 
 fn opts() -> Opts {
@@ -58,6 +63,7 @@ fn opts() -> Opts {
         json: "target/bench/sweeper.json".into(),
         growth: vec![1_000_000, 3_000_000, 10_000_000],
         sparse_eligible: 50_000,
+        smoke: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -73,6 +79,7 @@ fn opts() -> Opts {
                 o.wrk_seconds = 2;
                 o.growth = vec![50_000, 200_000];
                 o.sparse_eligible = 1_000;
+                o.smoke = true;
                 i += 1;
                 continue;
             }
@@ -218,6 +225,71 @@ async fn seed_keyed(name: &str, rows: i64, key: &str) {
     pool.close().await;
 }
 
+/// The leaf counts of the partitioned copies (issue 33): the same rows in 6 leaves and in 120.
+const LEAVES: [usize; 2] = [6, 120];
+
+/// Seeds database `name` with the rows of `composite` (a [`seed_keyed`] database with
+/// [`COMPOSITE_KEY`]: copied, not generated again, so they are the same rows byte for byte) moved
+/// into a `demo.tickets` range partitioned on `closed_at` in `leaves` leaves, keyed
+/// `(id, closed_at)`, with the same index on `closed_at`.
+///
+/// The rows were closed uniformly over the 300 days before the window, and that span is what both
+/// layouts divide into leaves of equal length: 6 of 50 days (6 monthly leaves could not hold
+/// those rows) and 120 of 2.5 days. So every leaf of both holds rows (about `rows / leaves`), the eligible
+/// rows are the same 70 %, and the only difference is how many leaves they are spread over: more
+/// leaves to walk, more short commands (a leaf's remainder), more statements each pruned to its
+/// leaf. 120 monthly leaves of which all but a few were empty would measure little more than
+/// walking empty leaves. The first leaf is unbounded below and the last above, so that every row
+/// has a leaf whatever the session's time zone does to the seed's day arithmetic; the cutoff
+/// (90 days before the window) falls inside a 50-day leaf, which is walked, and on a bound of the
+/// 2.5-day leaves, so the 36 leaves from it on are skipped.
+async fn seed_partitioned(name: &str, composite: &str, leaves: usize) {
+    copy_database(composite, name).await;
+    let mut c = PgConnection::connect(&database_url(name)).await.unwrap();
+    sqlx::raw_sql(
+        "create table demo.tickets_p (id bigint not null, customer_id bigint not null,
+             status text not null, legal_hold boolean not null, closed_at timestamptz not null,
+             subject text not null, body text not null) partition by range (closed_at)",
+    )
+    .execute(&mut c)
+    .await
+    .unwrap();
+    let start = window() - chrono::TimeDelta::days(300);
+    let width = chrono::TimeDelta::days(300) / leaves as i32;
+    let bound = |k: usize| format!("'{}'", (start + width * k as i32).to_rfc3339());
+    for k in 0..leaves {
+        let from = if k == 0 { "minvalue".into() } else { bound(k) };
+        let to = if k + 1 == leaves {
+            "maxvalue".into()
+        } else {
+            bound(k + 1)
+        };
+        sqlx::raw_sql(&format!(
+            "create table demo.tickets_{k:03} partition of demo.tickets_p
+                 for values from ({from}) to ({to})"
+        ))
+        .execute(&mut c)
+        .await
+        .unwrap();
+    }
+    sqlx::raw_sql(
+        "insert into demo.tickets_p select * from demo.tickets order by id;
+         drop table demo.tickets;
+         alter table demo.tickets_p rename to tickets;
+         alter table demo.tickets add constraint tickets_pkey primary key (id, closed_at);
+         create index tickets_closed_at on demo.tickets (closed_at);",
+    )
+    .execute(&mut c)
+    .await
+    .unwrap();
+    // Apart: VACUUM runs outside a transaction block.
+    sqlx::raw_sql("vacuum analyze demo.tickets")
+        .execute(&mut c)
+        .await
+        .unwrap();
+    c.close().await.unwrap();
+}
+
 async fn eligible_count(pool: &PgPool) -> i64 {
     sqlx::query_scalar("select count(*) from demo.tickets where closed_at < $1 and not legal_hold")
         .bind(window() - chrono::TimeDelta::days(90))
@@ -337,10 +409,24 @@ async fn serve_keyed(db: &str, workers: usize, batch: usize, key: &str) -> Serve
     Server::launch(&config_toml_keyed(db, workers, batch, key), how).await
 }
 
+/// What one end-to-end run of sweeper measured.
+struct Builtin {
+    /// Items deleted.
+    deleted: i64,
+    /// Seconds from the trigger to the run's completion.
+    seconds: f64,
+    /// Seconds from the trigger until planning was seen done (polled every 10 ms).
+    planned_in: f64,
+    /// The server's peak RSS in MB.
+    rss_mb: f64,
+    /// The run's commands, and their average size in items (`sweeper.commands.item_keys`).
+    commands: i64,
+    avg_command: f64,
+}
+
 /// Sweeper end to end: a real server process, a real HTTP trigger, the built-in queue draining
-/// the run with `workers` workers; (items deleted, seconds from the trigger to the run's
-/// completion, the server's peak RSS in MB).
-async fn sweeper_builtin(db: &str, batch: usize, workers: usize, key: &str) -> (i64, f64, f64) {
+/// the run with `workers` workers.
+async fn sweeper_builtin(db: &str, batch: usize, workers: usize, key: &str) -> Builtin {
     let server = serve_keyed(db, workers, batch, key).await;
     let started = Instant::now();
     let r = reqwest::Client::new()
@@ -383,13 +469,29 @@ async fn sweeper_builtin(db: &str, batch: usize, workers: usize, key: &str) -> (
             .fetch_one(&pool)
             .await
             .unwrap();
+    let (commands, avg_command): (i64, f64) = sqlx::query_as(
+        "select count(*), coalesce(avg(cardinality(item_keys)), 0)::float8
+           from sweeper.commands where run_id = $1",
+    )
+    .bind(&run_id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let planned_in = planned_in.unwrap_or(seconds);
     eprintln!(
-        "  planned along {} in {:.2} s of {seconds:.2} s",
+        "  planned along {} in {planned_in:.2} s of {seconds:.2} s; {commands} commands of \
+         {avg_command:.1} items on average",
         path.as_deref().unwrap_or("?"),
-        planned_in.unwrap_or(seconds)
     );
     pool.close().await;
-    (deleted, seconds, rss)
+    Builtin {
+        deleted,
+        seconds,
+        planned_in,
+        rss_mb: rss,
+        commands,
+        avg_command,
+    }
 }
 
 /// Trigger latency with a backlog: `n` dry-run triggers (each a new run) against a table of
@@ -511,7 +613,9 @@ async fn sparse(rows: i64, eligible: i64, batch: usize, reps: usize) -> (f64, f6
     let (mut sw, mut fl, mut items) = (Vec::new(), Vec::new(), 0);
     for rep in 0..reps {
         copy_database(&seed_db, &work).await;
-        let (deleted, seconds, _) = sweeper_builtin(&work, batch, 1, SINGLE_KEY).await;
+        let Builtin {
+            deleted, seconds, ..
+        } = sweeper_builtin(&work, batch, 1, SINGLE_KEY).await;
         eprintln!("rep {rep} sparse {rows}: sweeper {deleted} items in {seconds:.2} s");
         sw.push(seconds);
         items = deleted;
@@ -548,6 +652,12 @@ async fn main() {
     seed(&seed_db, o.rows).await;
     let composite_db = format!("sweeper_bench_seed_{}_composite", o.rows);
     seed_keyed(&composite_db, o.rows, COMPOSITE_KEY).await;
+    let partitioned_dbs =
+        LEAVES.map(|n| (n, format!("sweeper_bench_seed_{}_partitioned{n}", o.rows)));
+    for (n, db) in &partitioned_dbs {
+        eprintln!("moving the composite-key rows into {n} leaves ...");
+        seed_partitioned(db, &composite_db, *n).await;
+    }
     let eligible = {
         let p = PgPool::connect(&database_url(&seed_db)).await.unwrap();
         let n = eligible_count(&p).await;
@@ -559,7 +669,7 @@ async fn main() {
         o.reps, o.batch
     );
 
-    let contenders = [
+    let contenders: Vec<&str> = [
         "thin_floor_1conn",
         "thin_floor_2conn",
         "floor_1conn",
@@ -569,21 +679,43 @@ async fn main() {
         "naive",
         "sweeper_builtin_composite_1worker",
         "sweeper_builtin_composite_2workers",
+        // The composite-key rows in 6 and in 120 leaves (issue 33); a smoke run, 1 worker only.
+        "sweeper_builtin_partitioned6_1worker",
+        "sweeper_builtin_partitioned120_1worker",
+        "sweeper_builtin_partitioned6_2workers",
+        "sweeper_builtin_partitioned120_2workers",
         // Last: the fast path below needs the last copy's completed run on the one-column table.
         "sweeper_builtin_1worker",
         "sweeper_builtin_2workers",
-    ];
+    ]
+    .into_iter()
+    .filter(|n| !(o.smoke && leaves_of(n).is_some() && n.ends_with("2workers")))
+    .collect();
     let cutoff = window() - chrono::TimeDelta::days(90);
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); contenders.len()];
     // Per contender and repetition: (WAL bytes per item, WAL syncs per batch, commits per batch).
     let mut costs: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); contenders.len()];
     let batches = (eligible as u64).div_ceil(o.batch as u64) as f64;
     let mut rss: Vec<f64> = Vec::new();
+    // Per built-in contender and repetition: (seconds planning, commands, items per command).
+    let mut runs: Vec<Vec<(f64, i64, f64)>> = vec![Vec::new(); contenders.len()];
     for rep in 0..o.reps {
         for (i, name) in contenders.iter().enumerate() {
             let composite = name.contains("composite");
-            copy_database(if composite { &composite_db } else { &seed_db }, work).await;
-            let before = wal_counters(work).await;
+            let leaves = leaves_of(name);
+            let template = match leaves {
+                Some(n) => &partitioned_dbs.iter().find(|(l, _)| *l == n).unwrap().1,
+                None if composite => &composite_db,
+                None => &seed_db,
+            };
+            copy_database(template, work).await;
+            // A smoke run reads no WAL around the partitioned contenders (1.5 s a reading).
+            let read_wal = !(o.smoke && leaves.is_some());
+            let before = if read_wal {
+                wal_counters(work).await
+            } else {
+                Default::default()
+            };
             let v = match *name {
                 "thin_floor_1conn" | "thin_floor_2conn" | "floor_1conn" | "floor_2conn" => {
                     let conns = if name.ends_with("1conn") { 1 } else { 2 };
@@ -602,13 +734,23 @@ async fn main() {
                 "naive" => naive(work, o.naive_sample).await,
                 _ => {
                     let workers = if name.ends_with("1worker") { 1 } else { 2 };
-                    let key = if composite { COMPOSITE_KEY } else { SINGLE_KEY };
-                    let (n, secs, r) = sweeper_builtin(work, o.batch, workers, key).await;
-                    assert_eq!(n, eligible, "{name}");
-                    rss.push(r);
-                    n as f64 / secs
+                    let key = if composite || leaves.is_some() {
+                        COMPOSITE_KEY
+                    } else {
+                        SINGLE_KEY
+                    };
+                    let b = sweeper_builtin(work, o.batch, workers, key).await;
+                    assert_eq!(b.deleted, eligible, "{name}");
+                    rss.push(b.rss_mb);
+                    runs[i].push((b.planned_in, b.commands, b.avg_command));
+                    b.deleted as f64 / b.seconds
                 }
             };
+            if !read_wal {
+                eprintln!("rep {rep} {name}: {v:.0} items/s");
+                results[i].push(v);
+                continue;
+            }
             let after = wal_counters(work).await;
             let cost = (
                 (after.1 - before.1) / eligible as f64,
@@ -634,6 +776,9 @@ async fn main() {
     drop_database(work).await;
     drop_database(&seed_db).await;
     drop_database(&composite_db).await;
+    for (_, db) in &partitioned_dbs {
+        drop_database(db).await;
+    }
 
     // Sparse, and its growth: the same eligible count on ever larger tables.
     let mut growth = Vec::new();
@@ -650,8 +795,29 @@ async fn main() {
     drop_database(&backlog_db).await;
 
     let med: Vec<f64> = results.iter_mut().map(|v| median(v)).collect();
-    let [th1, th2, fl1, fl2, ip1, ip2, naive_ips, cp1, cp2, sw1, sw2] =
-        [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10].map(|i| med[i]);
+    // A contender's median items/s (NaN when it did not run: a smoke run's 2-worker leaves).
+    let m = |name: &str| {
+        contenders
+            .iter()
+            .position(|c| *c == name)
+            .map_or(f64::NAN, |i| med[i])
+    };
+    let [th1, th2, fl1, fl2, ip1, ip2, naive_ips, cp1, cp2, sw1, sw2] = [
+        "thin_floor_1conn",
+        "thin_floor_2conn",
+        "floor_1conn",
+        "floor_2conn",
+        "in_process_1conn",
+        "in_process_2conn",
+        "naive",
+        "sweeper_builtin_composite_1worker",
+        "sweeper_builtin_composite_2workers",
+        "sweeper_builtin_1worker",
+        "sweeper_builtin_2workers",
+    ]
+    .map(m);
+    let builtin_runs = builtin_runs(&contenders, &runs);
+    let partitioned = partitioned_report(&builtin_runs, &m);
     let cost_medians = contenders
         .iter()
         .zip(costs.iter_mut())
@@ -683,6 +849,8 @@ async fn main() {
                             "in_process_1conn": ip1 / fl1, "in_process_2conn": ip2 / fl2 },
         "wal_and_commits": cost_medians,
         "composite_key_time_ratio": { "1worker": sw1 / cp1, "2workers": sw2 / cp2 },
+        "partitioned": partitioned,
+        "builtin_runs": builtin_runs,
         "ratio_to_naive": { "floor_1conn": fl1 / naive_ips, "sweeper_builtin_1worker": sw1 / naive_ips,
                             "sweeper_builtin_2workers": sw2 / naive_ips },
         "sparse_growth": growth,
@@ -743,13 +911,14 @@ async fn main() {
         sw1 / cp1,
         sw2 / cp2
     );
+    print_partitioned(&partitioned, &builtin_runs, &row, (th1, fl1), (th2, fl2));
     println!(
-        "{:<36}{:>14}{:>14}{:>14}",
+        "{:<42}{:>14}{:>14}{:>14}",
         "per batch / item (medians)", "WAL B/item", "syncs/batch", "commits/batch"
     );
     for (name, c) in &cost_medians {
         println!(
-            "{name:<36}{:>14.0}{:>14.2}{:>14.2}",
+            "{name:<42}{:>14.0}{:>14.2}{:>14.2}",
             c["wal_bytes_per_item"].as_f64().unwrap_or(0.0),
             c["wal_syncs_per_batch"].as_f64().unwrap_or(0.0),
             c["commits_per_batch"].as_f64().unwrap_or(0.0)
@@ -791,6 +960,134 @@ async fn main() {
     }
     std::fs::write(&o.json, serde_json::to_string_pretty(&table).unwrap()).unwrap();
     println!("{}", serde_json::to_string(&table).unwrap());
+}
+
+/// The leaf count of a partitioned contender (`sweeper_builtin_partitioned120_1worker`: 120).
+fn leaves_of(name: &str) -> Option<usize> {
+    let rest = name.split_once("partitioned")?.1;
+    rest.split('_').next()?.parse().ok()
+}
+
+/// Per built-in contender that ran, the medians of its runs' planning seconds, commands and
+/// items per command, and the samples.
+fn builtin_runs(
+    contenders: &[&str],
+    runs: &[Vec<(f64, i64, f64)>],
+) -> serde_json::Map<String, Value> {
+    contenders
+        .iter()
+        .zip(runs)
+        .filter(|(_, r)| !r.is_empty())
+        .map(|(n, r)| {
+            let mut planning: Vec<f64> = r.iter().map(|x| x.0).collect();
+            let mut commands: Vec<f64> = r.iter().map(|x| x.1 as f64).collect();
+            let mut sizes: Vec<f64> = r.iter().map(|x| x.2).collect();
+            let samples: Vec<Value> = r
+                .iter()
+                .map(|(p, c, a)| json!({"planning_seconds": p, "commands": c, "items_per_command": a}))
+                .collect();
+            (
+                n.to_string(),
+                json!({"planning_seconds": median(&mut planning),
+                       "commands": median(&mut commands),
+                       "items_per_command": median(&mut sizes),
+                       "samples": samples}),
+            )
+        })
+        .collect()
+}
+
+/// The partitioned targets' figures (issue 33): medians, the time of 120 leaves against 6, the
+/// time of 6 leaves against the plain tables (key `id` and key `(id, closed_at)`), and the
+/// average command size. A time ratio is the inverse of the items/s ratio; NaN (JSON null) when a
+/// contender did not run.
+fn partitioned_report(runs: &serde_json::Map<String, Value>, m: &dyn Fn(&str) -> f64) -> Value {
+    let [few, many] = LEAVES;
+    let name =
+        |leaves: usize, workers: &str| format!("sweeper_builtin_partitioned{leaves}_{workers}");
+    let per_workers =
+        |f: &dyn Fn(&str) -> f64| json!({"1worker": f("1worker"), "2workers": f("2workers")});
+    let plain = |key: &str, workers: &str| m(&format!("sweeper_builtin_{key}{workers}"));
+    json!({
+        "leaves": LEAVES,
+        "items_per_second": LEAVES.iter().flat_map(|l| ["1worker", "2workers"].map(|w| {
+            let n = name(*l, w);
+            (n.clone(), json!(m(&n)))
+        })).collect::<serde_json::Map<_, _>>(),
+        "time_ratio_many_vs_few": per_workers(&|w| m(&name(few, w)) / m(&name(many, w))),
+        "time_ratio_few_vs_plain_key_id": per_workers(&|w| plain("", w) / m(&name(few, w))),
+        "time_ratio_few_vs_plain_key_id_closed_at": per_workers(&|w| plain("composite_", w) / m(&name(few, w))),
+        "time_ratio_many_vs_plain_key_id": per_workers(&|w| plain("", w) / m(&name(many, w))),
+        "time_ratio_many_vs_plain_key_id_closed_at": per_workers(&|w| plain("composite_", w) / m(&name(many, w))),
+        "items_per_command": LEAVES.iter().flat_map(|l| ["1worker", "2workers"].map(|w| name(*l, w)))
+            .filter_map(|n| runs.get(&n).map(|r| (n, r["items_per_command"].clone())))
+            .collect::<serde_json::Map<_, _>>(),
+        "targets": {"many_vs_few": 1.2, "few_vs_plain": 1.3},
+    })
+}
+
+/// Prints a contender's row of the table: its name, items/s, and the floors (thin, sweeper's
+/// audit) on as many connections as it uses.
+type PrintRow<'a> = dyn Fn(&str, f64, Option<(f64, f64)>) + 'a;
+
+/// Prints the partitioned contenders' rows (`row`, against the floors on 1 and on 2
+/// connections), their ratios against the targets, and every built-in run's planning time and
+/// command size.
+fn print_partitioned(
+    p: &Value,
+    runs: &serde_json::Map<String, Value>,
+    row: &PrintRow<'_>,
+    floors1: (f64, f64),
+    floors2: (f64, f64),
+) {
+    let [few, many] = LEAVES;
+    let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+    for leaves in LEAVES {
+        for (w, floors) in [("1worker", floors1), ("2workers", floors2)] {
+            let v = f(&p["items_per_second"][format!("sweeper_builtin_partitioned{leaves}_{w}")]);
+            if !v.is_nan() {
+                let n = if w == "1worker" { 1 } else { 2 };
+                row(
+                    &format!("sweeper built-in, {leaves} leaves, {n}"),
+                    v,
+                    Some(floors),
+                );
+            }
+        }
+    }
+    let pair = |key: &str| {
+        format!(
+            "{:.2}x with 1 worker, {:.2}x with 2",
+            f(&p[key]["1worker"]),
+            f(&p[key]["2workers"])
+        )
+    };
+    println!(
+        "partitioned, {many} leaves against {few}, time: {} (target: within 1.2x)",
+        pair("time_ratio_many_vs_few")
+    );
+    println!(
+        "partitioned, {few} leaves against the plain table keyed id, time: {}; keyed (id, closed_at): {} (target: within 1.3x)",
+        pair("time_ratio_few_vs_plain_key_id"),
+        pair("time_ratio_few_vs_plain_key_id_closed_at")
+    );
+    println!(
+        "partitioned, {many} leaves against the plain table keyed id, time: {}; keyed (id, closed_at): {}",
+        pair("time_ratio_many_vs_plain_key_id"),
+        pair("time_ratio_many_vs_plain_key_id_closed_at")
+    );
+    println!(
+        "{:<42}{:>12}{:>12}{:>14}",
+        "built-in runs (medians)", "planning s", "commands", "items/command"
+    );
+    for (name, r) in runs {
+        println!(
+            "{name:<42}{:>12.2}{:>12.0}{:>14.1}",
+            f(&r["planning_seconds"]),
+            f(&r["commands"]),
+            f(&r["items_per_command"])
+        );
+    }
 }
 
 /// The cluster's WAL records, WAL bytes and WAL syncs (`pg_stat_wal`) and database `db`'s
