@@ -404,7 +404,17 @@ impl CommandTry {
             .cloned()
             .collect();
         let mut q = QueryBuilder::new("with cand as (");
-        target.push_classify(&mut q, &left);
+        if left.is_empty() {
+            // Every key was deleted: nothing to classify. A statement that does not read the
+            // target is one text for every command of the policy (a partitioned target's leaf
+            // constraint is not in it), so it is parsed once per connection and its plan kept.
+            q.push(
+                "select null::text as item_key, null::boolean as old_enough, \
+                 null::text as reason, null::text as not_eligible_reason where false",
+            );
+        } else {
+            target.push_classify(&mut q, &left);
+        }
         let (outcome, reason) = Judgement::after_delete_sql("d.item_key is not null");
         q.push(format!(
             "), items as (
@@ -804,8 +814,11 @@ pub async fn lock(
     claim: Option<&CommandTry>,
     limits: &GateLimits<'_>,
 ) -> sqlx::Result<Option<(Locked, CommandTry)>> {
-    // The leaf's constraint is read after the row lock and the timeouts are set (the target
-    // list is evaluated in order); it takes the leaf's ACCESS SHARE lock for the transaction.
+    // The leaf's constraint takes the leaf's (and its parent's) ACCESS SHARE lock for the
+    // transaction; it is read after the timeouts are set (the target list is evaluated in
+    // order) but before the row lock (`FOR UPDATE` locks the rows the target list was computed
+    // for), so a gate that waits on a running command's row holds it too, as that command does.
+    // A DETACH that commits while the read waits fails the statement (transient, tried again).
     let partition = (limits.partition_constraint)(
         "c.partition",
         "(select pt.target from unnest($4::text[], $7::text[]) as pt(policy, target)

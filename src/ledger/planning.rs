@@ -182,8 +182,9 @@ pub struct Page<'a> {
     pub done: bool,
     /// The renewed lease.
     pub lease_seconds: f64,
-    /// The leaf partition the new commands' keys were planned in (a partitioned target).
-    pub partition: Option<&'a str>,
+    /// The leaf partition each new command's keys were planned in (a partitioned target), in
+    /// batch order.
+    pub batch_partitions: &'a [Option<String>],
     /// A partitioned target's leaves in walk order, on the run's first page.
     pub partitions: Option<&'a [String]>,
     /// The position in them of the leaf the cursor is in after this page.
@@ -203,7 +204,7 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
                   publish_due, partition)
              select $1 || ':' || (b.ord - 1 + $3), $1, b.ord - 1 + $3,
                     array(select jsonb_array_elements_text(b.keys)), $4, r.window_at,
-                    greatest(r.window_at, sweeper.now()), $4 <> 'builtin', $5
+                    greatest(r.window_at, sweeper.now()), $4 <> 'builtin', ($5::text[])[b.ord]
                from jsonb_array_elements($2) with ordinality as b(keys, ord),
                     sweeper.runs r
               where r.run_id = $1",
@@ -212,7 +213,7 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
         .bind(sqlx::types::Json(p.batches))
         .bind(p.next_batch_no)
         .bind(p.transport)
-        .bind(p.partition)
+        .bind(p.batch_partitions)
         .execute(&mut *conn)
         .await?;
     }

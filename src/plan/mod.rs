@@ -315,7 +315,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         (None, None) => walked_leaves(state, &mut tx, &rules).await?,
         (None, Some(_)) => None,
     };
-    let walk = match &leaves {
+    let mut walk = match &leaves {
         Some(leaves) => Some(
             leaf::LeafWalk::resume(&mut tx, &rules.target.table, leaves, job.cursor_partition)
                 .await
@@ -330,57 +330,93 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         // Keys carried in a leaf detached since: their own command, in their leaf.
         return record_carry_of_detached_leaf(state, tx, run_id, &job, w, batch_size).await;
     }
-    let scoped = match &walk {
-        Some(w) => rules.clone().in_partition(w.constraint()),
-        None => rules.clone(),
-    };
-    let start = walk
+    // A page reads up to `page_rows` rows (and PAGE_KEY_BYTES of keys): a leaf that ends before
+    // them is followed by the next one in the same page, its commands still its own, so small
+    // leaves do not cost a page (a transaction and its commit) each.
+    let mut start = walk
         .as_ref()
         .map_or(job.cursor.clone(), |w| w.start(&job.cursor));
-    let page = match &walk {
-        Some(w) if w.is_past_end() => scan::Scanned::empty(),
-        _ => scan_page(&mut tx, &scoped, path, &start, page_rows)
-            .await
-            .map_err(db)?,
-    };
-    // The whole page is consumed: the cursor moves past its last row, and its eligible keys
-    // join those carried from earlier pages. On the timestamp walk a row met on an earlier page
-    // (its timestamp moved forward past the cursor) was classified then: it is skipped.
-    let mut cursor = page.cursor_after(path, &start);
-    let old_enough = |r: &sqlx::postgres::PgRow| r.get::<bool, _>("old_enough");
-    let rows: Vec<&sqlx::postgres::PgRow> = if path == PlanningPath::TimestampIndex {
-        let met: Vec<String> = page
-            .rows
+    let mut rows_left = page_rows;
+    let mut bytes_left = PAGE_KEY_BYTES;
+    let mut carry = job.carry.clone();
+    let mut batches: Vec<Vec<String>> = Vec::new();
+    let mut batch_leaves: Vec<Option<String>> = Vec::new();
+    let mut held: BTreeMap<String, i64> = BTreeMap::new();
+    let (cursor, cursor_partition, done) = loop {
+        let scoped = match &walk {
+            Some(w) => rules.clone().in_partition(w.constraint()),
+            None => rules.clone(),
+        };
+        let page = match &walk {
+            Some(w) if w.is_past_end() => scan::Scanned::empty(),
+            _ => scan_page(&mut tx, &scoped, path, &start, rows_left, bytes_left)
+                .await
+                .map_err(db)?,
+        };
+        // The whole scan is consumed: the cursor moves past its last row, and its eligible keys
+        // join those carried from earlier pages. On the timestamp walk a row met on an earlier
+        // page (its timestamp moved forward past the cursor) was classified then: it is skipped.
+        let mut cursor = page.cursor_after(path, &start);
+        let old_enough = |r: &sqlx::postgres::PgRow| r.get::<bool, _>("old_enough");
+        let rows: Vec<&sqlx::postgres::PgRow> = if path == PlanningPath::TimestampIndex {
+            let met: Vec<String> = page
+                .rows
+                .iter()
+                .filter(|r| old_enough(r))
+                .map(|r| r.get("item_key"))
+                .collect();
+            let first = ledger::planning::first_seen(&mut tx, run_id, &met)
+                .await
+                .map_err(db)?;
+            page.rows
+                .iter()
+                .filter(|r| first.contains(&r.get::<String, _>("item_key")))
+                .collect()
+        } else {
+            page.rows.iter().collect()
+        };
+        for (reason, n) in held_counts(&rows) {
+            *held.entry(reason).or_default() += n;
+        }
+        let found = rows
             .iter()
             .filter(|r| old_enough(r))
-            .map(|r| r.get("item_key"))
-            .collect();
-        let first = ledger::planning::first_seen(&mut tx, run_id, &met)
-            .await
-            .map_err(db)?;
-        page.rows
-            .iter()
-            .filter(|r| first.contains(&r.get::<String, _>("item_key")))
-            .collect()
-    } else {
-        page.rows.iter().collect()
+            .filter(|r| r.get::<Option<String>, _>("reason").is_none())
+            .map(|r| r.get::<String, _>("item_key"));
+        let mut keys = std::mem::take(&mut carry);
+        keys.extend(found);
+        // Commands are filled within one leaf, never across two: a leaf's last scan writes its
+        // remainder; the walk is done after the last leaf.
+        let leaf_done = page.end_of_walk;
+        let (done, cursor_partition) = match &walk {
+            Some(w) => w.after_page(leaf_done, &mut cursor),
+            None => (leaf_done, 0),
+        };
+        let (filled, left) = fill_commands(keys, batch_size, COMMAND_KEY_BYTES, leaf_done);
+        let leaf = walk.as_ref().and_then(|w| w.leaf()).map(String::from);
+        batch_leaves.extend(std::iter::repeat_n(leaf, filled.len()));
+        batches.extend(filled);
+        carry = left;
+        rows_left -= page.rows.len() as i64;
+        bytes_left = bytes_left.saturating_sub(
+            page.rows
+                .iter()
+                .map(|r| r.get::<String, _>("item_key").len())
+                .sum(),
+        );
+        let Some(leaves) = &leaves else {
+            break (cursor, cursor_partition, done);
+        };
+        if done || !leaf_done || rows_left <= 0 || bytes_left == 0 {
+            break (cursor, cursor_partition, done);
+        }
+        walk = Some(
+            leaf::LeafWalk::resume(&mut tx, &rules.target.table, leaves, cursor_partition)
+                .await
+                .map_err(db)?,
+        );
+        start = scan::Cursor::default();
     };
-    let mut held = held_counts(&rows);
-    let found = rows
-        .iter()
-        .filter(|r| old_enough(r))
-        .filter(|r| r.get::<Option<String>, _>("reason").is_none())
-        .map(|r| r.get::<String, _>("item_key"));
-    let mut keys = job.carry.clone();
-    keys.extend(found);
-    // Commands are filled within one leaf, never across two: a leaf's last page writes its
-    // remainder; the walk is done after the last leaf.
-    let leaf_done = page.end_of_walk;
-    let (done, cursor_partition) = match &walk {
-        Some(w) => w.after_page(leaf_done, &mut cursor),
-        None => (leaf_done, 0),
-    };
-    let (batches, carry) = fill_commands(keys, batch_size, COMMAND_KEY_BYTES, leaf_done);
     let items: i64 = batches.iter().map(|b| b.len() as i64).sum();
     let cap = state.config.planning.closure_check_cap;
     if done {
@@ -407,7 +443,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         held: &held,
         done,
         lease_seconds: state.config.planning.lease.seconds() as f64,
-        partition: walk.as_ref().and_then(|w| w.leaf()),
+        batch_partitions: &batch_leaves,
         partitions: leaves.as_deref(),
         cursor_partition,
     };
@@ -505,7 +541,10 @@ async fn record_carry_of_detached_leaf(
         held: &BTreeMap::new(),
         done: false,
         lease_seconds: state.config.planning.lease.seconds() as f64,
-        partition: walk.left_leaf(job.cursor_partition),
+        batch_partitions: &vec![
+            walk.left_leaf(job.cursor_partition).map(String::from);
+            batches.len()
+        ],
         partitions: None,
         cursor_partition: walk.at(),
     };

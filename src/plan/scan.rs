@@ -8,8 +8,6 @@ use sqlx::Row;
 use crate::policy::RuleSet;
 use crate::policy::path::PlanningPath;
 
-use super::PAGE_KEY_BYTES;
-
 /// Where the walk stands: after this key (and, on the timestamp-index walk, this timestamp, as
 /// PostgreSQL's text of a `timestamptz`: `infinity` and `-infinity` have no chrono value).
 #[derive(Debug, Clone, Default)]
@@ -51,7 +49,7 @@ impl Scanned {
 }
 
 /// One bounded scan along `path` after `cursor`: at most `page_rows` rows, and of those only as
-/// many as fit PAGE_KEY_BYTES of item keys (always at least one), so a page stays bounded in bytes
+/// many as fit `key_bytes` of item keys (at most PAGE_KEY_BYTES) (always at least one), so a page stays bounded in bytes
 /// too (docs/design.md §2.11). A key without text columns has a longest item key text; when a
 /// page of those cannot reach the budget, the byte count is skipped.
 pub(super) async fn scan_page(
@@ -60,12 +58,13 @@ pub(super) async fn scan_page(
     path: PlanningPath,
     cursor: &Cursor,
     page_rows: i64,
+    key_bytes: usize,
 ) -> sqlx::Result<Scanned> {
     // Keys of bounded width whose page cannot reach the budget skip the count.
     let fixed_width = rules
         .key()
         .max_text_bytes()
-        .is_some_and(|w| w as i64 * page_rows <= PAGE_KEY_BYTES as i64);
+        .is_some_and(|w| w as i64 * page_rows <= key_bytes as i64);
     let order = match path {
         PlanningPath::KeyOrder => rules.sort_keys(),
         PlanningPath::TimestampIndex => format!("sort_ts, {}", rules.sort_keys()),
@@ -96,7 +95,7 @@ pub(super) async fn scan_page(
     q.push_bind(page_rows);
     if !fixed_width {
         q.push(") p) w where w.key_bytes - octet_length(w.item_key) < ");
-        q.push_bind(PAGE_KEY_BYTES as i64);
+        q.push_bind(key_bytes as i64);
         q.push(format!(" order by {order}"));
     }
     let rows = q.build().fetch_all(&mut **tx).await?;

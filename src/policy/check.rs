@@ -412,7 +412,7 @@ impl Check<'_> {
                 Level::Warning,
                 format!(
                     "target.timestamp: no index leads with {ts}; every run plans by walking every key of the \
-                     table and the closure check after each run scans it (create index on {} ({ts}, {}))",
+                     table and the closure check after each run scans it (create index on {} ({}))",
                     t.table,
                     key_list,
                     ts = t.timestamp.as_str(),
@@ -485,16 +485,26 @@ impl Check<'_> {
             .map(|cols| cols.join(", "))
             .unwrap_or_else(|| t.key.names());
         let ts_index = crate::policy::path::timestamp_index(&mut conn, t).await?;
+        let count = match leaves.len() {
+            1 => "1 leaf partition".to_string(),
+            n => format!("{n} leaf partitions"),
+        };
+        let ts = t.timestamp.as_str();
+        let skips = if leaves
+            .iter()
+            .any(|l| l.timestamp_from.is_some() || l.timestamp_to.is_some())
+        {
+            format!("skips those whose range on {ts} starts at or after the run's cutoff")
+        } else {
+            format!("skips none by age (no level is range partitioned on {ts} alone)")
+        };
         self.say(
             Level::Info,
             format!(
-                "target: {} is partitioned ({} leaf partitions); planning walks them one at a time \
-                 in this order, each command within one, and skips those whose range on {} starts \
-                 at or after the run's cutoff; the key-order walk reads each leaf through its copy \
-                 of the unique index on ({key_index}){}",
+                "target: {} is partitioned ({count}); planning walks them one at a time in this \
+                 order, each command within one, and {skips}; the key-order walk reads each leaf \
+                 through its copy of the unique index on ({key_index}){}",
                 t.table,
-                leaves.len(),
-                t.timestamp.as_str(),
                 match &ts_index {
                     Some((name, _)) => format!(", the timestamp walk through its copy of {name}"),
                     None => format!(", and no index leads with {}", t.timestamp.as_str()),

@@ -164,7 +164,7 @@ pub async fn choose(
     let Some((index, key_second)) = timestamp_index(conn, target).await? else {
         return Ok(key_order(
             forced(format!(
-                "no index leads with {ts} (create index on {} ({ts}, {}))",
+                "no index leads with {ts} (create index on {} ({}))",
                 target.table,
                 key_list(conn, target).await?
             )),
@@ -193,7 +193,7 @@ pub async fn choose(
         String::new()
     } else {
         format!(
-            "; ({ts}, {}) would spare a sort within each timestamp",
+            "; ({}) would spare a sort within each timestamp",
             key_list(conn, target).await?
         )
     };
@@ -220,10 +220,20 @@ async fn walk_order(conn: &mut PgConnection, target: &Target) -> sqlx::Result<Ve
     })
 }
 
-/// The key's columns as an index lists them after the timestamp, in walk order: `id`,
-/// `tenant_id, id`.
+/// The columns of an index that leads with the timestamp and then walks the key, in walk order:
+/// `closed_at, id`, `closed_at, tenant_id, id`, `created_at, id` for a key `(id, created_at)`.
 pub async fn key_list(conn: &mut PgConnection, target: &Target) -> sqlx::Result<String> {
-    Ok(walk_order(conn, target).await?.join(", "))
+    // A key that includes the timestamp (a time-partitioned table's) lists it once, first.
+    let ts = target.timestamp.as_str();
+    Ok(std::iter::once(ts.to_string())
+        .chain(
+            walk_order(conn, target)
+                .await?
+                .into_iter()
+                .filter(|c| c != ts),
+        )
+        .collect::<Vec<_>>()
+        .join(", "))
 }
 
 /// `0.0048` → `"0.48 %"`, `0.6863` → `"69 %"`.

@@ -208,7 +208,8 @@ impl Failure {
     /// timeouts and I/O. Held: schema errors (class 42: a dropped or renamed column or table, a
     /// revoked privilege), which an operator fixes in the database, not in sweeper. Permanent:
     /// integrity violations (class 23, e.g. a referencing foreign key), errors raised by triggers
-    /// (P0001), and the rest.
+    /// (P0001), and the rest — but PostgreSQL's internal error for a partition detached while the
+    /// statement waited to read its bound, which is transient.
     pub fn from_db(e: &sqlx::Error) -> Self {
         match e {
             sqlx::Error::Database(db) => {
@@ -224,6 +225,18 @@ impl Failure {
                     return Self::transient(format!(
                         "ledger unavailable: the audit has no partition for now ({message}); \
                          sweeper creates them at start and every housekeeping round"
+                    ));
+                }
+                if code == "XX000"
+                    && db
+                        .message()
+                        .starts_with("could not find tuple for parent of relation")
+                {
+                    // A partition detached (committed) while this statement waited for its lock
+                    // to read its bound: a fresh statement sees it detached.
+                    return Self::transient(format!(
+                        "a partition was detached while the statement waited for it ({message}); \
+                         tried again"
                     ));
                 }
                 if transient {

@@ -632,3 +632,56 @@ async fn an_intermediate_partition_a_lone_default_and_a_hash_layout_are_swept() 
         assert_eq!(walked.is_none(), what == "hash", "{what}: {walked:?}");
     }
 }
+
+/// A DETACH that holds its lock, then commits while a command's gate waits to read the leaf's
+/// bound: PostgreSQL fails the read with an internal error, which is transient (not the
+/// command's fault, never a dead letter); the next attempt finds the leaf detached and its keys
+/// `already_absent`.
+#[tokio::test]
+async fn a_detach_committed_while_a_command_waits_for_its_leaf_is_tried_again() {
+    let app = spawn("[consume]\nlock_timeout = \"30s\"\n", 3).await;
+    seed(&app.pool, 5, 3).await;
+    let run_id = app.api.trigger_new("events", "").await;
+    app.wait_planned(&run_id).await;
+    let mut detacher = PgConnection::connect(&app.db.url).await.unwrap();
+    sqlx::query("begin").execute(&mut detacher).await.unwrap();
+    sqlx::query("alter table demo.events detach partition demo.events_2026_01")
+        .execute(&mut detacher)
+        .await
+        .unwrap();
+    let state = app.state.clone();
+    let worker = tokio::spawn(async move { run_one_command(&state).await });
+    for _ in 0..400 {
+        let waiting: bool = sqlx::query_scalar(
+            "select exists (select 1 from pg_stat_activity
+                             where datname = current_database() and wait_event_type = 'Lock'
+                               and query like 'select c.state, c.item_keys%')",
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        if waiting {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    sqlx::query("commit").execute(&mut detacher).await.unwrap();
+    let _ = worker.await.unwrap();
+    let (state, class): (String, Option<String>) = sqlx::query_as(
+        "select state, last_error_class from sweeper.commands where run_id = $1 and batch_no = 0",
+    )
+    .bind(&run_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (state.as_str(), class.as_deref()),
+        ("pending", Some("transient"))
+    );
+    crate::kit::ledger::advance_clock(&app.pool, 600).await;
+    drain(&app).await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(run["already_absent"], 5, "{run}");
+    assert_eq!(run["deleted"], 10, "{run}");
+}
