@@ -14,7 +14,9 @@
 //! the cursor is met again there, and the run's planned keys (written in the page's transaction)
 //! keep it out of a second command. Either way every eligible key lands in at most one command;
 //! a row whose timestamp moves back behind the timestamp walk's cursor is left to the closure
-//! check and the next run (docs/design.md §14).
+//! check and the next run (docs/design.md §14). A partitioned target is walked one leaf
+//! partition at a time, each scan and each command confined to its leaf ([`leaf`],
+//! [`crate::policy::partitions`]).
 
 mod batches;
 pub mod estimate;
@@ -308,8 +310,8 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
             ),
         ));
     }
-    // A partitioned target is walked one leaf at a time (docs/design.md §14 "Partitioned targets"): the leaves are
-    // fixed on the first page; a leaf detached since is passed over.
+    // A partitioned target is walked one leaf at a time (docs/design.md §14 "Partitioned
+    // targets"): the leaves are fixed on the first page; a leaf detached since is passed over.
     let leaves = match (&job.partitions, job.path) {
         (Some(l), _) => Some(l.clone()),
         (None, None) => walked_leaves(state, &mut tx, &rules).await?,
