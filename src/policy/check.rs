@@ -452,8 +452,8 @@ impl Check<'_> {
 
     /// A partitioned target: its leaves in the order planning walks them, with their bounds; the
     /// index each walk reads every leaf through; a default partition warned about (its
-    /// constraint is the negation of all its siblings', which prunes nothing by range and
-    /// changes whenever a partition is attached).
+    /// constraint is the negation of all its siblings', which grows with them and changes
+    /// whenever a partition is attached).
     async fn partitions(&mut self) -> sqlx::Result<()> {
         let t = &self.p.spec.target;
         let mut conn = self.pool.acquire().await?;
@@ -520,11 +520,11 @@ impl Check<'_> {
                 self.say(
                     Level::Warning,
                     format!(
-                        "target: {} is a default partition: its commands are confined to it by \
-                         the negation of every other partition's bounds, which prunes nothing by \
-                         range; rows moved out of it (a partition created for their range) are \
-                         already_absent for a run that planned them there and met again by the \
-                         next",
+                        "target: {} is a default partition: it is walked last and never skipped \
+                         by age, its commands are confined to it by the negation of every other \
+                         partition's bounds (a predicate that grows with the partitions), and rows \
+                         moved out of it (a partition created for their range) are already_absent \
+                         for a run that planned them there and met again by the next",
                         l.name
                     ),
                 );
