@@ -672,6 +672,8 @@ async fn main() {
     let contenders: Vec<&str> = [
         "thin_floor_1conn",
         "thin_floor_2conn",
+        "lean_floor_1conn",
+        "lean_floor_2conn",
         "floor_1conn",
         "floor_2conn",
         "in_process_1conn",
@@ -693,8 +695,8 @@ async fn main() {
     .collect();
     let cutoff = window() - chrono::TimeDelta::days(90);
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); contenders.len()];
-    // Per contender and repetition: (WAL bytes per item, WAL syncs per batch, commits per batch).
-    let mut costs: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); contenders.len()];
+    // Per contender and repetition: what it wrote (WAL, commits, audit bytes).
+    let mut costs: Vec<Vec<Cost>> = vec![Vec::new(); contenders.len()];
     let batches = (eligible as u64).div_ceil(o.batch as u64) as f64;
     let mut rss: Vec<f64> = Vec::new();
     // Per built-in contender and repetition: (seconds planning, commands, items per command).
@@ -711,16 +713,22 @@ async fn main() {
             copy_database(template, work).await;
             // A smoke run reads no WAL around the partitioned contenders (1.5 s a reading).
             let read_wal = !(o.smoke && leaves.is_some());
+            // Every contender starts right after a checkpoint, so each pays the same full-page
+            // images; a checkpoint inside its run is counted (raise `max_wal_size` and
+            // `checkpoint_timeout` on the benchmark's server to avoid one).
             let before = if read_wal {
-                wal_counters(work).await
+                Some(WalMark::take(work, true).await)
             } else {
-                Default::default()
+                None
             };
             let v = match *name {
-                "thin_floor_1conn" | "thin_floor_2conn" | "floor_1conn" | "floor_2conn" => {
+                "thin_floor_1conn" | "thin_floor_2conn" | "lean_floor_1conn"
+                | "lean_floor_2conn" | "floor_1conn" | "floor_2conn" => {
                     let conns = if name.ends_with("1conn") { 1 } else { 2 };
                     let audit = if name.starts_with("thin") {
                         floor::Audit::Thin
+                    } else if name.starts_with("lean") {
+                        floor::Audit::Lean
                     } else {
                         floor::Audit::Sweepers
                     };
@@ -746,24 +754,23 @@ async fn main() {
                     b.deleted as f64 / b.seconds
                 }
             };
-            if !read_wal {
+            let Some(before) = before else {
                 eprintln!("rep {rep} {name}: {v:.0} items/s");
                 results[i].push(v);
                 continue;
-            }
-            let after = wal_counters(work).await;
-            let cost = (
-                (after.1 - before.1) / eligible as f64,
-                (after.2 - before.2) / batches,
-                (after.3 - before.3) / batches,
-            );
+            };
+            let after = WalMark::take(work, false).await;
+            let cost = Cost::between(&before, &after, eligible as f64, batches, work).await;
             eprintln!(
-                "rep {rep} {name}: {v:.0} items/s; {:.0} WAL bytes/item, {:.2} WAL syncs and \
-                 {:.2} commits per batch ({:.0} WAL records/item)",
-                cost.0,
-                cost.1,
-                cost.2,
-                (after.0 - before.0) / eligible as f64
+                "rep {rep} {name}: {v:.0} items/s; {:.0} WAL bytes/item ({} without full-page \
+                 images), {:.2} WAL syncs and {:.2} commits per batch, audit {} bytes/item, \
+                 {} checkpoint(s) inside",
+                cost.wal,
+                cost.wal_no_fpi.map_or("?".into(), |v| format!("{v:.0}")),
+                cost.syncs,
+                cost.commits,
+                cost.audit.map_or("-".into(), |v| format!("{v:.0}")),
+                cost.checkpoints
             );
             results[i].push(v);
             if *name != "naive" {
@@ -802,9 +809,25 @@ async fn main() {
             .position(|c| *c == name)
             .map_or(f64::NAN, |i| med[i])
     };
-    let [th1, th2, fl1, fl2, ip1, ip2, naive_ips, cp1, cp2, sw1, sw2] = [
+    let [
+        th1,
+        th2,
+        lf1,
+        lf2,
+        fl1,
+        fl2,
+        ip1,
+        ip2,
+        naive_ips,
+        cp1,
+        cp2,
+        sw1,
+        sw2,
+    ] = [
         "thin_floor_1conn",
         "thin_floor_2conn",
+        "lean_floor_1conn",
+        "lean_floor_2conn",
         "floor_1conn",
         "floor_2conn",
         "in_process_1conn",
@@ -823,14 +846,18 @@ async fn main() {
         .zip(costs.iter_mut())
         .filter(|(_, c)| !c.is_empty())
         .map(|(n, c)| {
-            let mut bytes: Vec<f64> = c.iter().map(|x| x.0).collect();
-            let mut syncs: Vec<f64> = c.iter().map(|x| x.1).collect();
-            let mut commits: Vec<f64> = c.iter().map(|x| x.2).collect();
+            let col = |f: fn(&Cost) -> Option<f64>| {
+                let mut v: Vec<f64> = c.iter().filter_map(f).collect();
+                (!v.is_empty()).then(|| median(&mut v))
+            };
             (
                 n.to_string(),
-                json!({"wal_bytes_per_item": median(&mut bytes),
-                       "wal_syncs_per_batch": median(&mut syncs),
-                       "commits_per_batch": median(&mut commits)}),
+                json!({"wal_bytes_per_item": col(|c| Some(c.wal)),
+                       "wal_bytes_per_item_without_fpi": col(|c| c.wal_no_fpi),
+                       "wal_syncs_per_batch": col(|c| Some(c.syncs)),
+                       "commits_per_batch": col(|c| Some(c.commits)),
+                       "audit_bytes_per_item": col(|c| c.audit),
+                       "checkpoints_inside": c.iter().map(|c| c.checkpoints).sum::<i64>()}),
             )
         })
         .collect::<serde_json::Map<_, _>>();
@@ -845,6 +872,8 @@ async fn main() {
         "ratio_to_thin_floor": { "sweeper_builtin_1worker": sw1 / th1, "sweeper_builtin_2workers": sw2 / th2,
                                  "in_process_1conn": ip1 / th1, "in_process_2conn": ip2 / th2,
                                  "floor_1conn": fl1 / th1, "floor_2conn": fl2 / th2 },
+        "ratio_to_lean_floor": { "sweeper_builtin_1worker": sw1 / lf1, "sweeper_builtin_2workers": sw2 / lf2,
+                                 "lean_floor_1conn_to_thin": lf1 / th1, "lean_floor_2conn_to_thin": lf2 / th2 },
         "ratio_to_floor": { "sweeper_builtin_1worker": sw1 / fl1, "sweeper_builtin_2workers": sw2 / fl2,
                             "in_process_1conn": ip1 / fl1, "in_process_2conn": ip2 / fl2 },
         "wal_and_commits": cost_medians,
@@ -881,6 +910,8 @@ async fn main() {
     };
     row("PostgreSQL thin floor, 1 conn", th1, None);
     row("PostgreSQL thin floor, 2 conns", th2, None);
+    row("PostgreSQL lean floor, 1 conn", lf1, Some((th1, lf1)));
+    row("PostgreSQL lean floor, 2 conns", lf2, Some((th2, lf2)));
     row(
         "PostgreSQL floor (sweeper's audit), 1",
         fl1,
@@ -896,6 +927,11 @@ async fn main() {
     row("naive (row by row)", naive_ips, None);
     row("sweeper built-in, 1 worker", sw1, Some((th1, fl1)));
     row("sweeper built-in, 2 workers", sw2, Some((th2, fl2)));
+    println!(
+        "sweeper built-in against the lean floor: {:.2}x with 1 worker, {:.2}x with 2 (target: 0.8x)",
+        sw1 / lf1,
+        sw2 / lf2
+    );
     row(
         "sweeper built-in, (id, closed_at), 1",
         cp1,
@@ -913,15 +949,25 @@ async fn main() {
     );
     print_partitioned(&partitioned, &builtin_runs, &row, (th1, fl1), (th2, fl2));
     println!(
-        "{:<42}{:>14}{:>14}{:>14}",
-        "per batch / item (medians)", "WAL B/item", "syncs/batch", "commits/batch"
+        "{:<42}{:>11}{:>11}{:>12}{:>14}{:>12}{:>6}",
+        "per batch / item (medians)",
+        "WAL B/item",
+        "no FPI",
+        "syncs/batch",
+        "commits/batch",
+        "audit B/item",
+        "ckpt"
     );
+    let f = |v: &Value, d: usize| v.as_f64().map_or("-".into(), |v| format!("{v:.d$}"));
     for (name, c) in &cost_medians {
         println!(
-            "{name:<42}{:>14.0}{:>14.2}{:>14.2}",
-            c["wal_bytes_per_item"].as_f64().unwrap_or(0.0),
-            c["wal_syncs_per_batch"].as_f64().unwrap_or(0.0),
-            c["commits_per_batch"].as_f64().unwrap_or(0.0)
+            "{name:<42}{:>11}{:>11}{:>12}{:>14}{:>12}{:>6}",
+            f(&c["wal_bytes_per_item"], 0),
+            f(&c["wal_bytes_per_item_without_fpi"], 0),
+            f(&c["wal_syncs_per_batch"], 2),
+            f(&c["commits_per_batch"], 2),
+            f(&c["audit_bytes_per_item"], 0),
+            c["checkpoints_inside"]
         );
     }
     println!(
@@ -1088,6 +1134,130 @@ fn print_partitioned(
             f(&r["items_per_command"])
         );
     }
+}
+
+/// Where the WAL stood, and the cluster's counters, at one moment of the benchmark.
+struct WalMark {
+    lsn: String,
+    checkpoints: i64,
+    counters: (f64, f64, f64, f64),
+}
+
+impl WalMark {
+    /// Reads the mark, after a `CHECKPOINT` when `checkpoint`.
+    async fn take(db: &str, checkpoint: bool) -> WalMark {
+        let counters = wal_counters(db).await;
+        let mut c = sqlx::PgConnection::connect(&database_url("postgres"))
+            .await
+            .unwrap();
+        if checkpoint {
+            sqlx::query("checkpoint").execute(&mut c).await.unwrap();
+        }
+        let (lsn, checkpoints): (String, i64) = sqlx::query_as(
+            "select pg_current_wal_insert_lsn()::text,
+                    (select checkpoints_timed + checkpoints_req from pg_stat_bgwriter)",
+        )
+        .fetch_one(&mut c)
+        .await
+        .unwrap();
+        c.close().await.unwrap();
+        WalMark {
+            lsn,
+            checkpoints,
+            counters,
+        }
+    }
+}
+
+/// What one contender's run wrote.
+#[derive(Debug, Clone)]
+struct Cost {
+    /// WAL bytes per deleted item (`pg_stat_wal`).
+    wal: f64,
+    /// The same without full-page images (`pg_waldump --stats`; None when it cannot be run).
+    wal_no_fpi: Option<f64>,
+    syncs: f64,
+    commits: f64,
+    /// Bytes of every audit table, heap and indexes, per deleted item (None: no audit written).
+    audit: Option<f64>,
+    /// Checkpoints that fell inside the run (0 for a fair comparison).
+    checkpoints: i64,
+}
+
+impl Cost {
+    async fn between(
+        before: &WalMark,
+        after: &WalMark,
+        items: f64,
+        batches: f64,
+        db: &str,
+    ) -> Cost {
+        let (b, a) = (before.counters, after.counters);
+        Cost {
+            wal: (a.1 - b.1) / items,
+            wal_no_fpi: waldump_record_bytes(&before.lsn, &after.lsn).map(|v| v / items),
+            syncs: (a.2 - b.2) / batches,
+            commits: (a.3 - b.3) / batches,
+            audit: audit_bytes(db).await.map(|v| v / items),
+            checkpoints: after.checkpoints - before.checkpoints,
+        }
+    }
+}
+
+/// WAL bytes between two LSNs without full-page images, from `pg_waldump --stats` (its
+/// `Total` line: records, record bytes, FPI bytes, all), read from the local server's `pg_wal`.
+/// None when the server's data directory or `pg_waldump` cannot be found.
+fn waldump_record_bytes(from: &str, to: &str) -> Option<f64> {
+    let (major, data) = (|| {
+        let out = Command::new("psql")
+            .args([
+                &database_url("postgres"),
+                "-Atc",
+                "select current_setting('server_version_num')::int / 10000, \
+                 current_setting('data_directory')",
+            ])
+            .output()
+            .ok()?;
+        let text = String::from_utf8(out.stdout).ok()?;
+        let (m, d) = text.trim().split_once('|')?;
+        Some((m.to_string(), d.to_string()))
+    })()?;
+    let out = Command::new(format!("/usr/lib/postgresql/{major}/bin/pg_waldump"))
+        .args([
+            "--stats",
+            "-p",
+            &format!("{data}/pg_wal"),
+            "-s",
+            from,
+            "-e",
+            to,
+        ])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let total = text.lines().find(|l| l.starts_with("Total"))?;
+    total.split_whitespace().nth(2)?.parse().ok()
+}
+
+/// Bytes of every table of sweeper's audit (both shapes, every month: heap, indexes, TOAST) on
+/// database `db`, or None when it holds no audit row.
+async fn audit_bytes(db: &str) -> Option<f64> {
+    let mut c = sqlx::PgConnection::connect(&database_url(db))
+        .await
+        .unwrap();
+    let (bytes, rows): (f64, i64) = sqlx::query_as(
+        "select (select coalesce(sum(pg_total_relation_size(c.oid)), 0)::float8
+                   from pg_class c join pg_inherits i on i.inhrelid = c.oid
+                  where i.inhparent in ('sweeper.audit'::regclass, 'sweeper.audit_executions'::regclass,
+                                        'sweeper.audit_items'::regclass,
+                                        'sweeper.audit_manifests'::regclass)),
+                (select count(*) from sweeper.audit_trail)",
+    )
+    .fetch_one(&mut c)
+    .await
+    .unwrap();
+    c.close().await.unwrap();
+    (rows > 0).then_some(bytes)
 }
 
 /// The cluster's WAL records, WAL bytes and WAL syncs (`pg_stat_wal`) and database `db`'s

@@ -1,14 +1,16 @@
 //! PostgreSQL's own floor for sweeper's work, and the sparse table it is measured on.
 //!
-//! Two floors. The *thin* floor writes the least evidence one could call an audit — a row of
+//! Three floors. The *thin* floor writes the least evidence one could call an audit — a row of
 //! (run_id, command_id, item_id, outcome, policy, cutoff) into an unindexed table — and is the
-//! yardstick the delete-first issue names. The *audit* floor writes sweeper's own audit row
-//! (sweeper's table, its indexes and partitions), so the gap between the two is the cost of the
-//! evidence, not of sweeper.
+//! yardstick the delete-first issue names. The *lean* floor is the thin one plus the one index a
+//! history of an item needs (on the item key): the same evidence sweeper's lean audit keeps. The
+//! *audit* floor writes sweeper's own audit (an execution row per batch and a row per item, its
+//! tables, indexes and partitions), so the gap between them is the cost of the evidence, not of
+//! sweeper.
 //!
 //! The floor is the least any correct tool must do per batch of `delete_rows` with an audit:
 //! one transaction — `WITH d AS (DELETE … WHERE id = ANY($ids) AND closed_at < $cutoff AND NOT
-//! legal_hold RETURNING id) INSERT INTO sweeper.audit … FROM d; INSERT <done marker>; COMMIT` —
+//! legal_hold RETURNING id) INSERT INTO <audit> … FROM d; INSERT <done marker>; COMMIT` —
 //! on batches cut before the clock starts, `conns` connections taking batches from one list. It
 //! sets `recorded_at` itself (`now()`, once per statement) rather than pay the column's default,
 //! sweeper's per-row clock function.
@@ -33,10 +35,13 @@ pub enum Find {
 /// What evidence the floor writes per deleted row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Audit {
-    /// A row of sweeper's own audit table (its indexes and partitions).
+    /// Sweeper's own audit: an execution row per batch and a row per item (its indexes and
+    /// partitions).
     Sweepers,
     /// A six-column row in an unindexed table (`public.thin_audit`).
     Thin,
+    /// The thin row with an index on the item key (what an item's history needs).
+    Lean,
 }
 
 /// The floor on database `db`: eligible ids found by `find`, cut into batches of `batch`, then
@@ -69,16 +74,24 @@ pub async fn floor(
     .execute(&mut c)
     .await
     .unwrap();
+    if audit == Audit::Lean {
+        sqlx::query("create index thin_audit_by_item on public.thin_audit (item_id)")
+            .execute(&mut c)
+            .await
+            .unwrap();
+    }
     let insert = match audit {
         Audit::Sweepers => {
-            "insert into sweeper.audit (policy, policy_version, run_id, window_at, cutoff,
-                                        command_id, item_key, outcome, actor, dry_run,
-                                        recorded_at)
-             select 'floor', 'v', 'floor', $2, $2, 'floor:' || $3, d.id::text,
-                    'deleted', 'floor', false, now()
-               from d"
+            ", x as (insert into sweeper.audit_executions
+                          (policy, policy_version, run_id, window_at, pinned_cutoff, cutoff,
+                           command_id, attempt, actor, dry_run, recorded_at)
+                      select 'floor', 'v', 'floor', $2, $2, $2, 'floor:' || $3, 1, 'floor',
+                             false, now()
+                   returning execution_id, recorded_at)
+             insert into sweeper.audit_items (execution_id, recorded_at, item_key, outcome)
+             select x.execution_id, x.recorded_at, d.id::text, 'deleted' from x cross join d"
         }
-        Audit::Thin => {
+        Audit::Thin | Audit::Lean => {
             "insert into public.thin_audit (run_id, command_id, item_id, outcome, policy, cutoff)
              select 'floor', 'floor:' || $3, d.id, 'deleted', 'floor', $2 from d"
         }

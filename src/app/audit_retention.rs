@@ -6,8 +6,11 @@
 //! skipped. Every step can be repeated: a crash after the export re-verifies the file and goes
 //! on; a crash in the detach is finished by the next pass (`FINALIZE`).
 //!
-//! Memory and statement size stay bounded whatever the month holds: rows are read in keyset
-//! pages of [`PAGE_ROWS`] and compressed as they come, off the async runtime.
+//! A month is one row of `sweeper.audit_partitions` and four tables: the audit's first shape and
+//! the lean one (executions, items, manifests), exported to one file and dropped together.
+//! Memory and statement size stay bounded whatever the month holds: rows of the first shape are
+//! read in keyset pages of [`PAGE_ROWS`], lean rows [`PAGE_EXECUTIONS`] executions at a time, and
+//! compressed as they come, off the async runtime.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -24,8 +27,12 @@ use crate::ledger;
 use crate::ledger::audit::{Export, Partition};
 use crate::state::AppState;
 
-/// Audit rows read per statement while exporting.
+/// Audit rows of the first shape read per statement while exporting.
 pub const PAGE_ROWS: i64 = 10_000;
+
+/// Executions read per statement while exporting, with all their items (a command's items are
+/// at most its batch size, 10,000).
+pub const PAGE_EXECUTIONS: i64 = 20;
 
 /// One pass: every expired month, oldest first, exported, verified, detached and dropped.
 /// Returns how many months were dropped. Nothing happens when `ledger.audit_retention` is unset.
@@ -98,25 +105,23 @@ async fn export_month(state: &AppState, p: &Partition, dir: &Path) -> anyhow::Re
         Hashing::new(std::io::BufWriter::new(file)),
         Compression::default(),
     ));
-    let (mut after, mut rows) = (0i64, 0i64);
+    let mut rows = 0i64;
+    let mut after = 0i64;
     loop {
-        let page = ledger::audit::partition_page(&state.pool, p, after, PAGE_ROWS).await?;
+        let page = ledger::audit::first_shape_page(&state.pool, p, after, PAGE_ROWS).await?;
         let Some(last) = page.last() else { break };
         after = last.audit_id;
-        rows += page.len() as i64;
-        let mut lines = Vec::with_capacity(page.len() * 320);
-        for row in &page {
-            serde_json::to_writer(&mut lines, row)?;
-            lines.push(b'\n');
-        }
-        let mut w = out.take().expect("the encoder is put back after each page");
-        w = tokio::task::spawn_blocking(move || -> std::io::Result<_> {
-            w.write_all(&lines)?;
-            Ok(w)
-        })
-        .await??;
-        out = Some(w);
+        rows += write_rows(&mut out, &page).await?;
     }
+    let mut after = 0i64;
+    loop {
+        let page = ledger::audit::lean_page(&state.pool, p, after, PAGE_EXECUTIONS).await?;
+        let Some(last) = page.last() else { break };
+        after = last.execution_id;
+        rows += write_rows(&mut out, &page).await?;
+    }
+    let manifests = ledger::audit::manifest_lines(&state.pool, p).await?;
+    rows += write_lines(&mut out, manifests.join("\n").into_bytes(), manifests.len()).await?;
     let w = out.take().expect("the encoder");
     let sha256 = tokio::task::spawn_blocking(move || -> std::io::Result<String> {
         let mut hashing = w.finish()?;
@@ -147,6 +152,43 @@ async fn export_month(state: &AppState, p: &Partition, dir: &Path) -> anyhow::Re
         sha256,
         location,
     })
+}
+
+type Encoder = GzEncoder<Hashing<std::io::BufWriter<std::fs::File>>>;
+
+/// Writes `page` to the export, one JSON line per row; returns how many.
+async fn write_rows(
+    out: &mut Option<Encoder>,
+    page: &[ledger::audit::AuditRow],
+) -> anyhow::Result<i64> {
+    let mut lines = Vec::with_capacity(page.len() * 320);
+    for (n, row) in page.iter().enumerate() {
+        if n > 0 {
+            lines.push(b'\n');
+        }
+        serde_json::to_writer(&mut lines, row)?;
+    }
+    write_lines(out, lines, page.len()).await
+}
+
+/// Writes `n` lines (`lines` without its last newline) to the export, off the async runtime.
+async fn write_lines(
+    out: &mut Option<Encoder>,
+    mut lines: Vec<u8>,
+    n: usize,
+) -> anyhow::Result<i64> {
+    if n == 0 {
+        return Ok(0);
+    }
+    lines.push(b'\n');
+    let mut w = out.take().expect("the encoder is put back after each page");
+    w = tokio::task::spawn_blocking(move || -> std::io::Result<_> {
+        w.write_all(&lines)?;
+        Ok(w)
+    })
+    .await??;
+    *out = Some(w);
+    Ok(n as i64)
 }
 
 /// Re-reads the export at `path`: its SHA-256 must be `sha256` and it must hold `rows` lines.

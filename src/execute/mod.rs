@@ -232,6 +232,12 @@ impl Loaded {
             run_id: &self.run_id,
             window: self.window,
             cutoff: self.rules.cutoff,
+            pinned_cutoff: self.rules.run_cutoff,
+            current_version: self
+                .rules
+                .stricter_cutoff
+                .as_ref()
+                .map(|s| s.version.as_str()),
             actor,
         }
     }

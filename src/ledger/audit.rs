@@ -7,8 +7,12 @@ use sqlx::PgPool;
 /// One audit row: self-contained evidence of what happened to one item in one run (docs/design.md §2.9).
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct AuditRow {
-    /// Position in the append-only log; also the pagination cursor.
+    /// Position in the append-only log.
     pub audit_id: i64,
+    /// The execution that wrote it (for a row of the audit's first shape, its own id): a run's
+    /// items are paged by `(execution_id, audit_id)`.
+    #[serde(skip)]
+    pub execution_id: i64,
     /// When the row was written (ledger clock).
     pub recorded_at: DateTime<Utc>,
     /// Policy name.
@@ -53,25 +57,34 @@ pub async fn ensure_partitions(pool: &PgPool) -> sqlx::Result<i32> {
         .await
 }
 
-/// A page of a run's audit rows in log order, after `after` (exclusive), at most `limit` rows,
-/// optionally only one outcome. Keyset pagination on `audit_id`.
+/// The columns of an [`AuditRow`], as `sweeper.audit_trail` (the one reader of both shapes of
+/// the audit, migration 20261204000022) names them.
+pub(crate) const AUDIT_ROW: &str = "audit_id, execution_id, recorded_at, policy, policy_version, \
+     run_id, window_at, cutoff, command_id, item_key, outcome, reason, actor, dry_run";
+
+/// A page of a run's audit rows, execution by execution in the order they were written and each
+/// execution's items in its command's order, after `after` (an `(execution_id, audit_id)`,
+/// exclusive), at most `limit` rows, optionally only one outcome. Each page reads its own rows
+/// and at most one execution's others: the run's executions through `audit_executions_by_run`,
+/// each one's items through `audit_items_by_execution`.
 pub async fn items_page(
     pool: &PgPool,
     run_id: &str,
-    after: i64,
+    after: (i64, i64),
     limit: i64,
     outcome: Option<&str>,
 ) -> sqlx::Result<Vec<AuditRow>> {
-    sqlx::query_as(
-        "select audit_id, recorded_at, policy, policy_version, run_id, window_at, cutoff,
-                command_id, item_key, outcome, reason, actor, dry_run
-           from sweeper.audit
-          where run_id = $1 and audit_id > $2 and ($4::text is null or outcome = $4)
-          order by audit_id
-          limit $3",
-    )
+    sqlx::query_as(&format!(
+        "select {AUDIT_ROW}
+           from sweeper.audit_trail
+          where run_id = $1 and execution_id >= $2 and (execution_id, audit_id) > ($2, $3)
+            and ($5::text is null or outcome = $5)
+          order by execution_id, audit_id
+          limit $4"
+    ))
     .bind(run_id)
-    .bind(after)
+    .bind(after.0)
+    .bind(after.1)
     .bind(limit)
     .bind(outcome)
     .fetch_all(pool)
@@ -91,12 +104,32 @@ pub struct Partition {
 }
 
 impl Partition {
-    /// `sweeper."name"`. The name comes from `sweeper.audit_partitions`, which only
-    /// `ensure_audit_partitions` writes; quoted anyway.
-    fn table(&self) -> String {
-        format!("sweeper.\"{}\"", self.partition.replace('"', "\"\""))
+    /// `sweeper."name"` of the month's table under `parent` (`audit`, `audit_executions`,
+    /// `audit_items`, `audit_manifests`): `audit_2026_12` is the month whose lean tables are
+    /// `audit_items_2026_12`, …, `audit_before` the one of `audit_items_before`, … The name comes
+    /// from `sweeper.audit_partitions`, which only `ensure_audit_partitions` writes; quoted anyway.
+    fn table(&self, parent: &str) -> String {
+        let name = match parent {
+            "audit" => self.partition.clone(),
+            _ => format!(
+                "{parent}_{}",
+                self.partition
+                    .strip_prefix("audit_")
+                    .unwrap_or(&self.partition)
+            ),
+        };
+        format!("sweeper.\"{}\"", name.replace('"', "\"\""))
     }
 }
+
+/// The parents of a month's tables: the audit's first shape and the lean one (migration
+/// 20261204000022). A month is exported, detached and dropped as a whole.
+const PARENTS: [&str; 4] = [
+    "audit",
+    "audit_executions",
+    "audit_items",
+    "audit_manifests",
+];
 
 /// An expired month's export as the ledger records it (`sweeper.audit_exports`).
 #[derive(Debug, Clone, sqlx::FromRow)]
@@ -148,32 +181,34 @@ pub async fn expired_partitions(
     Ok(out)
 }
 
-/// Whether the partition holds a row of a run that is not terminal (such a month is never
+/// Whether the month holds a row of a run that is not terminal (such a month is never
 /// dropped: the run may still be read, redriven or completed). Runs that are not terminal are
-/// few; each is looked up through the partition's `(run_id, audit_id)` index.
+/// few; each is looked up through the run index of the month's audit and executions.
 pub async fn holds_open_runs(pool: &PgPool, p: &Partition) -> sqlx::Result<bool> {
     sqlx::query_scalar(&format!(
-        "select exists (select 1 from {} a
-                         where a.run_id = any(array(select run_id from sweeper.runs
-                                                     where status in ('planning', 'running'))))",
-        p.table()
+        "with open as (select run_id from sweeper.runs where status in ('planning', 'running'))
+         select exists (select 1 from {} a where a.run_id = any(array(select run_id from open)))
+             or exists (select 1 from {} e where e.run_id = any(array(select run_id from open)))",
+        p.table("audit"),
+        p.table("audit_executions")
     ))
     .fetch_one(pool)
     .await
 }
 
-/// A page of the partition's rows in `audit_id` order after `after` (keyset), at most `limit`.
-pub async fn partition_page(
+/// A page of the month's rows of the audit's first shape in `audit_id` order after `after`
+/// (keyset on its primary key), at most `limit`.
+pub async fn first_shape_page(
     pool: &PgPool,
     p: &Partition,
     after: i64,
     limit: i64,
 ) -> sqlx::Result<Vec<AuditRow>> {
     sqlx::query_as(&format!(
-        "select audit_id, recorded_at, policy, policy_version, run_id, window_at, cutoff,
-                command_id, item_key, outcome, reason, actor, dry_run
+        "select audit_id, audit_id as execution_id, recorded_at, policy, policy_version, run_id,
+                window_at, cutoff, command_id, item_key, outcome, reason, actor, dry_run
            from {} where audit_id > $1 order by audit_id limit $2",
-        p.table()
+        p.table("audit")
     ))
     .bind(after)
     .bind(limit)
@@ -181,11 +216,52 @@ pub async fn partition_page(
     .await
 }
 
-/// How many rows the partition holds.
+/// The month's item rows of at most `executions` executions after `after` (an `execution_id`),
+/// each with its execution's fields, in execution order and each execution's items in order.
+/// Executions are few (one per command try): a page is found through `audit_executions_by_id`
+/// and its items through `audit_items_by_execution`, within the month.
+pub async fn lean_page(
+    pool: &PgPool,
+    p: &Partition,
+    after: i64,
+    executions: i64,
+) -> sqlx::Result<Vec<AuditRow>> {
+    let (e, i) = (p.table("audit_executions"), p.table("audit_items"));
+    sqlx::query_as(&format!(
+        "select i.audit_id, i.execution_id, i.recorded_at, e.policy, e.policy_version, e.run_id,
+                e.window_at, e.cutoff, e.command_id, i.item_key, i.outcome, i.reason, e.actor,
+                e.dry_run
+           from (select * from {e} where execution_id > $1 order by execution_id limit $2) e
+           join {i} i on i.execution_id = e.execution_id and i.recorded_at = e.recorded_at
+          order by i.execution_id, i.audit_id"
+    ))
+    .bind(after)
+    .bind(executions)
+    .fetch_all(pool)
+    .await
+}
+
+/// The month's manifests (the partition sweep's evidence), each as one JSON object.
+pub async fn manifest_lines(pool: &PgPool, p: &Partition) -> sqlx::Result<Vec<String>> {
+    sqlx::query_scalar(&format!(
+        "select jsonb_build_object('manifest', to_jsonb(m))::text from {} m order by manifest_id",
+        p.table("audit_manifests")
+    ))
+    .fetch_all(pool)
+    .await
+}
+
+/// How many rows the month holds: audit rows of both shapes and manifests (what its export
+/// writes, a line each).
 pub async fn partition_rows(pool: &PgPool, p: &Partition) -> sqlx::Result<i64> {
-    sqlx::query_scalar(&format!("select count(*) from {}", p.table()))
-        .fetch_one(pool)
-        .await
+    sqlx::query_scalar(&format!(
+        "select (select count(*) from {}) + (select count(*) from {}) + (select count(*) from {})",
+        p.table("audit"),
+        p.table("audit_items"),
+        p.table("audit_manifests")
+    ))
+    .fetch_one(pool)
+    .await
 }
 
 /// Records the verified export of `p`.
@@ -211,42 +287,48 @@ pub async fn record_export(
     Ok(())
 }
 
-/// Detaches `p` from the audit with `DETACH PARTITION … CONCURRENTLY` (audit writes and reads go
-/// on; it cannot run in a transaction block, so it runs on its own). The record says
-/// `detach_pending` first: a crash in the middle leaves PostgreSQL's own "detach pending" state,
-/// which the next pass finishes with `FINALIZE`. Already detached: nothing to do.
+/// Detaches the month's tables from their parents with `DETACH PARTITION … CONCURRENTLY` (audit
+/// writes and reads go on; it cannot run in a transaction block, so each runs on its own). The
+/// record says `detach_pending` first: a crash in the middle leaves PostgreSQL's own "detach
+/// pending" state, which the next pass finishes with `FINALIZE`. A table already detached (or
+/// never made) is skipped.
 pub async fn detach(pool: &PgPool, p: &Partition) -> sqlx::Result<()> {
     sqlx::query("update sweeper.audit_exports set state = 'detach_pending' where partition = $1")
         .bind(&p.partition)
         .execute(pool)
         .await?;
-    let pending: Option<bool> = sqlx::query_scalar(
-        "select i.inhdetachpending from pg_inherits i
-          where i.inhparent = 'sweeper.audit'::regclass and i.inhrelid = to_regclass($1)",
-    )
-    .bind(p.table())
-    .fetch_optional(pool)
-    .await?;
-    let how = match pending {
-        None => return Ok(()),
-        Some(true) => "finalize",
-        Some(false) => "concurrently",
-    };
-    sqlx::query(&format!(
-        "alter table sweeper.audit detach partition {} {how}",
-        p.table()
-    ))
-    .execute(pool)
-    .await?;
+    for parent in PARENTS {
+        let pending: Option<bool> = sqlx::query_scalar(
+            "select i.inhdetachpending from pg_inherits i
+              where i.inhparent = to_regclass($1) and i.inhrelid = to_regclass($2)",
+        )
+        .bind(format!("sweeper.{parent}"))
+        .bind(p.table(parent))
+        .fetch_optional(pool)
+        .await?;
+        let how = match pending {
+            None => continue,
+            Some(true) => "finalize",
+            Some(false) => "concurrently",
+        };
+        sqlx::query(&format!(
+            "alter table sweeper.{parent} detach partition {} {how}",
+            p.table(parent)
+        ))
+        .execute(pool)
+        .await?;
+    }
     Ok(())
 }
 
-/// Drops the detached partition `p` and records it dropped, in one transaction.
+/// Drops the month's detached tables and records the month dropped, in one transaction.
 pub async fn drop_partition(pool: &PgPool, p: &Partition) -> sqlx::Result<()> {
     let mut tx = pool.begin().await?;
-    sqlx::query(&format!("drop table if exists {}", p.table()))
-        .execute(&mut *tx)
-        .await?;
+    for parent in PARENTS {
+        sqlx::query(&format!("drop table if exists {}", p.table(parent)))
+            .execute(&mut *tx)
+            .await?;
+    }
     sqlx::query("delete from sweeper.audit_partitions where partition = $1")
         .bind(&p.partition)
         .execute(&mut *tx)

@@ -15,6 +15,18 @@ use sqlx::{PgConnection, Postgres, QueryBuilder, Row};
 /// inserting 250 audit rows.
 const RECORDED_AT: &str = "(select sweeper.now())";
 
+/// Pushes `items as (…)`: the audited items as [`CommandTry::push_audit`] reads them, one row per
+/// key with its place in the command (`ord`), outcome and reason.
+fn push_items(q: &mut QueryBuilder<'_, Postgres>, a: &Audited<'_>) {
+    q.push("items as (select u.ord, u.item_key, u.outcome, u.reason from unnest(");
+    q.push_bind(a.keys.to_vec());
+    q.push("::text[], ");
+    q.push_bind(a.outcomes.iter().map(|o| o.to_string()).collect::<Vec<_>>());
+    q.push("::text[], ");
+    q.push_bind(a.reasons.to_vec());
+    q.push("::text[]) with ordinality as u(item_key, outcome, reason, ord))");
+}
+
 /// The command row columns every state change that leaves `pending`/`leased` resets.
 /// The time since the hold was last checked is credited to the command's age budget (time held
 /// counts against no budget).
@@ -100,6 +112,10 @@ pub struct Execution<'a> {
     pub window: DateTime<Utc>,
     /// The cutoff the items were judged by.
     pub cutoff: DateTime<Utc>,
+    /// The run's own cutoff (`cutoff` is earlier when the current version's stricter one applied).
+    pub pinned_cutoff: DateTime<Utc>,
+    /// The policy's current version, when its stricter cutoff is the one items were judged by.
+    pub current_version: Option<&'a str>,
     /// Who executed it (a token's `sub`, or the built-in queue).
     pub actor: &'a str,
 }
@@ -329,52 +345,93 @@ impl CommandTry {
         conn: &mut PgConnection,
         a: &Audited<'_>,
     ) -> sqlx::Result<()> {
-        let done: Option<i32> = sqlx::query_scalar(&format!(
-            "with c as (
+        let mut q = QueryBuilder::new("with ");
+        push_items(&mut q, a);
+        q.push(
+            ", c as (
                  update sweeper.commands
-                    set state = 'succeeded', attempts = $2, finished_at = sweeper.now(),
-                        lease_until = null, lease_owner = null, last_error = null, last_error_class = null,
-                        calling_since = null, {HOLD_CLEARED}
-                  where command_id = $1 and attempts = $14
-              returning attempts, redrive_of),
-             au as (
-                 insert into sweeper.audit
-                     (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
-                      outcome, reason, actor, dry_run, recorded_at)
-                 select $4, $5, $6, $7, $8, $1, u.item_key, u.outcome, u.reason, $9, $10,
-                        {RECORDED_AT}
-                   from unnest($11::text[], $12::text[], $13::text[]) as u(item_key, outcome, reason)
-                  where exists (select 1 from c)),
-             a as (
+                    set state = 'succeeded', attempts = ",
+        );
+        q.push_bind(self.attempt.number());
+        q.push(format!(
+            ", finished_at = sweeper.now(),
+                        lease_until = null, lease_owner = null, last_error = null,
+                        last_error_class = null, calling_since = null, {HOLD_CLEARED}
+                  where command_id = "
+        ));
+        q.push_bind(self.command_id.clone());
+        q.push(" and attempts = ");
+        q.push_bind(self.attempt.fence());
+        q.push(" returning attempts, redrive_of)");
+        self.push_audit(&mut q, &a.execution, a.dry_run, "exists (select 1 from c)");
+        q.push(
+            ", a as (
                  insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
-                 select $1, c.attempts, sweeper.now() - make_interval(secs => $3), sweeper.now(), 'succeeded'
-                   from c),
+                 select ",
+        );
+        q.push_bind(self.command_id.clone());
+        q.push(", c.attempts, sweeper.now() - make_interval(secs => ");
+        q.push_bind(a.execution.elapsed_seconds);
+        q.push(
+            "), sweeper.now(), 'succeeded' from c),
              dl as (
                  update sweeper.dead_letters d
                     set status = 'resolved', resolved_at = sweeper.now()
                   where d.status = 'redriven'
                     and exists (select 1 from c)
-                    and ((d.kind = 'command' and d.command_id = $1)
-                         or d.dead_letter_id = (select redrive_of from c)))
-             select attempts from c"
-        ))
-        .bind(&self.command_id)
-        .bind(self.attempt.number())
-        .bind(a.execution.elapsed_seconds)
-        .bind(a.execution.policy)
-        .bind(a.execution.policy_version)
-        .bind(a.execution.run_id)
-        .bind(a.execution.window)
-        .bind(a.execution.cutoff)
-        .bind(a.execution.actor)
-        .bind(a.dry_run)
-        .bind(a.keys)
-        .bind(a.outcomes)
-        .bind(a.reasons)
-        .bind(self.attempt.fence())
-        .fetch_optional(conn)
-        .await?;
+                    and ((d.kind = 'command' and d.command_id = ",
+        );
+        q.push_bind(self.command_id.clone());
+        q.push(
+            ") or d.dead_letter_id = (select redrive_of from c)))
+             select attempts from c",
+        );
+        let done: Option<i32> = q.build_query_scalar().fetch_optional(conn).await?;
         done.map(|_| ()).ok_or_else(|| overtaken(&self.command_id))
+    }
+
+    /// Pushes `, audit_ex as (…), audit_rows as (…)`: one execution of this command and one
+    /// narrow row per item of the CTE `items` (`ord, item_key, outcome, reason`) whose outcome is
+    /// decided, both written only when `when` holds and there is an item to write. Every audit
+    /// write goes through here (docs/design.md §2.9): items carry their execution's id and
+    /// `recorded_at`, so an item and its execution always fall in the same month.
+    fn push_audit(
+        &self,
+        q: &mut QueryBuilder<'_, Postgres>,
+        e: &Execution<'_>,
+        dry_run: bool,
+        when: &str,
+    ) {
+        q.push(
+            ", audit_ex as (
+                 insert into sweeper.audit_executions
+                     (policy, policy_version, current_version, run_id, window_at, pinned_cutoff,
+                      cutoff, command_id, attempt, actor, dry_run, recorded_at)
+                 select ",
+        );
+        let mut v = q.separated(", ");
+        v.push_bind(e.policy.to_string());
+        v.push_bind(e.policy_version.to_string());
+        v.push_bind(e.current_version.map(str::to_string));
+        v.push_bind(e.run_id.to_string());
+        v.push_bind(e.window);
+        v.push_bind(e.pinned_cutoff);
+        v.push_bind(e.cutoff);
+        v.push_bind(self.command_id.clone());
+        v.push_bind(self.attempt.number());
+        v.push_bind(e.actor.to_string());
+        v.push_bind(dry_run);
+        q.push(format!(
+            ", {RECORDED_AT}
+                  where {when} and exists (select 1 from items where outcome is not null)
+              returning execution_id, recorded_at),
+             audit_rows as (
+                 insert into sweeper.audit_items (execution_id, recorded_at, item_key, outcome, reason)
+                 select x.execution_id, x.recorded_at, i.item_key, i.outcome, i.reason
+                   from audit_ex x cross join items i
+                  where i.outcome is not null
+                  order by i.ord)"
+        ));
     }
 
     /// The statement that closes a delete-rows command after its delete (docs/design.md §2.4,
@@ -463,32 +520,14 @@ impl CommandTry {
         q.push_bind(self.attempt.fence());
         q.push(
             " and not exists (select 1 from items where outcome is null)
-              returning cm.attempts, cm.redrive_of),
-             au as (
-                 insert into sweeper.audit
-                     (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
-                      outcome, reason, actor, dry_run, recorded_at)
+              returning cm.attempts, cm.redrive_of)",
+        );
+        self.push_audit(q, &d.execution, false, "exists (select 1 from c)");
+        q.push(
+            ", a as (
+                 insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
                  select ",
         );
-        q.push_bind(d.execution.policy.to_string());
-        q.push(", ");
-        q.push_bind(d.execution.policy_version.to_string());
-        q.push(", ");
-        q.push_bind(d.execution.run_id.to_string());
-        q.push(", ");
-        q.push_bind(d.execution.window);
-        q.push(", ");
-        q.push_bind(d.execution.cutoff);
-        q.push(", ");
-        q.push_bind(self.command_id.clone());
-        q.push(", i.item_key, i.outcome, i.reason, ");
-        q.push_bind(d.execution.actor.to_string());
-        q.push(format!(
-            ", false, {RECORDED_AT} from items i where exists (select 1 from c) order by i.ord),
-             a as (
-                 insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
-                 select "
-        ));
         q.push_bind(self.command_id.clone());
         q.push(", c.attempts, sweeper.now() - make_interval(secs => ");
         q.push_bind(d.execution.elapsed_seconds);
@@ -532,26 +571,11 @@ impl CommandTry {
     /// The audit rows of the items of a command that is not done yet (an external action's command
     /// finishes its items over several attempts).
     pub async fn append_audit(&self, conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Result<()> {
-        sqlx::query(&format!(
-            "insert into sweeper.audit
-                     (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
-                      outcome, reason, actor, dry_run, recorded_at)
-                 select $1, $2, $3, $4, $5, $6, u.item_key, u.outcome, u.reason, $7, false,
-                        {RECORDED_AT}
-                   from unnest($8::text[], $9::text[], $10::text[]) as u(item_key, outcome, reason)"
-        ))
-        .bind(a.execution.policy)
-        .bind(a.execution.policy_version)
-        .bind(a.execution.run_id)
-        .bind(a.execution.window)
-        .bind(a.execution.cutoff)
-        .bind(&self.command_id)
-        .bind(a.execution.actor)
-        .bind(a.keys)
-        .bind(a.outcomes)
-        .bind(a.reasons)
-        .execute(conn)
-        .await?;
+        let mut q = QueryBuilder::new("with ");
+        push_items(&mut q, a);
+        self.push_audit(&mut q, &a.execution, a.dry_run, "true");
+        q.push(" select 1");
+        q.build().execute(conn).await?;
         Ok(())
     }
 
@@ -765,7 +789,7 @@ pub async fn finished_keys(
     item_redrive: bool,
 ) -> sqlx::Result<Vec<String>> {
     sqlx::query_scalar(
-        "select distinct item_key from sweeper.audit
+        "select distinct item_key from sweeper.audit_trail
           where command_id = $1 and not ($2 and outcome = 'failed')",
     )
     .bind(command_id)

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::PgPool;
 
-use super::audit::AuditRow;
+use super::audit::{AUDIT_ROW, AuditRow};
 use super::dead_letter::DeadLetter;
 
 /// The record's audit rows after `after` (an `audit_id`), oldest first, at most `limit`.
@@ -18,13 +18,12 @@ pub async fn audit_rows(
     after: i64,
     limit: i64,
 ) -> sqlx::Result<Vec<AuditRow>> {
-    sqlx::query_as(
-        "select audit_id, recorded_at, policy, policy_version, run_id, window_at, cutoff,
-                command_id, item_key, outcome, reason, actor, dry_run
-           from sweeper.audit
+    sqlx::query_as(&format!(
+        "select {AUDIT_ROW}
+           from sweeper.audit_trail
           where policy = $1 and item_key = $2 and audit_id > $3
-          order by audit_id limit $4",
-    )
+          order by audit_id limit $4"
+    ))
     .bind(policy)
     .bind(item_key)
     .bind(after)
@@ -163,7 +162,7 @@ pub async fn last_audited(
     item_key: &str,
 ) -> sqlx::Result<Option<DateTime<Utc>>> {
     sqlx::query_scalar(
-        "select max(recorded_at) from sweeper.audit where policy = $1 and item_key = $2",
+        "select max(recorded_at) from sweeper.audit_trail where policy = $1 and item_key = $2",
     )
     .bind(policy)
     .bind(item_key)

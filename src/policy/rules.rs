@@ -19,6 +19,8 @@ pub struct RuleSet {
     pub select: Vec<crate::policy::select::Selection>,
     /// The run's window (what `older_than` / `newer_than` count back from).
     pub window: chrono::DateTime<chrono::Utc>,
+    /// The run's own cutoff (what [`RuleSet::cutoff`] is unless a stricter one applies).
+    pub run_cutoff: chrono::DateTime<chrono::Utc>,
     /// Whose cutoff [`RuleSet::cutoff`] is: the run's (`None`), or the current version's when
     /// its `retain_for` is longer (stricter) than the pinned one's.
     pub stricter_cutoff: Option<StricterCutoff>,
@@ -225,6 +227,7 @@ impl RuleSet {
         Ok(RuleSet {
             target: pinned.target.clone(),
             cutoff,
+            run_cutoff,
             exclude,
             select,
             window,

@@ -65,7 +65,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
 
     let after = counts(&mut conn).await?;
     let audit_deleted: i64 = sqlx::query_scalar(
-        "select count(*) from sweeper.audit where run_id = $1 and outcome = 'deleted'",
+        "select count(*) from sweeper.audit_trail where run_id = $1 and outcome = 'deleted'",
     )
     .bind(&run_id)
     .fetch_one(&mut conn)

@@ -258,13 +258,17 @@ impl Failure {
 }
 
 /// Whether `db` is PostgreSQL's "no partition of relation found for row" for
-/// `sweeper.audit` (SQLSTATE 23514 with the table named in the error's fields), not for a
+/// one of the audit's tables (`sweeper.audit`, `audit_executions`, `audit_items`,
+/// `audit_manifests`: SQLSTATE 23514 with the table named in the error's fields), not for a
 /// partitioned target table.
 fn is_missing_audit_partition(db: &dyn sqlx::error::DatabaseError) -> bool {
     db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
         .is_some_and(|pg| {
             pg.schema() == Some("sweeper")
-                && pg.table() == Some("audit")
+                && matches!(
+                    pg.table(),
+                    Some("audit" | "audit_executions" | "audit_items" | "audit_manifests")
+                )
                 && pg.message().starts_with("no partition of relation")
         })
 }

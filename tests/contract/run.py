@@ -222,7 +222,7 @@ def make_template():
                           "order by 1 limit 5"),
         "dead_letters": [int(i) for i in query("select dead_letter_id from sweeper.dead_letters")],
         "policies": ["ticket-retention"],
-        "item_keys": query("select distinct item_key from sweeper.audit order by 1 limit 5"),
+        "item_keys": query("select distinct item_key from sweeper.audit_trail order by 1 limit 5"),
     }
     assert ids["commands"] and len(ids["dead_letters"]) >= 2, ids
     # The restore and clone guard would hold every clone of a served database (its oid differs):

@@ -77,7 +77,7 @@ async fn assert_end_state(pool: &PgPool, run_id: &str, eligible: &[String], all:
         "every eligible key in exactly one command"
     );
     let mut audited: Vec<(String, String)> =
-        sqlx::query_as("select item_key, outcome from sweeper.audit where run_id = $1")
+        sqlx::query_as("select item_key, outcome from sweeper.audit_trail where run_id = $1")
             .bind(run_id)
             .fetch_all(pool)
             .await
@@ -152,7 +152,7 @@ async fn a_crash_mid_command_on_a_composite_key_loses_nothing() {
     let run_id = trigger(&server).await;
     server.wait_crashed().await;
     let (audit, left): (i64, i64) = sqlx::query_as(
-        "select (select count(*) from sweeper.audit), (select count(*) from demo.tickets)",
+        "select (select count(*) from sweeper.audit_trail), (select count(*) from demo.tickets)",
     )
     .fetch_one(&pool)
     .await

@@ -75,7 +75,7 @@ async fn a_crash_after_the_digest_call_repeats_it_once_with_the_same_key() {
         "the crashed call is repeated once with its key; nothing else twice"
     );
     let called: Vec<String> = sqlx::query_scalar(
-        "select item_key from sweeper.audit where run_id = $1 and outcome = 'called'
+        "select item_key from sweeper.audit_trail where run_id = $1 and outcome = 'called'
           order by item_key",
     )
     .bind(&run_id)

@@ -425,7 +425,7 @@ async fn crash_around_the_effect(point: &str) -> Vec<Call> {
             .unwrap();
     assert_eq!(stamped, 5);
     let reconciled: Vec<(String, String)> = sqlx::query_as(
-        "select item_key, run_id from sweeper.audit where outcome = 'reconciled' order by item_key",
+        "select item_key, run_id from sweeper.audit_trail where outcome = 'reconciled' order by item_key",
     )
     .fetch_all(&pool)
     .await

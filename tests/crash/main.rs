@@ -97,7 +97,7 @@ async fn assert_end_state(pool: &PgPool, run_id: &str, eligible: &[i64]) {
         "every eligible key in exactly one command"
     );
     let audited: Vec<(String, String)> = sqlx::query_as(
-        "select item_key, outcome from sweeper.audit where run_id = $1 order by item_key::bigint",
+        "select item_key, outcome from sweeper.audit_trail where run_id = $1 order by item_key::bigint",
     )
     .bind(run_id)
     .fetch_all(pool)
@@ -198,7 +198,7 @@ async fn a_crash_after_the_delete_before_commit_loses_nothing() {
     let mut server = start(&db.url, 1, Some("consume_before_commit")).await;
     let run_id = trigger(&server).await;
     server.wait_crashed().await;
-    let audit: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+    let audit: i64 = sqlx::query_scalar("select count(*) from sweeper.audit_trail")
         .fetch_one(&pool)
         .await
         .unwrap();
@@ -267,11 +267,13 @@ async fn a_crash_between_an_audit_export_and_its_drop_repeats_harmlessly() {
     let server = Server::launch(&text, Launch::default()).await;
     let run_id = trigger(&server).await;
     wait_terminal(&pool, &run_id).await;
-    let month: String =
-        sqlx::query_scalar("select distinct tableoid::regclass::text from sweeper.audit")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let month: String = sqlx::query_scalar(
+        "select distinct replace(tableoid::regclass::text, 'audit_items_', 'audit_')
+               from sweeper.audit_items",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
     drop(server);
     // A year on, every month of this run has expired.
     advance(&pool, 365 * 86_400).await;
@@ -328,11 +330,12 @@ async fn a_crash_between_an_audit_export_and_its_drop_repeats_harmlessly() {
         written,
         "the export was not rewritten"
     );
-    let audited: i64 = sqlx::query_scalar("select count(*) from sweeper.audit where run_id = $1")
-        .bind(&run_id)
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let audited: i64 =
+        sqlx::query_scalar("select count(*) from sweeper.audit_trail where run_id = $1")
+            .bind(&run_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     assert_eq!(audited, 0, "the month was dropped");
     let lines = {
         use std::io::BufRead;

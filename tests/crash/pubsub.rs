@@ -38,7 +38,7 @@ async fn a_server_killed_with_pushes_in_flight_completes_the_run_after_a_restart
     let run_id = trigger(&server).await;
     server.wait_crashed().await;
     let (audit, published): (i64, i64) = sqlx::query_as(
-        "select (select count(*) from sweeper.audit),
+        "select (select count(*) from sweeper.audit_trail),
                 (select count(*) from sweeper.commands where published_at is not null)",
     )
     .fetch_one(&pool)
@@ -80,7 +80,7 @@ async fn a_server_killed_with_pushes_in_flight_completes_the_run_after_a_restart
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_end_state(&pool, &run_id, &eligible).await;
-    let actors: Vec<String> = sqlx::query_scalar("select distinct actor from sweeper.audit")
+    let actors: Vec<String> = sqlx::query_scalar("select distinct actor from sweeper.audit_trail")
         .fetch_all(&pool)
         .await
         .unwrap();

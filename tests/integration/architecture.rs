@@ -246,6 +246,6 @@ fn only_the_ledger_module_writes_ledger_tables() {
         outside.join("\n")
     );
     assert!(!ledger_writes("UPDATE  sweeper.commands set").is_empty());
-    assert!(!ledger_writes("insert into\n sweeper.audit").is_empty());
+    assert!(!ledger_writes("insert into\n sweeper.audit_items").is_empty());
     assert!(ledger_writes("update demo.tickets set").is_empty());
 }

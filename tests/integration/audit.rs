@@ -1,6 +1,7 @@
 //! The audit trail partitioned by month (issue 13): append-only on every partition, partitions
 //! ready ahead of a moved clock, a missing partition a transient failure that loses nothing, and
-//! one item's history found across months through its `(policy, item_key)` index.
+//! one item's history found across months through its index; the lean shape (an execution row
+//! per command try, a narrow row per item) read together with rows a previous release wrote.
 
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
@@ -15,10 +16,12 @@ async fn partitions(pool: &PgPool) -> Vec<(String, DateTime<Utc>)> {
         .unwrap()
 }
 
-/// The partition each audit row of `run_id` lives in.
+/// The month (named by its first-shape partition) each audit row of `run_id` lives in.
 async fn partitions_of_run(pool: &PgPool, run_id: &str) -> Vec<String> {
     sqlx::query_scalar(
-        "select distinct tableoid::regclass::text from sweeper.audit where run_id = $1",
+        "select distinct replace(i.tableoid::regclass::text, 'audit_items_', 'audit_')
+           from sweeper.audit_items i join sweeper.audit_executions e using (execution_id, recorded_at)
+          where e.run_id = $1",
     )
     .bind(run_id)
     .fetch_all(pool)
@@ -43,15 +46,30 @@ async fn the_audit_and_every_partition_refuse_updates_deletes_and_truncation() {
         parts[0].0, "audit_before",
         "the table that existed is the first partition"
     );
-    let before: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+    let before: i64 = sqlx::query_scalar("select count(*) from sweeper.audit_trail")
         .fetch_one(&app.pool)
         .await
         .unwrap();
     assert!(before > 0);
-    let names = std::iter::once("audit").chain(parts.iter().map(|(n, _)| n.as_str()));
+    // Both shapes (migration 20261204000022): each parent and each month's table.
+    let mut names = Vec::new();
+    for parent in [
+        "audit",
+        "audit_executions",
+        "audit_items",
+        "audit_manifests",
+    ] {
+        names.push(parent.to_string());
+        for (month, _) in &parts {
+            names.push(format!(
+                "{parent}_{}",
+                month.strip_prefix("audit_").unwrap()
+            ));
+        }
+    }
     for name in names {
         for stmt in [
-            format!("update sweeper.{name} set outcome = 'excluded'"),
+            format!("update sweeper.{name} set recorded_at = recorded_at"),
             format!("delete from sweeper.{name}"),
             format!("truncate sweeper.{name}"),
         ] {
@@ -59,7 +77,7 @@ async fn the_audit_and_every_partition_refuse_updates_deletes_and_truncation() {
             assert!(err.to_string().contains("append-only"), "{stmt}: {err}");
         }
     }
-    let after: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+    let after: i64 = sqlx::query_scalar("select count(*) from sweeper.audit_trail")
         .fetch_one(&app.pool)
         .await
         .unwrap();
@@ -189,8 +207,11 @@ async fn an_items_history_is_found_across_two_months_through_its_index() {
     }
     app.wait_terminal(&second).await;
 
-    let lookup = "select run_id, outcome, tableoid::regclass::text from sweeper.audit
-                   where policy = 'ticket-retention' and item_key = $1 order by recorded_at";
+    let lookup = "select e.run_id, i.outcome,
+                          replace(i.tableoid::regclass::text, 'audit_items_', 'audit_')
+                     from sweeper.audit_items i
+                     join sweeper.audit_executions e using (execution_id, recorded_at)
+                    where e.policy = 'ticket-retention' and i.item_key = $1 order by recorded_at";
     let history: Vec<(String, String, String)> = sqlx::query_as(lookup)
         .bind(item.to_string())
         .fetch_all(&app.pool)
@@ -245,7 +266,7 @@ async fn an_items_history_is_found_across_two_months_through_its_index() {
         .unwrap();
     let plan = plan.join("\n");
     assert!(!plan.contains("Seq Scan"), "{plan}");
-    assert!(plan.contains("audit_2027_02_policy_item_key_idx"), "{plan}");
+    assert!(plan.contains("audit_items_2027_02_item_key_idx"), "{plan}");
     sqlx::query("reset enable_seqscan")
         .execute(&mut *conn)
         .await
@@ -309,14 +330,17 @@ async fn an_expired_month_is_exported_verified_and_dropped_and_an_open_runs_mont
         partitions_of_run(&app.pool, &february).await,
         ["sweeper.audit_2027_02"]
     );
-    let january_rows: i64 =
-        sqlx::query_scalar("select count(*) from sweeper.audit_2027_01 where run_id = $1")
-            .bind(&january)
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
+    let january_rows: i64 = sqlx::query_scalar(
+        "select count(*) from sweeper.audit_items_2027_01 i
+              join sweeper.audit_executions_2027_01 e using (execution_id, recorded_at)
+             where e.run_id = $1",
+    )
+    .bind(&january)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
     assert!(january_rows > 0);
-    let total: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+    let total: i64 = sqlx::query_scalar("select count(*) from sweeper.audit_trail")
         .fetch_one(&app.pool)
         .await
         .unwrap();
@@ -364,12 +388,22 @@ async fn an_expired_month_is_exported_verified_and_dropped_and_an_open_runs_mont
             file.to_str().unwrap()
         )
     );
-    assert!(!table_exists(&app.pool, "sweeper.audit_2027_01").await);
+    for t in [
+        "audit",
+        "audit_executions",
+        "audit_items",
+        "audit_manifests",
+    ] {
+        assert!(
+            !table_exists(&app.pool, &format!("sweeper.{t}_2027_01")).await,
+            "{t}"
+        );
+    }
     assert!(
         table_exists(&app.pool, "sweeper.audit_2027_02").await,
         "a month with rows of a running run is kept"
     );
-    let left: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+    let left: i64 = sqlx::query_scalar("select count(*) from sweeper.audit_trail")
         .fetch_one(&app.pool)
         .await
         .unwrap();
@@ -424,4 +458,188 @@ fn an_audit_retention_shorter_than_retention_plus_30_days_or_without_a_directory
         .to_string();
     assert!(err.contains("needs ledger.audit_export_dir"), "{err}");
     assert!(config("[ledger]\naudit_retention = \"120d\"\naudit_export_dir = \"/tmp\"").is_ok());
+}
+
+/// A rolling upgrade: a replica of the previous release audited part of a command in the audit's
+/// first shape (one wide row per item, `sweeper.audit`), then this release finished it. Every
+/// reader sees both shapes as one trail: no item is audited twice, the run's pages hold each row
+/// once across both, and an item's history shows its first-shape row.
+#[tokio::test]
+async fn rows_of_the_previous_shape_and_the_lean_one_read_as_one_trail() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        ..Default::default()
+    })
+    .await;
+    seed_mixed(&app.pool, 40, at("2026-09-01T02:00:00Z")).await;
+    let (run_id, commands) = app.planned_run().await;
+    let keys: Vec<String> =
+        sqlx::query_scalar("select unnest(item_keys) from sweeper.commands where command_id = $1")
+            .bind(&commands[0])
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert!(keys.len() >= 4, "{keys:?}");
+    // The previous release's statement for the items it decided (here: the first two keys,
+    // deleted), the command left pending for the rest.
+    let old: Vec<String> = keys[..2].to_vec();
+    for k in &old {
+        sqlx::query("delete from demo.tickets where id = $1::bigint")
+            .bind(k)
+            .execute(&app.pool)
+            .await
+            .unwrap();
+    }
+    sqlx::query(
+        "insert into sweeper.audit
+             (policy, policy_version, run_id, window_at, cutoff, command_id, item_key, outcome,
+              reason, actor, dry_run, recorded_at)
+         select r.policy, r.policy_version, r.run_id, r.window_at, r.cutoff, $2, k, 'deleted',
+                null, 'builtin', false, sweeper.now()
+           from sweeper.runs r, unnest($3::text[]) k where r.run_id = $1",
+    )
+    .bind(&run_id)
+    .bind(&commands[0])
+    .bind(&old)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    sqlx::query("update sweeper.commands set deleted = 2 where command_id = $1")
+        .bind(&commands[0])
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    for c in &commands {
+        app.consume(c).await;
+    }
+    app.wait_terminal(&run_id).await;
+    // Each key of the command once, its first two in the first shape.
+    let rows: Vec<(String, String, bool)> = sqlx::query_as(
+        "select item_key, outcome, execution_id = audit_id from sweeper.audit_trail
+          where command_id = $1 order by item_key",
+    )
+    .bind(&commands[0])
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), keys.len(), "{rows:?}");
+    for (k, outcome, first_shape) in &rows {
+        assert_eq!(*first_shape, old.contains(k), "{k}: {rows:?}");
+        assert!(
+            outcome == "deleted" || outcome == "excluded" || outcome == "not_eligible",
+            "{rows:?}"
+        );
+    }
+    // The run's pages, 3 rows at a time, hold every row of the trail exactly once.
+    let total: i64 =
+        sqlx::query_scalar("select count(*) from sweeper.audit_trail where run_id = $1")
+            .bind(&run_id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    let mut seen = Vec::new();
+    let mut cursor = String::new();
+    loop {
+        let page = app
+            .get_json(&format!("/runs/{run_id}/items?limit=3{cursor}"))
+            .await;
+        for i in page["items"].as_array().unwrap() {
+            seen.push(i["audit_id"].as_i64().unwrap());
+            assert!(i.get("execution_id").is_none(), "{i}");
+        }
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = format!("&cursor={c}"),
+            None => break,
+        }
+    }
+    let mut unique = seen.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!((seen.len() as i64, unique.len() as i64), (total, total));
+    // A bare id, as cursors were before, still pages on from a first-shape row.
+    let first_old: i64 = sqlx::query_scalar("select min(audit_id) from sweeper.audit")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    let page = app
+        .get_json(&format!(
+            "/runs/{run_id}/items?limit=1000&cursor={first_old}"
+        ))
+        .await;
+    assert_eq!(page["items"].as_array().unwrap().len() as i64, total - 1);
+    // An item's history shows its first-shape row.
+    let h = app
+        .get_json(&format!("/policies/ticket-retention/items/{}", old[0]))
+        .await;
+    let audit = h["audit"].as_array().unwrap();
+    assert_eq!(audit.len(), 1, "{h}");
+    assert_eq!(audit[0]["outcome"], "deleted");
+    assert_eq!(audit[0]["run_id"], run_id.as_str());
+}
+
+/// The lean shape's rows: one execution per command try with the run's fields, narrow item
+/// rows that carry its id and month, and only the indexes its readers use.
+#[tokio::test]
+async fn a_command_writes_one_execution_row_and_narrow_item_rows() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        ..Default::default()
+    })
+    .await;
+    seed_mixed(&app.pool, 30, at("2026-09-01T02:00:00Z")).await;
+    let (run_id, commands) = app.planned_run().await;
+    for c in &commands {
+        app.consume(c).await;
+    }
+    app.wait_terminal(&run_id).await;
+    let (executions, commands_seen, bad): (i64, i64, i64) = sqlx::query_as(
+        "select count(*), count(distinct command_id),
+                count(*) filter (where attempt <> 1 or pinned_cutoff <> cutoff
+                                 or current_version is not null or dry_run)
+           from sweeper.audit_executions where run_id = $1",
+    )
+    .bind(&run_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (executions, commands_seen, bad),
+        (commands.len() as i64, commands.len() as i64, 0)
+    );
+    let (items, apart): (i64, i64) = sqlx::query_as(
+        "select count(*), count(*) filter (where e.execution_id is null)
+           from sweeper.audit_items i
+           left join sweeper.audit_executions e using (execution_id, recorded_at)",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!(items > 0);
+    assert_eq!(
+        apart, 0,
+        "every item row has its execution, in the same month"
+    );
+    let old: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(old, 0, "this release writes the lean shape only");
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "select indexrelid::regclass::text from pg_index
+          where indrelid in ('sweeper.audit_items'::regclass, 'sweeper.audit_executions'::regclass)
+          order by 1",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        indexes,
+        [
+            "sweeper.audit_executions_by_command",
+            "sweeper.audit_executions_by_id",
+            "sweeper.audit_executions_by_run",
+            "sweeper.audit_items_by_execution",
+            "sweeper.audit_items_by_item"
+        ]
+    );
 }

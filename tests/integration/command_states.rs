@@ -162,6 +162,8 @@ async fn a_success_of_an_overtaken_try_writes_no_audit_row_and_a_lease_counts_th
             run_id: &run_id,
             window: Utc::now(),
             cutoff: Utc::now(),
+            pinned_cutoff: Utc::now(),
+            current_version: None,
             actor: "test",
         },
         dry_run: true,
@@ -169,7 +171,7 @@ async fn a_success_of_an_overtaken_try_writes_no_audit_row_and_a_lease_counts_th
         outcomes: &["would_delete"],
         reasons: &[None],
     };
-    let audit_sql = "select count(*) from sweeper.audit where command_id = $1";
+    let audit_sql = "select count(*) from sweeper.audit_trail where command_id = $1";
     let stale_claim = sweeper::app::worker::claim(&app.state, 1).await.unwrap();
     assert!(stale_claim.is_empty(), "leased, its lease not expired");
     assert!(

@@ -130,7 +130,7 @@ async fn a_tenant_keyed_table_is_cleaned(t: &Transport) -> TestApp {
     );
     // The held ticket's reason, under each tenant.
     let held: i64 = sqlx::query_scalar(
-        "select count(*) from sweeper.audit where run_id = $1 and outcome = 'excluded'",
+        "select count(*) from sweeper.audit_trail where run_id = $1 and outcome = 'excluded'",
     )
     .bind(&run_id)
     .fetch_one(&app.pool)
@@ -714,7 +714,7 @@ async fn an_http_action_on_a_composite_key_calls_each_item_once_under_its_item_k
     let (reconciled, items, open): (i64, i64, i64) = sqlx::query_as(
         "select count(*) filter (where outcome = 'reconciled'), count(distinct item_key),
                 (select count(*) from sweeper.effects where state <> 'closed')
-           from sweeper.audit where policy = 'reconcile'",
+           from sweeper.audit_trail where policy = 'reconcile'",
     )
     .fetch_one(&app.pool)
     .await
@@ -815,7 +815,7 @@ async fn a_key_whose_unique_index_is_gone_holds_the_run_and_deletes_nothing() {
         "{reason}"
     );
     let (left, audit, commands): (i64, i64, i64) = sqlx::query_as(
-        "select (select count(*) from demo.tickets), (select count(*) from sweeper.audit),
+        "select (select count(*) from demo.tickets), (select count(*) from sweeper.audit_trail),
                 (select count(*) from sweeper.commands)",
     )
     .fetch_one(&app.pool)
@@ -867,7 +867,7 @@ async fn a_locked_row_of_a_composite_key_delays_only_itself() {
     let left_of_command: Vec<String> = sqlx::query_scalar(
         "select k from sweeper.commands c, unnest(c.item_keys) k
           where c.command_id = $1
-            and not exists (select 1 from sweeper.audit a where a.command_id = c.command_id
+            and not exists (select 1 from sweeper.audit_trail a where a.command_id = c.command_id
                                                            and a.item_key = k)",
     )
     .bind(&command)

@@ -82,7 +82,7 @@ async fn each_week_calls_once_per_selected_customer_with_that_weeks_key() {
         .unwrap();
     assert_eq!(rows, 5);
     let outcomes: Vec<String> = sqlx::query_scalar(
-        "select distinct outcome from sweeper.audit where policy = 'support-digest'",
+        "select distinct outcome from sweeper.audit_trail where policy = 'support-digest'",
     )
     .fetch_all(&app.pool)
     .await
@@ -127,12 +127,13 @@ async fn a_customer_deactivated_after_planning_is_not_called_and_is_audited_with
     assert_eq!(done["called"], 2, "{done}");
     assert_eq!(done["not_eligible"], 1, "{done}");
     assert_eq!(keys(&api), expected(WEEK1, &[1, 3]));
-    let reason: Option<String> =
-        sqlx::query_scalar("select reason from sweeper.audit where run_id = $1 and item_key = '2'")
-            .bind(&run_id)
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
+    let reason: Option<String> = sqlx::query_scalar(
+        "select reason from sweeper.audit_trail where run_id = $1 and item_key = '2'",
+    )
+    .bind(&run_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
     assert_eq!(reason.as_deref(), Some("not_selected:status"));
 }
 
@@ -167,7 +168,7 @@ async fn a_row_that_moves_only_in_columns_no_rule_reads_during_its_call_is_still
         .unwrap();
     let done = app.wait_terminal(&run_id).await;
     let audit: BTreeMap<String, String> =
-        sqlx::query_as("select item_key, outcome from sweeper.audit where run_id = $1")
+        sqlx::query_as("select item_key, outcome from sweeper.audit_trail where run_id = $1")
             .bind(&run_id)
             .fetch_all(&app.pool)
             .await

@@ -34,7 +34,7 @@ fn item_of(c: &Call) -> i64 {
 /// Final outcome per item across runs: item → [outcomes].
 async fn outcomes(app: &TestApp, policy: &str) -> BTreeMap<String, Vec<String>> {
     let rows: Vec<(String, String)> = sqlx::query_as(
-        "select item_key, outcome from sweeper.audit where policy = $1 order by audit_id",
+        "select item_key, outcome from sweeper.audit_trail where policy = $1 order by audit_id",
     )
     .bind(policy)
     .fetch_all(&app.pool)
@@ -287,7 +287,7 @@ async fn a_bare_404_is_permanent_and_changes_no_row() {
             .unwrap();
     assert_eq!(class, "permanent");
     assert!(reason.contains("not-found signature"), "{reason}");
-    let audited: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+    let audited: i64 = sqlx::query_scalar("select count(*) from sweeper.audit_trail")
         .fetch_one(&app.pool)
         .await
         .unwrap();
@@ -726,7 +726,7 @@ async fn a_delivery_overtaken_while_it_called_is_not_now_and_records_nothing_twi
             .unwrap();
     assert_eq!((state.as_str(), attempts), ("succeeded", 2));
     let per_item: Vec<i64> = sqlx::query_scalar(
-        "select count(*) from sweeper.audit where command_id = $1 group by item_key",
+        "select count(*) from sweeper.audit_trail where command_id = $1 group by item_key",
     )
     .bind(&command)
     .fetch_all(&app.pool)

@@ -294,7 +294,7 @@ async fn a_failed_item_is_an_item_dead_letter_and_its_redrive_reexecutes_only_it
     );
     // Neighbours were not redone: one audit row each.
     let others: i64 = sqlx::query_scalar(
-        "select count(*) from sweeper.audit where run_id = $1 and item_key <> $2",
+        "select count(*) from sweeper.audit_trail where run_id = $1 and item_key <> $2",
     )
     .bind(&run_id)
     .bind(blocked.to_string())
@@ -559,7 +559,7 @@ async fn a_stale_worker_cannot_overwrite_a_newer_attempt_and_leases_are_reclaime
             .await
             .unwrap();
     assert_eq!(attempts, 2);
-    let rows: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+    let rows: i64 = sqlx::query_scalar("select count(*) from sweeper.audit_trail")
         .fetch_one(&app.pool)
         .await
         .unwrap();
@@ -712,7 +712,7 @@ async fn killing_the_servers_connections_mid_run_does_not_stop_the_run() {
     assert_eq!(run["status"], "completed", "{run}");
     assert_eq!(run["deleted"].as_i64().unwrap() as usize, eligible.len());
     let dup: i64 = sqlx::query_scalar(
-        "select count(*) from (select item_key from sweeper.audit group by item_key having count(*) > 1) d",
+        "select count(*) from (select item_key from sweeper.audit_trail group by item_key having count(*) > 1) d",
     )
     .fetch_one(&app.pool)
     .await

@@ -77,7 +77,7 @@ async fn a_thousand_concurrent_deliveries_against_a_small_limit_shed_some_and_lo
     assert_eq!(done["status"], "completed", "{done}");
     assert_eq!(done["deleted"].as_i64().unwrap(), eligible.len() as i64);
     let dup: i64 = sqlx::query_scalar(
-        "select count(*) from (select item_key from sweeper.audit group by item_key having count(*) > 1) d",
+        "select count(*) from (select item_key from sweeper.audit_trail group by item_key having count(*) > 1) d",
     )
     .fetch_one(&app.pool)
     .await
@@ -178,7 +178,7 @@ async fn slow_clients_are_cut_off_and_change_nothing() {
             .await
             .unwrap();
     assert_eq!((state.as_str(), attempts), ("pending", 0));
-    let audit: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+    let audit: i64 = sqlx::query_scalar("select count(*) from sweeper.audit_trail")
         .fetch_one(&app.pool)
         .await
         .unwrap();
@@ -310,7 +310,7 @@ async fn any_bytes_to_consume_get_a_documented_answer_and_leave_the_ledger_consi
     let distinct: std::collections::HashSet<i64> = quarantined.iter().copied().collect();
     assert_eq!(found as usize, distinct.len());
     let stray: i64 = sqlx::query_scalar(
-        "select count(*) from sweeper.audit a
+        "select count(*) from sweeper.audit_trail a
           where not exists (select 1 from sweeper.commands c
                              where c.command_id = a.command_id and c.state = 'succeeded')",
     )
@@ -494,7 +494,7 @@ async fn deliveries_queued_behind_a_busy_command_are_not_now_not_unavailable() {
             "a second failure inside one backoff: {failures:?}"
         );
     }
-    let audit: i64 = sqlx::query_scalar("select count(*) from sweeper.audit")
+    let audit: i64 = sqlx::query_scalar("select count(*) from sweeper.audit_trail")
         .fetch_one(&app.pool)
         .await
         .unwrap();

@@ -42,7 +42,7 @@ async fn command_row(
 /// Each of the command's audited keys with how many audit rows it has.
 async fn audit_per_key(app: &TestApp, command: &str) -> Vec<(String, i64)> {
     sqlx::query_as(
-        "select item_key, count(*) from sweeper.audit where command_id = $1
+        "select item_key, count(*) from sweeper.audit_trail where command_id = $1
           group by item_key order by item_key::bigint",
     )
     .bind(command)
@@ -162,7 +162,7 @@ async fn a_locked_row_delays_only_itself_and_spends_no_attempt_until_it_is_relea
     let run = app.wait_terminal(&run_id).await;
     assert_eq!(run["status"], "completed", "{run}");
     let deleted: i64 = sqlx::query_scalar(
-        "select count(*) from sweeper.audit where run_id = $1 and outcome = 'deleted'",
+        "select count(*) from sweeper.audit_trail where run_id = $1 and outcome = 'deleted'",
     )
     .bind(&run_id)
     .fetch_one(&app.pool)
@@ -313,7 +313,7 @@ async fn command_keys(app: &TestApp, command: &str) -> Vec<String> {
 /// Each audited key's outcomes in order.
 async fn outcomes_per_key(app: &TestApp, command: &str) -> Vec<(String, Vec<String>)> {
     sqlx::query_as(
-        "select item_key, array_agg(outcome order by audit_id) from sweeper.audit
+        "select item_key, array_agg(outcome order by audit_id) from sweeper.audit_trail
           where command_id = $1 group by item_key order by item_key::bigint",
     )
     .bind(command)
@@ -416,10 +416,11 @@ async fn concurrent_deliveries_after_a_lock_is_released_audit_each_item_once() {
     for id in &in_command[..4] {
         blockers.push(lock_ticket(&app.db.url, *id).await);
     }
-    assert!(matches!(
-        run_one_command(&app.state).await.unwrap(),
-        WorkerStep::Ran(ConsumeOutcome::NotNow { .. })
-    ));
+    let first = run_one_command(&app.state).await;
+    assert!(
+        matches!(first, Ok(WorkerStep::Ran(ConsumeOutcome::NotNow { .. }))),
+        "{first:?}"
+    );
     // One lock goes at a time, and two deliveries of the command arrive together: the second
     // waits for the command row and must see what the first audited.
     let api = app.api.with_token(app.token(&["consume"]));
@@ -470,7 +471,7 @@ async fn a_row_a_trigger_keeps_is_not_eligible_at_once_not_waited_for() {
         other => panic!("{other:?}"),
     }
     let reason: String = sqlx::query_scalar(
-        "select reason from sweeper.audit where command_id = $1 and item_key = $2",
+        "select reason from sweeper.audit_trail where command_id = $1 and item_key = $2",
     )
     .bind(&command)
     .bind(eligible[0].to_string())

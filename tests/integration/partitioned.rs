@@ -188,7 +188,7 @@ async fn a_monthly_partitioned_table_with_holds_elsewhere_is_swept_one_leaf_at_a
     assert_eq!(a["cutoff"], "2026-06-03T02:00:00Z", "{h}");
     let held: i64 = count(
         &app.pool,
-        "select count(*) from sweeper.audit where outcome = 'excluded'",
+        "select count(*) from sweeper.audit_trail where outcome = 'excluded'",
     )
     .await;
     assert!(held <= 10, "{held}");
@@ -336,7 +336,7 @@ async fn a_leaf_detached_mid_run_leaves_its_keys_already_absent() {
         "the detached table is not the target's: untouched"
     );
     let absent: Vec<String> = sqlx::query_scalar(
-        "select distinct c.partition from sweeper.audit a join sweeper.commands c using (command_id)
+        "select distinct c.partition from sweeper.audit_trail a join sweeper.commands c using (command_id)
           where a.run_id = $1 and a.outcome = 'already_absent'",
     )
     .bind(&run_id)
@@ -382,13 +382,14 @@ async fn a_row_moved_to_another_partition_under_the_delete_is_already_absent() {
     drain(&app).await;
     let run = app.wait_terminal(&run_id).await;
     assert_eq!(run["status"], "completed", "{run}");
-    let outcome: String =
-        sqlx::query_scalar("select outcome from sweeper.audit where run_id = $1 and item_key = $2")
-            .bind(&run_id)
-            .bind(item(2, 1))
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
+    let outcome: String = sqlx::query_scalar(
+        "select outcome from sweeper.audit_trail where run_id = $1 and item_key = $2",
+    )
+    .bind(&run_id)
+    .bind(item(2, 1))
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
     assert_eq!(outcome, "already_absent");
     assert_eq!(
         count(

@@ -168,7 +168,7 @@ batch_size = 13
     assert_eq!(b["status"], "completed");
 
     let deleted: Vec<(String, i64)> = sqlx::query_as(
-        "select item_key, count(*) from sweeper.audit where outcome = 'deleted' group by item_key",
+        "select item_key, count(*) from sweeper.audit_trail where outcome = 'deleted' group by item_key",
     )
     .fetch_all(&app.pool)
     .await

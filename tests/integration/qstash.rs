@@ -282,7 +282,7 @@ async fn a_run_completes_through_signed_deliveries_with_throttled_publishes_and_
     // One outcome per item, attributed to the QStash principal.
     let (audit_rows, items, actors): (i64, i64, Vec<String>) = sqlx::query_as(
         "select count(*), count(distinct item_key), array_agg(distinct actor)
-           from sweeper.audit where run_id = $1",
+           from sweeper.audit_trail where run_id = $1",
     )
     .bind(&run_id)
     .fetch_one(&app.pool)
@@ -501,7 +501,7 @@ async fn signatures_are_verified_over_key_issuer_subject_time_and_the_exact_body
 
     // Nothing was executed, recorded or quarantined by the refused deliveries.
     let (audit, dead, attempts): (i64, i64, i64) = sqlx::query_as(
-        "select (select count(*) from sweeper.audit), (select count(*) from sweeper.dead_letters),
+        "select (select count(*) from sweeper.audit_trail), (select count(*) from sweeper.dead_letters),
                 (select count(*) from sweeper.attempts)",
     )
     .fetch_one(&app.pool)
@@ -547,7 +547,7 @@ async fn signatures_are_verified_over_key_issuer_subject_time_and_the_exact_body
         "{out}"
     );
     let actors: Vec<String> =
-        sqlx::query_scalar("select distinct actor from sweeper.audit where run_id = $1")
+        sqlx::query_scalar("select distinct actor from sweeper.audit_trail where run_id = $1")
             .bind(&run_id)
             .fetch_all(&app.pool)
             .await

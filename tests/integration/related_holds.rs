@@ -102,7 +102,7 @@ async fn count(pool: &PgPool, sql: &str) -> i64 {
 /// Each outcome and reason of the run's audit, with how many rows have it.
 async fn outcomes(pool: &PgPool, run_id: &str) -> Vec<(String, Option<String>, i64)> {
     sqlx::query_as(
-        "select outcome, reason, count(*) from sweeper.audit where run_id = $1
+        "select outcome, reason, count(*) from sweeper.audit_trail where run_id = $1
           group by 1, 2 order by 1, 2",
     )
     .bind(run_id)

@@ -574,7 +574,7 @@ async fn two_replicas_keep_the_pace_in_every_ten_second_interval() {
     assert_eq!(run["deleted"], ROWS);
     // Deletions per commit instant (audit rows share their transaction's recorded_at).
     let commits: Vec<(f64, i64)> = sqlx::query_as(
-        "select extract(epoch from recorded_at)::float8, count(*) from sweeper.audit
+        "select extract(epoch from recorded_at)::float8, count(*) from sweeper.audit_trail
           where run_id = $1 and outcome = 'deleted' group by recorded_at order by recorded_at",
     )
     .bind(&run_id)

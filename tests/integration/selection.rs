@@ -117,7 +117,7 @@ async fn a_customer_reactivated_between_planning_and_the_effect_is_kept_with_its
     assert_eq!(done["deleted"], 1, "{done}");
     assert_eq!(done["not_eligible"], 2, "{done}");
     let audit: Vec<(String, String, Option<String>)> = sqlx::query_as(
-        "select item_key, outcome, reason from sweeper.audit where run_id = $1 order by item_key",
+        "select item_key, outcome, reason from sweeper.audit_trail where run_id = $1 order by item_key",
     )
     .bind(&run_id)
     .fetch_all(&app.pool)

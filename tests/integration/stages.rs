@@ -174,12 +174,13 @@ async fn the_cleanup_waits_for_the_digest_of_its_window_and_never_deletes_early(
         c["completed_at"].as_str().unwrap() >= d["completed_at"].as_str().unwrap(),
         "the cleanup completed after the digest: {c} {d}"
     );
-    let first_delete: String =
-        sqlx::query_scalar("select min(recorded_at)::text from sweeper.audit where run_id = $1")
-            .bind(c["run_id"].as_str().unwrap())
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
+    let first_delete: String = sqlx::query_scalar(
+        "select min(recorded_at)::text from sweeper.audit_trail where run_id = $1",
+    )
+    .bind(c["run_id"].as_str().unwrap())
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
     let digest_done: String =
         sqlx::query_scalar("select completed_at::text from sweeper.runs where run_id = $1")
             .bind(d["run_id"].as_str().unwrap())

@@ -129,7 +129,7 @@ async fn replay_lag_holds_work_until_the_standby_catches_up_and_promotions_are_j
     assert_eq!(done["deleted"], 3_000);
     let (rows, once): (i64, i64) = sqlx::query_as(
         "select (select count(*) from demo.tickets),
-                (select count(distinct item_key) from sweeper.audit
+                (select count(distinct item_key) from sweeper.audit_trail
                   where run_id = $1 and outcome = 'deleted')",
     )
     .bind(&run_id)

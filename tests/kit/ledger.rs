@@ -83,7 +83,7 @@ pub type AuditRow = (String, String, Option<String>);
 /// Every audit row of a run, in the order written.
 pub async fn audit(pool: &PgPool, run_id: &str) -> Vec<AuditRow> {
     sqlx::query_as(
-        "select item_key, outcome, reason from sweeper.audit where run_id = $1 order by audit_id",
+        "select item_key, outcome, reason from sweeper.audit_trail where run_id = $1 order by audit_id",
     )
     .bind(run_id)
     .fetch_all(pool)
@@ -95,7 +95,7 @@ pub async fn audit(pool: &PgPool, run_id: &str) -> Vec<AuditRow> {
 /// has one outcome.
 pub async fn items_with_several_outcomes(pool: &PgPool) -> i64 {
     sqlx::query_scalar(
-        "select count(*) from (select item_key from sweeper.audit group by item_key
+        "select count(*) from (select item_key from sweeper.audit_trail group by item_key
                                 having count(*) > 1) d",
     )
     .fetch_one(pool)

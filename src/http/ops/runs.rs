@@ -246,6 +246,21 @@ pub(super) fn audit_page(cursor: Option<&str>, limit: Option<i64>) -> Result<(i6
     Ok((after, limit))
 }
 
+/// A page of a run's items: `((execution_id, audit_id), limit)` from `?cursor=` (`E.A` as
+/// returned in `next_cursor`; a bare id, as cursors were before the audit's execution rows, is
+/// the row of the first shape with that id) and `?limit=`.
+fn run_items_page(cursor: Option<&str>, limit: Option<i64>) -> Result<((i64, i64), i64), Problem> {
+    let bad = || bad_query("`cursor` must be a value returned as `next_cursor`");
+    let id = |v: &str| v.parse::<i64>().ok().filter(|v| *v >= 0).ok_or_else(bad);
+    let after = match cursor.map(|c| c.split_once('.').ok_or(c)) {
+        None => (0, 0),
+        Some(Ok((e, a))) => (id(e)?, id(a)?),
+        Some(Err(a)) => (id(a)?, id(a)?),
+    };
+    let (_, limit) = audit_page(None, limit)?;
+    Ok((after, limit))
+}
+
 pub(super) fn unknown_run(run_id: &str) -> Problem {
     Problem::new(
         StatusCode::NOT_FOUND,
@@ -281,7 +296,7 @@ pub async fn run_items(
 ) -> Result<Response, Problem> {
     caller.require("ops:read")?;
     let Params(q) = query?;
-    let (after, limit) = audit_page(q.cursor.as_deref(), q.limit)?;
+    let (after, limit) = run_items_page(q.cursor.as_deref(), q.limit)?;
     if let Some(o) = &q.outcome
         && !ledger::Outcome::ALL.iter().any(|k| k.as_str() == o)
     {
@@ -297,7 +312,11 @@ pub async fn run_items(
     drop(conn);
     let items = audit::items_page(&state.pool, &run_id, after, limit, q.outcome.as_deref()).await?;
     let next_cursor = (items.len() as i64 == limit)
-        .then(|| items.last().map(|i| i.audit_id.to_string()))
+        .then(|| {
+            items
+                .last()
+                .map(|i| format!("{}.{}", i.execution_id, i.audit_id))
+        })
         .flatten();
     Ok(Json(json!({ "items": items, "next_cursor": next_cursor })).into_response())
 }
