@@ -1,6 +1,7 @@
 //! One record's history under one policy (`GET /policies/{policy}/items/{key}`): its audit rows
-//! across runs, its effects and its dead letters, each read through an index on
-//! `(policy, item_key)`; and which exported audit months were dropped, so an answer can say
+//! across runs (both shapes of the audit, through `sweeper.audit_trail`: the lean one by
+//! `audit_items_by_item`, the first by its `(policy, item_key)` index), its effects and its dead
+//! letters, each read through an index on the item key; and which exported audit months were dropped, so an answer can say
 //! since when it is complete.
 
 use chrono::{DateTime, Utc};
