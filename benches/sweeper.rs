@@ -949,7 +949,7 @@ async fn main() {
     );
     print_partitioned(&partitioned, &builtin_runs, &row, (th1, fl1), (th2, fl2));
     println!(
-        "{:<42}{:>11}{:>11}{:>12}{:>14}{:>12}{:>6}",
+        "{:<42}{:>11}{:>11}{:>13}{:>15}{:>14}{:>6}",
         "per batch / item (medians)",
         "WAL B/item",
         "no FPI",
@@ -961,13 +961,13 @@ async fn main() {
     let f = |v: &Value, d: usize| v.as_f64().map_or("-".into(), |v| format!("{v:.d$}"));
     for (name, c) in &cost_medians {
         println!(
-            "{name:<42}{:>11}{:>11}{:>12}{:>14}{:>12}{:>6}",
+            "{name:<42}{:>11}{:>11}{:>13}{:>15}{:>14}{:>6}",
             f(&c["wal_bytes_per_item"], 0),
             f(&c["wal_bytes_per_item_without_fpi"], 0),
             f(&c["wal_syncs_per_batch"], 2),
             f(&c["commits_per_batch"], 2),
             f(&c["audit_bytes_per_item"], 0),
-            c["checkpoints_inside"]
+            c["checkpoints_inside"].as_i64().unwrap_or(0)
         );
     }
     println!(

@@ -112,7 +112,10 @@ begin
 end
 $$;
 
--- Every month already made gets its lean tables (`audit_before` → `audit_items_before`, …).
+-- Every month already made gets its lean tables (`audit_before` → `audit_items_before`, …), under
+-- the lock `ensure_audit_partitions` takes, so a month a previous-release replica makes meanwhile
+-- is either seen here or made after this commits (by the new function, with all four tables).
+select pg_advisory_xact_lock(hashtext('sweeper:audit_partitions'));
 select sweeper.make_audit_month(array['audit_executions', 'audit_items', 'audit_manifests'],
                                 substr(partition, length('audit_') + 1), from_at, to_at)
   from sweeper.audit_partitions
@@ -129,6 +132,11 @@ declare
     made integer := 0;
 begin
     perform pg_advisory_xact_lock(hashtext('sweeper:audit_partitions'));
+    -- Any month that lacks one of its tables gets it (a no-op once each has all four).
+    perform sweeper.make_audit_month(
+                array['audit_executions', 'audit_items', 'audit_manifests'],
+                substr(partition, length('audit_') + 1), from_at, to_at)
+       from sweeper.audit_partitions;
     select max(to_at) at time zone 'UTC' into lo from sweeper.audit_partitions;
     while lo < upto loop
         perform sweeper.make_audit_month(
@@ -145,15 +153,18 @@ end
 $$;
 
 -- The one reader: both shapes as one row per item with its execution's fields, as the audit
--- always read. `execution_id` of a row of the old shape is its own id (it was its own execution).
+-- always read. `execution_id` of a row of the old shape is its own id (it was its own execution);
+-- its `pinned_cutoff`, `current_version` and `attempt` were not recorded. The lean branch names
+-- the execution's own `execution_id`, so a range on it reaches `audit_executions_by_run`.
 create view sweeper.audit_trail as
 select a.audit_id, a.audit_id as execution_id, a.recorded_at, a.policy, a.policy_version,
-       null::text as current_version, a.run_id, a.window_at, a.cutoff, a.command_id,
-       null::integer as attempt, a.item_key, a.outcome, a.reason, a.actor, a.dry_run
+       null::text as current_version, a.run_id, a.window_at, null::timestamptz as pinned_cutoff,
+       a.cutoff, a.command_id, null::integer as attempt, a.item_key, a.outcome, a.reason,
+       a.actor, a.dry_run
   from sweeper.audit a
 union all
-select i.audit_id, i.execution_id, i.recorded_at, e.policy, e.policy_version,
-       e.current_version, e.run_id, e.window_at, e.cutoff, e.command_id,
+select i.audit_id, e.execution_id, i.recorded_at, e.policy, e.policy_version,
+       e.current_version, e.run_id, e.window_at, e.pinned_cutoff, e.cutoff, e.command_id,
        e.attempt, i.item_key, i.outcome, i.reason, e.actor, e.dry_run
   from sweeper.audit_items i
   join sweeper.audit_executions e

@@ -9,8 +9,10 @@
 //! A month is one row of `sweeper.audit_partitions` and four tables: the audit's first shape and
 //! the lean one (executions, items, manifests), exported to one file and dropped together.
 //! Memory and statement size stay bounded whatever the month holds: rows of the first shape are
-//! read in keyset pages of [`PAGE_ROWS`], lean rows [`PAGE_EXECUTIONS`] executions at a time, and
-//! compressed as they come, off the async runtime.
+//! read in keyset pages of [`PAGE_ROWS`], lean rows [`PAGE_EXECUTIONS`] executions at a time (at
+//! most their batch sizes' worth of rows: 5,000 at the default batch of 250, 200,000 at the largest
+//! batch), and compressed as they come, off the async runtime. Each line is self-contained: the
+//! item with its execution's fields.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -31,7 +33,7 @@ use crate::state::AppState;
 pub const PAGE_ROWS: i64 = 10_000;
 
 /// Executions read per statement while exporting, with all their items (a command's items are
-/// at most its batch size, 10,000).
+/// at most its batch size, at most 10,000).
 pub const PAGE_EXECUTIONS: i64 = 20;
 
 /// One pass: every expired month, oldest first, exported, verified, detached and dropped.
@@ -110,14 +112,18 @@ async fn export_month(state: &AppState, p: &Partition, dir: &Path) -> anyhow::Re
     loop {
         let page = ledger::audit::first_shape_page(&state.pool, p, after, PAGE_ROWS).await?;
         let Some(last) = page.last() else { break };
-        after = last.audit_id;
+        after = last.row.audit_id;
         rows += write_rows(&mut out, &page).await?;
     }
     let mut after = 0i64;
     loop {
-        let page = ledger::audit::lean_page(&state.pool, p, after, PAGE_EXECUTIONS).await?;
-        let Some(last) = page.last() else { break };
-        after = last.execution_id;
+        let executions =
+            ledger::audit::lean_executions(&state.pool, p, after, PAGE_EXECUTIONS).await?;
+        let Some(&last) = executions.last() else {
+            break;
+        };
+        after = last;
+        let page = ledger::audit::lean_rows(&state.pool, p, &executions).await?;
         rows += write_rows(&mut out, &page).await?;
     }
     let manifests = ledger::audit::manifest_lines(&state.pool, p).await?;
@@ -159,7 +165,7 @@ type Encoder = GzEncoder<Hashing<std::io::BufWriter<std::fs::File>>>;
 /// Writes `page` to the export, one JSON line per row; returns how many.
 async fn write_rows(
     out: &mut Option<Encoder>,
-    page: &[ledger::audit::AuditRow],
+    page: &[ledger::audit::ExportRow],
 ) -> anyhow::Result<i64> {
     let mut lines = Vec::with_capacity(page.len() * 320);
     for (n, row) in page.iter().enumerate() {

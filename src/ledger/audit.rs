@@ -63,10 +63,11 @@ pub(crate) const AUDIT_ROW: &str = "audit_id, execution_id, recorded_at, policy,
      run_id, window_at, cutoff, command_id, item_key, outcome, reason, actor, dry_run";
 
 /// A page of a run's audit rows, execution by execution in the order they were written and each
-/// execution's items in its command's order, after `after` (an `(execution_id, audit_id)`,
-/// exclusive), at most `limit` rows, optionally only one outcome. Each page reads its own rows
-/// and at most one execution's others: the run's executions through `audit_executions_by_run`,
-/// each one's items through `audit_items_by_execution`.
+/// execution's items in order, after `after` (an `(execution_id, audit_id)`, exclusive), at most
+/// `limit` rows, optionally only one outcome. The run's next executions are listed through the
+/// run indexes of both shapes (a row of the first shape is its own execution), a few at first and
+/// twice as many each round, and only their rows are read: a page costs its own rows and at most
+/// one round's executions more, wherever it is in the run.
 pub async fn items_page(
     pool: &PgPool,
     run_id: &str,
@@ -74,21 +75,50 @@ pub async fn items_page(
     limit: i64,
     outcome: Option<&str>,
 ) -> sqlx::Result<Vec<AuditRow>> {
-    sqlx::query_as(&format!(
-        "select {AUDIT_ROW}
-           from sweeper.audit_trail
-          where run_id = $1 and execution_id >= $2 and (execution_id, audit_id) > ($2, $3)
-            and ($5::text is null or outcome = $5)
-          order by execution_id, audit_id
-          limit $4"
-    ))
-    .bind(run_id)
-    .bind(after.0)
-    .bind(after.1)
-    .bind(limit)
-    .bind(outcome)
-    .fetch_all(pool)
-    .await
+    let mut rows: Vec<AuditRow> = Vec::new();
+    let mut from = after;
+    let mut step = 4i64;
+    loop {
+        let executions: Vec<i64> = sqlx::query_scalar(
+            "(select execution_id from sweeper.audit_executions
+               where run_id = $1 and execution_id >= $2 order by execution_id limit $3)
+             union all
+             (select audit_id from sweeper.audit
+               where run_id = $1 and audit_id >= $2 order by audit_id limit $3)
+             order by 1 limit $3",
+        )
+        .bind(run_id)
+        .bind(from.0)
+        .bind(step)
+        .fetch_all(pool)
+        .await?;
+        let Some(&last) = executions.last() else {
+            break;
+        };
+        let page: Vec<AuditRow> = sqlx::query_as(&format!(
+            "select {AUDIT_ROW}
+               from sweeper.audit_trail
+              where run_id = $1 and execution_id = any($2) and (execution_id, audit_id) > ($3, $4)
+                and ($6::text is null or outcome = $6)
+              order by execution_id, audit_id
+              limit $5"
+        ))
+        .bind(run_id)
+        .bind(&executions)
+        .bind(from.0)
+        .bind(from.1)
+        .bind(limit - rows.len() as i64)
+        .bind(outcome)
+        .fetch_all(pool)
+        .await?;
+        rows.extend(page);
+        if rows.len() as i64 >= limit || (executions.len() as i64) < step {
+            break;
+        }
+        from = (last + 1, 0);
+        step = (step * 2).min(limit.max(4));
+    }
+    Ok(rows)
 }
 
 /// One monthly partition of the audit: `from_at` (None: unbounded below, the first one) to
@@ -196,6 +226,24 @@ pub async fn holds_open_runs(pool: &PgPool, p: &Partition) -> sqlx::Result<bool>
     .await
 }
 
+/// An audit row as an export writes it: the row as the API shows it and what else its
+/// execution recorded (none of it for a row of the first shape), so each line is self-contained.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct ExportRow {
+    /// The row.
+    #[serde(flatten)]
+    #[sqlx(flatten)]
+    pub row: AuditRow,
+    /// The execution that wrote it (a first-shape row: its own id).
+    pub execution_id: i64,
+    /// The try of the command.
+    pub attempt: Option<i32>,
+    /// The run's own cutoff (`cutoff` is the one the item was judged by).
+    pub pinned_cutoff: Option<DateTime<Utc>>,
+    /// The current version, when its stricter cutoff applied.
+    pub current_version: Option<String>,
+}
+
 /// A page of the month's rows of the audit's first shape in `audit_id` order after `after`
 /// (keyset on its primary key), at most `limit`.
 pub async fn first_shape_page(
@@ -203,10 +251,12 @@ pub async fn first_shape_page(
     p: &Partition,
     after: i64,
     limit: i64,
-) -> sqlx::Result<Vec<AuditRow>> {
+) -> sqlx::Result<Vec<ExportRow>> {
     sqlx::query_as(&format!(
         "select audit_id, audit_id as execution_id, recorded_at, policy, policy_version, run_id,
-                window_at, cutoff, command_id, item_key, outcome, reason, actor, dry_run
+                window_at, cutoff, command_id, item_key, outcome, reason, actor, dry_run,
+                null::integer as attempt, null::timestamptz as pinned_cutoff,
+                null::text as current_version
            from {} where audit_id > $1 order by audit_id limit $2",
         p.table("audit")
     ))
@@ -216,36 +266,53 @@ pub async fn first_shape_page(
     .await
 }
 
-/// The month's item rows of at most `executions` executions after `after` (an `execution_id`),
-/// each with its execution's fields, in execution order and each execution's items in order.
-/// Executions are few (one per command try): a page is found through `audit_executions_by_id`
-/// and its items through `audit_items_by_execution`, within the month.
-pub async fn lean_page(
+/// The month's next `n` executions after `after` (an `execution_id`), in order.
+pub async fn lean_executions(
     pool: &PgPool,
     p: &Partition,
     after: i64,
-    executions: i64,
-) -> sqlx::Result<Vec<AuditRow>> {
+    n: i64,
+) -> sqlx::Result<Vec<i64>> {
+    sqlx::query_scalar(&format!(
+        "select execution_id from {} where execution_id > $1 order by execution_id limit $2",
+        p.table("audit_executions")
+    ))
+    .bind(after)
+    .bind(n)
+    .fetch_all(pool)
+    .await
+}
+
+/// The month's item rows of `executions`, each with its execution's fields, in execution order
+/// and each execution's items in order (`audit_items_by_execution`, within the month).
+pub async fn lean_rows(
+    pool: &PgPool,
+    p: &Partition,
+    executions: &[i64],
+) -> sqlx::Result<Vec<ExportRow>> {
     let (e, i) = (p.table("audit_executions"), p.table("audit_items"));
     sqlx::query_as(&format!(
         "select i.audit_id, i.execution_id, i.recorded_at, e.policy, e.policy_version, e.run_id,
                 e.window_at, e.cutoff, e.command_id, i.item_key, i.outcome, i.reason, e.actor,
-                e.dry_run
-           from (select * from {e} where execution_id > $1 order by execution_id limit $2) e
-           join {i} i on i.execution_id = e.execution_id and i.recorded_at = e.recorded_at
+                e.dry_run, e.attempt, e.pinned_cutoff, e.current_version
+           from {e} e join {i} i on i.execution_id = e.execution_id and i.recorded_at = e.recorded_at
+          where e.execution_id = any($1)
           order by i.execution_id, i.audit_id"
     ))
-    .bind(after)
     .bind(executions)
     .fetch_all(pool)
     .await
 }
 
-/// The month's manifests (the partition sweep's evidence), each as one JSON object.
+/// The month's manifests (the partition sweep's evidence), each as one JSON object with its
+/// execution.
 pub async fn manifest_lines(pool: &PgPool, p: &Partition) -> sqlx::Result<Vec<String>> {
     sqlx::query_scalar(&format!(
-        "select jsonb_build_object('manifest', to_jsonb(m))::text from {} m order by manifest_id",
-        p.table("audit_manifests")
+        "select jsonb_build_object('manifest', to_jsonb(m), 'execution', to_jsonb(e))::text
+           from {} m left join {} e using (execution_id, recorded_at)
+          order by m.manifest_id",
+        p.table("audit_manifests"),
+        p.table("audit_executions")
     ))
     .fetch_all(pool)
     .await

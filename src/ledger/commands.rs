@@ -392,9 +392,10 @@ impl CommandTry {
 
     /// Pushes `, audit_ex as (…), audit_rows as (…)`: one execution of this command and one
     /// narrow row per item of the CTE `items` (`ord, item_key, outcome, reason`) whose outcome is
-    /// decided, both written only when `when` holds and there is an item to write. Every audit
-    /// write goes through here (docs/design.md §2.9): items carry their execution's id and
-    /// `recorded_at`, so an item and its execution always fall in the same month.
+    /// decided, both written only when `when` holds and there is an item to write. Every command
+    /// that ends writes its audit here (docs/design.md §2.9; a command's partial progress is
+    /// [`CommandTry::append_audit`]): items carry their execution's id and `recorded_at`, so an
+    /// item and its execution always fall in the same month.
     fn push_audit(
         &self,
         q: &mut QueryBuilder<'_, Postgres>,
@@ -569,13 +570,34 @@ impl CommandTry {
     }
 
     /// The audit rows of the items of a command that is not done yet (an external action's command
-    /// finishes its items over several attempts).
+    /// finishes its items over several attempts; a delete whose rows were locked finishes the
+    /// others later). Written in the audit's first shape, one wide row per item in
+    /// `sweeper.audit`, which the previous release reads too: a replica of it that resumes the
+    /// command during a rolling upgrade must see these items as finished, or it would act on them
+    /// again (an external call made twice). Readers of this release read both shapes. (The next
+    /// release, once no replica older than this one can run, writes them lean.)
     pub async fn append_audit(&self, conn: &mut PgConnection, a: &Audited<'_>) -> sqlx::Result<()> {
-        let mut q = QueryBuilder::new("with ");
-        push_items(&mut q, a);
-        self.push_audit(&mut q, &a.execution, a.dry_run, "true");
-        q.push(" select 1");
-        q.build().execute(conn).await?;
+        sqlx::query(&format!(
+            "insert into sweeper.audit
+                     (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
+                      outcome, reason, actor, dry_run, recorded_at)
+                 select $1, $2, $3, $4, $5, $6, u.item_key, u.outcome, u.reason, $7, $8,
+                        {RECORDED_AT}
+                   from unnest($9::text[], $10::text[], $11::text[]) as u(item_key, outcome, reason)"
+        ))
+        .bind(a.execution.policy)
+        .bind(a.execution.policy_version)
+        .bind(a.execution.run_id)
+        .bind(a.execution.window)
+        .bind(a.execution.cutoff)
+        .bind(&self.command_id)
+        .bind(a.execution.actor)
+        .bind(a.dry_run)
+        .bind(a.keys)
+        .bind(a.outcomes)
+        .bind(a.reasons)
+        .execute(conn)
+        .await?;
         Ok(())
     }
 

@@ -370,6 +370,14 @@ async fn an_expired_month_is_exported_verified_and_dropped_and_an_open_runs_mont
             .iter()
             .all(|l| l["outcome"].is_string() && l["item_key"].is_string())
     );
+    // Each line is self-contained: its execution's fields are in it.
+    assert!(
+        lines.iter().all(|l| l["attempt"] == 1
+            && l["execution_id"].is_i64()
+            && l["pinned_cutoff"] == l["cutoff"]
+            && l["current_version"].is_null()),
+        "{lines:?}"
+    );
     let (state, rows, sha256, location): (String, i64, String, String) = sqlx::query_as(
         "select state, rows, sha256, location from sweeper.audit_exports
           where partition = 'audit_2027_01'",

@@ -421,6 +421,15 @@ async fn concurrent_deliveries_after_a_lock_is_released_audit_each_item_once() {
         matches!(first, Ok(WorkerStep::Ran(ConsumeOutcome::NotNow { .. }))),
         "{first:?}"
     );
+    // The partial progress is in the audit's first shape, which a previous release's replica
+    // resuming the command during a rollout reads too.
+    let partial: i64 =
+        sqlx::query_scalar("select count(*) from sweeper.audit where command_id = $1")
+            .bind(&command)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(partial as usize, keys.len() - 4);
     // One lock goes at a time, and two deliveries of the command arrive together: the second
     // waits for the command row and must see what the first audited.
     let api = app.api.with_token(app.token(&["consume"]));
