@@ -44,6 +44,19 @@ fn ser_window<S: serde::Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S:
     s.serialize_str(&crate::window::format(*t))
 }
 
+/// Bytes of every table of the audit (both shapes, every month still attached: heap, indexes,
+/// TOAST): what the evidence costs in the database it shares with the data.
+pub async fn size_bytes(conn: &mut sqlx::PgConnection) -> sqlx::Result<i64> {
+    sqlx::query_scalar(
+        "select coalesce(sum(pg_total_relation_size(i.inhrelid)), 0)::bigint
+           from pg_inherits i
+          where i.inhparent in ('sweeper.audit'::regclass, 'sweeper.audit_executions'::regclass,
+                                'sweeper.audit_items'::regclass, 'sweeper.audit_manifests'::regclass)",
+    )
+    .fetch_one(conn)
+    .await
+}
+
 /// Months of audit partitions kept ready after the current one (UTC months, ledger clock).
 pub const PARTITION_MONTHS_AHEAD: i32 = 2;
 

@@ -70,6 +70,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     .bind(&run_id)
     .fetch_one(&mut conn)
     .await?;
+    let audit_bytes = crate::ledger::audit::size_bytes(&mut conn).await?;
     let n = |k: &str| run[k].as_i64().unwrap_or(0);
     let held: BTreeMap<String, i64> =
         serde_json::from_value(run["held_at_planning"].clone()).unwrap_or_default();
@@ -122,6 +123,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         "  check: legal-hold rows {} before, {} after; {} audit rows say deleted",
         before.1, after.1, audit_deleted
     );
+    println!(
+        "  audit               {:.1} MB, {:.0} bytes per deleted row",
+        audit_bytes as f64 / 1e6,
+        audit_bytes as f64 / audit_deleted.max(1) as f64
+    );
 
     let mut safe_url = demo_url.clone();
     let _ = safe_url.set_password(None);
@@ -145,6 +151,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         "legal_hold_before": before.1,
         "legal_hold_after": after.1,
         "audit_deleted_rows": audit_deleted,
+        "audit_bytes": audit_bytes,
         "database_url": safe_url.as_str(),
     });
 
