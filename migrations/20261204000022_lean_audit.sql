@@ -152,6 +152,28 @@ begin
 end
 $$;
 
+-- A month is dropped whole. The previous release's audit retention drops only a month's
+-- first-shape table and then deletes its row here, which would leave the month's lean tables
+-- attached and unexported: that delete fails (and rolls back the drop made in its transaction)
+-- while any of them exists. This release drops all four before deleting the row.
+create function sweeper.audit_month_dropped_whole() returns trigger
+language plpgsql as $$
+declare
+    suffix text := substr(old.partition, length('audit_') + 1);
+begin
+    if to_regclass(format('sweeper.%I', 'audit_executions_' || suffix)) is not null
+       or to_regclass(format('sweeper.%I', 'audit_items_' || suffix)) is not null
+       or to_regclass(format('sweeper.%I', 'audit_manifests_' || suffix)) is not null then
+        raise exception 'audit month % still has its lean tables (audit_items_%, …): a release '
+                        'before the lean audit cannot drop it; let a newer replica run audit '
+                        'retention', old.partition, suffix;
+    end if;
+    return old;
+end
+$$;
+create trigger audit_month_dropped_whole before delete on sweeper.audit_partitions
+    for each row execute function sweeper.audit_month_dropped_whole();
+
 -- The one reader: both shapes as one row per item with its execution's fields, as the audit
 -- always read. `execution_id` of a row of the old shape is its own id (it was its own execution);
 -- its `pinned_cutoff`, `current_version` and `attempt` were not recorded. The lean branch names

@@ -79,8 +79,10 @@ pub(crate) const AUDIT_ROW: &str = "audit_id, execution_id, recorded_at, policy,
 /// execution's items in order, after `after` (an `(execution_id, audit_id)`, exclusive), at most
 /// `limit` rows, optionally only one outcome. The run's next executions are listed through the
 /// run indexes of both shapes (a row of the first shape is its own execution), a few at first and
-/// twice as many each round, and only their rows are read: a page costs its own rows and at most
-/// one round's executions more, wherever it is in the run.
+/// twice as many each round, and only their rows are read: unfiltered, a page costs its own rows
+/// and at most one round's executions more, wherever it is in the run; filtered on an outcome, it
+/// reads as many executions as it takes to find its rows, in a number of rounds that grows with
+/// the logarithm of that.
 pub async fn items_page(
     pool: &PgPool,
     run_id: &str,
@@ -129,7 +131,7 @@ pub async fn items_page(
             break;
         }
         from = (last + 1, 0);
-        step = (step * 2).min(limit.max(4));
+        step *= 2;
     }
     Ok(rows)
 }

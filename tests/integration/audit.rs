@@ -564,6 +564,12 @@ async fn rows_of_the_previous_shape_and_the_lean_one_read_as_one_trail() {
     unique.sort();
     unique.dedup();
     assert_eq!((seen.len() as i64, unique.len() as i64), (total, total));
+    // Only a cursor as `next_cursor` writes one: digits, no sign.
+    for bad in ["%2B1.2", "-0.0", "1.", ".1", "1.2.3"] {
+        let path = format!("/runs/{run_id}/items?cursor={bad}");
+        let r = app.api.send(reqwest::Method::GET, &path, None).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+    }
     // A bare id, as cursors were before, still pages on from a first-shape row.
     let first_old: i64 = sqlx::query_scalar("select min(audit_id) from sweeper.audit")
         .fetch_one(&app.pool)
@@ -650,4 +656,38 @@ async fn a_command_writes_one_execution_row_and_narrow_item_rows() {
             "sweeper.audit_items_by_item"
         ]
     );
+}
+
+/// The previous release's audit retention drops only a month's first-shape table and then its
+/// row in `sweeper.audit_partitions`: during a rollout that would leave the month's lean tables
+/// attached and unexported. Its statement fails, and rolls its drop back.
+#[tokio::test]
+async fn a_previous_release_cannot_drop_a_month_without_its_lean_tables() {
+    let app = TestApp::spawn(Spawn {
+        now: Some(at("2026-09-01T02:01:00Z")),
+        ..Default::default()
+    })
+    .await;
+    let month = partitions(&app.pool).await.pop().unwrap().0;
+    let lean = format!(
+        "sweeper.audit_items_{}",
+        month.strip_prefix("audit_").unwrap()
+    );
+    let mut tx = app.pool.begin().await.unwrap();
+    for stmt in [
+        format!("alter table sweeper.audit detach partition sweeper.{month}"),
+        format!("drop table if exists sweeper.{month}"),
+    ] {
+        sqlx::query(&stmt).execute(&mut *tx).await.unwrap();
+    }
+    let err = sqlx::query("delete from sweeper.audit_partitions where partition = $1")
+        .bind(&month)
+        .execute(&mut *tx)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("lean tables"), "{err}");
+    drop(tx);
+    assert!(table_exists(&app.pool, &format!("sweeper.{month}")).await);
+    assert!(table_exists(&app.pool, &lean).await);
+    assert!(partitions(&app.pool).await.iter().any(|(p, _)| *p == month));
 }

@@ -233,10 +233,7 @@ async fn progress(
 pub(super) fn audit_page(cursor: Option<&str>, limit: Option<i64>) -> Result<(i64, i64), Problem> {
     let after = match cursor {
         None => 0,
-        Some(c) => c
-            .parse::<i64>()
-            .ok()
-            .filter(|v| *v >= 0)
+        Some(c) => cursor_id(c)
             .ok_or_else(|| bad_query("`cursor` must be a value returned as `next_cursor`"))?,
     };
     let limit = limit.unwrap_or(100);
@@ -246,12 +243,20 @@ pub(super) fn audit_page(cursor: Option<&str>, limit: Option<i64>) -> Result<(i6
     Ok((after, limit))
 }
 
+/// An id in a cursor: ASCII digits only (no sign), at most an `i64`.
+fn cursor_id(v: &str) -> Option<i64> {
+    if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    v.parse().ok()
+}
+
 /// A page of a run's items: `((execution_id, audit_id), limit)` from `?cursor=` (`E.A` as
 /// returned in `next_cursor`; a bare id, as cursors were before the audit's execution rows, is
 /// the row of the first shape with that id) and `?limit=`.
 fn run_items_page(cursor: Option<&str>, limit: Option<i64>) -> Result<((i64, i64), i64), Problem> {
     let bad = || bad_query("`cursor` must be a value returned as `next_cursor`");
-    let id = |v: &str| v.parse::<i64>().ok().filter(|v| *v >= 0).ok_or_else(bad);
+    let id = |v: &str| cursor_id(v).ok_or_else(bad);
     let after = match cursor.map(|c| c.split_once('.').ok_or(c)) {
         None => (0, 0),
         Some(Ok((e, a))) => (id(e)?, id(a)?),
