@@ -363,7 +363,18 @@ impl CommandTry {
         q.push(" and attempts = ");
         q.push_bind(self.attempt.fence());
         q.push(" returning attempts, redrive_of)");
-        self.push_audit(&mut q, &a.execution, a.dry_run, "exists (select 1 from c)");
+        self.push_succeeded(&mut q, &a.execution, a.dry_run);
+        q.push(" select attempts from c");
+        let done: Option<i32> = q.build_query_scalar().fetch_optional(conn).await?;
+        done.map(|_| ()).ok_or_else(|| overtaken(&self.command_id))
+    }
+
+    /// Pushes what follows a command's `c` CTE (`update … set state = 'succeeded' … returning
+    /// attempts, redrive_of`) on both paths that end one: its audit ([`CommandTry::push_audit`]),
+    /// its attempt row, and a redriven dead letter of it (or of the item it re-executes)
+    /// resolved — each only if `c` changed the command.
+    fn push_succeeded(&self, q: &mut QueryBuilder<'_, Postgres>, e: &Execution<'_>, dry_run: bool) {
+        self.push_audit(q, e, dry_run, "exists (select 1 from c)");
         q.push(
             ", a as (
                  insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
@@ -371,23 +382,17 @@ impl CommandTry {
         );
         q.push_bind(self.command_id.clone());
         q.push(", c.attempts, sweeper.now() - make_interval(secs => ");
-        q.push_bind(a.execution.elapsed_seconds);
+        q.push_bind(e.elapsed_seconds);
         q.push(
             "), sweeper.now(), 'succeeded' from c),
              dl as (
                  update sweeper.dead_letters d
                     set status = 'resolved', resolved_at = sweeper.now()
-                  where d.status = 'redriven'
-                    and exists (select 1 from c)
+                  where d.status = 'redriven' and exists (select 1 from c)
                     and ((d.kind = 'command' and d.command_id = ",
         );
         q.push_bind(self.command_id.clone());
-        q.push(
-            ") or d.dead_letter_id = (select redrive_of from c)))
-             select attempts from c",
-        );
-        let done: Option<i32> = q.build_query_scalar().fetch_optional(conn).await?;
-        done.map(|_| ()).ok_or_else(|| overtaken(&self.command_id))
+        q.push(") or d.dead_letter_id = (select redrive_of from c)))");
     }
 
     /// Pushes `, audit_ex as (…), audit_rows as (…)`: one execution of this command and one
@@ -523,27 +528,9 @@ impl CommandTry {
             " and not exists (select 1 from items where outcome is null)
               returning cm.attempts, cm.redrive_of)",
         );
-        self.push_audit(q, &d.execution, false, "exists (select 1 from c)");
+        self.push_succeeded(q, &d.execution, false);
         q.push(
-            ", a as (
-                 insert into sweeper.attempts (command_id, attempt_no, started_at, ended_at, outcome)
-                 select ",
-        );
-        q.push_bind(self.command_id.clone());
-        q.push(", c.attempts, sweeper.now() - make_interval(secs => ");
-        q.push_bind(d.execution.elapsed_seconds);
-        q.push(
-            "), sweeper.now(), 'succeeded' from c),
-             dl as (
-                 update sweeper.dead_letters d
-                    set status = 'resolved', resolved_at = sweeper.now()
-                  where d.status = 'redriven' and exists (select 1 from c)
-                    and ((d.kind = 'command' and d.command_id = ",
-        );
-        q.push_bind(self.command_id.clone());
-        q.push(
-            ") or d.dead_letter_id = (select redrive_of from c)))
-             select t.deleted, t.already_absent, t.excluded, t.not_eligible, r.status,
+            " select t.deleted, t.already_absent, t.excluded, t.not_eligible, r.status,
                     c.attempts is not null as closed,
                     (select coalesce(array_agg(item_key order by ord), '{}') from items
                       where outcome is null) as undecided,
