@@ -226,6 +226,18 @@ impl Config {
             crate::transport::qstash::Qstash::from_config(q, publishes_qstash, &mut errors)
         });
         audit_retention_rules(&raw.ledger, &policies, &mut errors);
+        for p in policies
+            .iter()
+            .filter(|p| p.partitions == crate::policy::partitions::Retirement::Drop)
+        {
+            if raw.ledger.audit_export_dir.is_none() {
+                errors.push(format!(
+                    "policy[{}]: partitions = \"drop\" needs ledger.audit_export_dir: a partition's \
+                     keys are exported and verified there before it is dropped",
+                    p.name
+                ));
+            }
+        }
         if !errors.is_empty() {
             return Err(ConfigError(errors));
         }

@@ -14,17 +14,13 @@
 //! batch), and compressed as they come, off the async runtime. Each line is self-contained: the
 //! item with its execution's fields.
 
-use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{Context, bail};
-use flate2::Compression;
-use flate2::read::GzDecoder;
-use flate2::write::GzEncoder;
-use sha2::{Digest, Sha256};
-use tracing::{info, warn};
+use tracing::info;
 
 use super::job_lease::HeldJob;
+use crate::export_file::{self, Encoder, verify, write_lines};
 use crate::ledger;
 use crate::ledger::audit::{Export, Partition};
 use crate::state::AppState;
@@ -101,12 +97,7 @@ async fn export_month(state: &AppState, p: &Partition, dir: &Path) -> anyhow::Re
     let path = dir.join(format!("sweeper-audit-{}.jsonl.gz", p.partition));
     let partial = path.with_extension("gz.partial");
     let expected = ledger::audit::partition_rows(&state.pool, p).await?;
-    let file = std::fs::File::create(&partial)
-        .with_context(|| format!("creating {}", partial.display()))?;
-    let mut out = Some(GzEncoder::new(
-        Hashing::new(std::io::BufWriter::new(file)),
-        Compression::default(),
-    ));
+    let mut out = Some(export_file::create(&partial)?);
     let mut rows = 0i64;
     let mut after = 0i64;
     loop {
@@ -128,26 +119,13 @@ async fn export_month(state: &AppState, p: &Partition, dir: &Path) -> anyhow::Re
     }
     let manifests = ledger::audit::manifest_lines(&state.pool, p).await?;
     rows += write_lines(&mut out, manifests.join("\n").into_bytes(), manifests.len()).await?;
-    let w = out.take().expect("the encoder");
-    let sha256 = tokio::task::spawn_blocking(move || -> std::io::Result<String> {
-        let mut hashing = w.finish()?;
-        hashing.flush()?;
-        hashing.inner.get_ref().sync_all()?;
-        Ok(hex::encode(hashing.hasher.finalize()))
-    })
-    .await??;
     if rows != expected {
         bail!(
             "audit partition {} changed while it was exported ({rows} rows read, {expected} counted)",
             p.partition
         );
     }
-    std::fs::rename(&partial, &path)
-        .with_context(|| format!("renaming {} to {}", partial.display(), path.display()))?;
-    // The rename itself must be durable before the month can be dropped.
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .with_context(|| format!("syncing {}", dir.display()))?;
+    let sha256 = export_file::finish(out, &partial, &path, dir).await?;
     verify(&path, rows, &sha256).await?;
     let location = path.display().to_string();
     ledger::audit::record_export(&state.pool, p, rows, &sha256, &location).await?;
@@ -159,8 +137,6 @@ async fn export_month(state: &AppState, p: &Partition, dir: &Path) -> anyhow::Re
         location,
     })
 }
-
-type Encoder = GzEncoder<Hashing<std::io::BufWriter<std::fs::File>>>;
 
 /// Writes `page` to the export, one JSON line per row; returns how many.
 async fn write_rows(
@@ -175,92 +151,4 @@ async fn write_rows(
         serde_json::to_writer(&mut lines, row)?;
     }
     write_lines(out, lines, page.len()).await
-}
-
-/// Writes `n` lines (`lines` without its last newline) to the export, off the async runtime.
-async fn write_lines(
-    out: &mut Option<Encoder>,
-    mut lines: Vec<u8>,
-    n: usize,
-) -> anyhow::Result<i64> {
-    if n == 0 {
-        return Ok(0);
-    }
-    lines.push(b'\n');
-    let mut w = out.take().expect("the encoder is put back after each page");
-    w = tokio::task::spawn_blocking(move || -> std::io::Result<_> {
-        w.write_all(&lines)?;
-        Ok(w)
-    })
-    .await??;
-    *out = Some(w);
-    Ok(n as i64)
-}
-
-/// Re-reads the export at `path`: its SHA-256 must be `sha256` and it must hold `rows` lines.
-async fn verify(path: &Path, rows: i64, sha256: &str) -> anyhow::Result<()> {
-    let path: PathBuf = path.to_path_buf();
-    let (found_sha, found_rows) =
-        tokio::task::spawn_blocking(move || -> anyhow::Result<(String, i64)> {
-            let mut hasher = Sha256::new();
-            let mut f = std::fs::File::open(&path)
-                .with_context(|| format!("re-reading the export {}", path.display()))?;
-            let mut buf = vec![0u8; 1 << 16];
-            loop {
-                let n = f.read(&mut buf)?;
-                if n == 0 {
-                    break;
-                }
-                hasher.update(&buf[..n]);
-            }
-            let mut gz = GzDecoder::new(std::io::BufReader::new(std::fs::File::open(&path)?));
-            let mut lines = 0i64;
-            loop {
-                let n = gz.read(&mut buf)?;
-                if n == 0 {
-                    break;
-                }
-                lines += buf[..n].iter().filter(|b| **b == b'\n').count() as i64;
-            }
-            Ok((hex::encode(hasher.finalize()), lines))
-        })
-        .await??;
-    if found_sha != sha256 || found_rows != rows {
-        warn!(
-            sha256,
-            found_sha, rows, found_rows, "an audit export does not verify"
-        );
-        bail!(
-            "the audit export does not match its record (SHA-256 {found_sha}, {found_rows} rows; \
-             recorded {sha256}, {rows} rows): its month is not dropped"
-        );
-    }
-    Ok(())
-}
-
-/// A writer that hashes what passes through it (the SHA-256 of the file as written).
-struct Hashing<W> {
-    inner: W,
-    hasher: Sha256,
-}
-
-impl<W> Hashing<W> {
-    fn new(inner: W) -> Self {
-        Self {
-            inner,
-            hasher: Sha256::new(),
-        }
-    }
-}
-
-impl<W: Write> Write for Hashing<W> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.inner.write(buf)?;
-        self.hasher.update(&buf[..n]);
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.inner.flush()
-    }
 }

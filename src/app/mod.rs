@@ -295,6 +295,11 @@ impl Application {
         });
         let (s, t) = (state.clone(), shutdown.clone());
         tasks.spawn(async move {
+            crate::retire::retirer_loop(s, t).await;
+            ("partition retirer", Ok(()))
+        });
+        let (s, t) = (state.clone(), shutdown.clone());
+        tasks.spawn(async move {
             housekeeping::housekeeping_loop(s, t).await;
             ("housekeeping", Ok(()))
         });

@@ -24,6 +24,7 @@ pub use outcome::{Counts, Outcome};
 pub mod pauses;
 pub mod planning;
 pub mod queue;
+pub mod retirements;
 pub mod runs;
 pub mod states;
 pub mod supersede;

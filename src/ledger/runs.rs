@@ -194,7 +194,8 @@ pub async fn record_command(
     })
 }
 
-/// Completes `run_id` if planning is done and no command is pending: `completed`, or
+/// Completes `run_id` if planning is done, no command is pending and no partition is still
+/// retiring: `completed`, or
 /// `completed_with_dead_letters` while a dead letter of the run is open or redriven (an
 /// abandoned one no longer counts: the operator decided). Decided once:
 /// the UPDATE is guarded by the run's status, so of two concurrent callers one changes it and the
@@ -216,6 +217,9 @@ pub async fn complete_if_done(
           where r.run_id = $1 and r.status in ('planning', 'running') and r.planning_done
             and not exists (select 1 from sweeper.commands c
                              where c.run_id = r.run_id and c.state in ('pending', 'leased'))
+            and not exists (select 1 from sweeper.partition_retirements p
+                             where p.run_id = r.run_id
+                               and p.state in ('planned', 'detaching', 'detached'))
           returning r.status,
                     not exists (select 1 from sweeper.dead_letters d
                                  where d.run_id = r.run_id

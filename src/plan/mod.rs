@@ -22,6 +22,7 @@ mod batches;
 pub mod estimate;
 mod guard;
 mod leaf;
+mod retire;
 mod rules;
 mod scan;
 
@@ -314,7 +315,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     // targets"): the leaves are fixed on the first page; a leaf detached since is passed over.
     let leaves = match (&job.partitions, job.path) {
         (Some(l), _) => Some(l.clone()),
-        (None, None) => walked_leaves(state, &mut tx, &rules).await?,
+        (None, None) => walked_leaves(state, &mut tx, &rules, run_id, &job).await?,
         (None, Some(_)) => None,
     };
     let mut walk = match &leaves {
@@ -484,10 +485,15 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
 /// The leaves of a partitioned target a run walks, in bound order, skipping those whose range on
 /// the timestamp starts at or after the run's cutoff (no row in them is old enough); `None` for
 /// a table that is not partitioned.
+///
+/// For a policy with `partitions = "drop"`, the leaves the run retires whole are recorded here
+/// and left out of the walk ([`retire::choose`]).
 async fn walked_leaves(
     state: &AppState,
     tx: &mut sqlx::PgConnection,
     rules: &RuleSet,
+    run_id: &str,
+    job: &Job,
 ) -> Result<Option<Vec<String>>, Failure> {
     let db = |e: sqlx::Error| Failure::from_db(&e);
     let target = &rules.target;
@@ -504,10 +510,26 @@ async fn walked_leaves(
     let leaves = crate::policy::partitions::leaves(&mut *tx, target, &ts.type_sql)
         .await
         .map_err(db)?;
+    let leaves: Vec<_> = leaves
+        .into_iter()
+        .filter(|l| !l.newer_than(rules.cutoff))
+        .collect();
+    let drops = state
+        .config
+        .policy(&job.policy)
+        .is_some_and(|p| p.partitions == crate::policy::partitions::Retirement::Drop);
+    let retiring = if drops {
+        let chosen = retire::choose(&mut *tx, rules, &leaves).await.map_err(db)?;
+        ledger::retirements::record_chosen(&mut *tx, run_id, job.dry_run, &chosen)
+            .await
+            .map_err(db)?
+    } else {
+        Vec::new()
+    };
     Ok(Some(
         leaves
             .into_iter()
-            .filter(|l| !l.newer_than(rules.cutoff))
+            .filter(|l| !retiring.contains(&l.name))
             .map(|l| l.name)
             .collect(),
     ))

@@ -113,6 +113,7 @@ async fn check_policy(
     c.action_columns().await?;
     c.timestamp().await?;
     c.partitions().await?;
+    c.partition_drop().await?;
     let covered = c.exclusions().await?;
     for m in crate::policy::select::check_columns(&p.spec.select, |n| c.col(n)) {
         c.say(Level::Error, m);
@@ -454,6 +455,141 @@ impl Check<'_> {
     /// index each walk reads every leaf through; a default partition warned about (its
     /// constraint is the negation of all its siblings', which grows with them and changes
     /// whenever a partition is attached).
+    /// `partitions = "drop"` (docs/design.md §14 "Partition sweep"): the target is range
+    /// partitioned on the policy's timestamp alone (a partition's bounds then say how old its
+    /// rows are); no row-level DELETE trigger and no foreign key would be bypassed (a drop fires
+    /// neither); no publication would keep the rows a drop removes (a detach or a drop is not
+    /// replicated) unless `allow_unreplicated_drop`; the role can detach and drop (a member of
+    /// the table's owner).
+    async fn partition_drop(&mut self) -> sqlx::Result<()> {
+        if self.p.partitions != crate::policy::partitions::Retirement::Drop {
+            return Ok(());
+        }
+        let t = &self.p.spec.target;
+        let ts = t.timestamp.as_str();
+        let shape: Option<(String, i16, Option<String>, String, bool)> = sqlx::query_as(
+            "select pt.partstrat::text, pt.partnatts,
+                    (select a.attname::text from pg_attribute a
+                      where a.attrelid = pt.partrelid and a.attnum = pt.partattrs[0]),
+                    pg_get_userbyid(c.relowner),
+                    pg_has_role(current_user, c.relowner, 'MEMBER')
+               from pg_partitioned_table pt join pg_class c on c.oid = pt.partrelid
+              where pt.partrelid = to_regclass($1)",
+        )
+        .bind(t.table.quoted())
+        .fetch_optional(self.pool)
+        .await?;
+        let Some((strategy, columns, column, owner, member)) = shape else {
+            self.say(
+                Level::Error,
+                format!(
+                    "partitions: \"drop\" needs a partitioned table; {} is not one (use the \
+                     default, \"rows\")",
+                    t.table
+                ),
+            );
+            return Ok(());
+        };
+        if strategy != "r" || columns != 1 || column.as_deref() != Some(ts) {
+            let by = match strategy.as_str() {
+                "l" => "list",
+                "h" => "hash",
+                _ => "range",
+            };
+            self.say(
+                Level::Error,
+                format!(
+                    "partitions: \"drop\" needs {} partitioned by range on {ts} alone (a \
+                     partition's bounds then say how old its rows are); it is partitioned by {by} \
+                     on {}",
+                    t.table,
+                    match (&column, columns) {
+                        (Some(c), 1) => c.clone(),
+                        _ => "several columns or an expression".into(),
+                    }
+                ),
+            );
+        }
+        let tree = "select relid from pg_partition_tree(to_regclass($1))";
+        let bypassed: Vec<String> = sqlx::query_scalar(&format!(
+            "select 'trigger ' || quote_ident(tg.tgname) || ' on ' || tg.tgrelid::regclass::text
+               from pg_trigger tg
+              where tg.tgrelid in ({tree}) and not tg.tgisinternal and tg.tgparentid = 0
+                and tg.tgtype & 1 = 1 and tg.tgtype & 8 = 8
+             union all
+             select 'foreign key ' || quote_ident(k.conname) || ' on ' || k.conrelid::regclass::text
+               from pg_constraint k
+              where k.contype = 'f' and k.confrelid in ({tree}) and k.conparentid = 0
+              order by 1"
+        ))
+        .bind(t.table.quoted())
+        .fetch_all(self.pool)
+        .await?;
+        for b in bypassed {
+            self.say(
+                Level::Error,
+                format!(
+                    "partitions: \"drop\" would bypass {b}: dropping a partition fires no \
+                     row-level DELETE trigger and checks no foreign key; use \"rows\", or drop \
+                     the trigger or the foreign key"
+                ),
+            );
+        }
+        let publications: Vec<String> = sqlx::query_scalar(&format!(
+            "select distinct p.pubname::text
+               from pg_publication_tables p
+              where to_regclass(format('%I.%I', p.schemaname, p.tablename)) in ({tree})
+              order by 1"
+        ))
+        .bind(t.table.quoted())
+        .fetch_all(self.pool)
+        .await?;
+        for publication in publications {
+            if self.p.allow_unreplicated_drop {
+                self.say(
+                    Level::Warning,
+                    format!(
+                        "partitions: {} is in publication {publication}: a detach or a drop is not \
+                         replicated, so its subscribers keep the rows sweeper drops \
+                         (allow_unreplicated_drop = true)",
+                        t.table
+                    ),
+                );
+            } else {
+                self.say(
+                    Level::Error,
+                    format!(
+                        "partitions: \"drop\" on {}, which is in publication {publication}: a \
+                         detach or a drop is not replicated, so its subscribers would keep the \
+                         rows; use \"rows\", or set allow_unreplicated_drop = true if that is \
+                         meant",
+                        t.table
+                    ),
+                );
+            }
+        }
+        if member {
+            self.say(
+                Level::Info,
+                format!(
+                    "partitions: expired partitions of {} are detached and dropped by this role, \
+                     a member of their owner {owner}",
+                    t.table
+                ),
+            );
+        } else {
+            self.say(
+                Level::Error,
+                format!(
+                    "partitions: \"drop\" detaches and drops partitions of {}, which needs a \
+                     member of its owner {owner}; this role is not one (grant {owner} to it)",
+                    t.table
+                ),
+            );
+        }
+        Ok(())
+    }
+
     async fn partitions(&mut self) -> sqlx::Result<()> {
         let t = &self.p.spec.target;
         let mut conn = self.pool.acquire().await?;

@@ -73,6 +73,11 @@ pub struct Policy {
     pub after: Vec<String>,
     /// Whether an upstream run `completed_with_dead_letters` releases it.
     pub after_allows_dead_letters: bool,
+    /// How its target's expired partitions go (not part of the version: which rows are removed
+    /// does not change, only how).
+    pub partitions: partitions::Retirement,
+    /// Whether a drop may go ahead on a table in a publication.
+    pub allow_unreplicated_drop: bool,
 }
 
 /// A policy's production-safety controls (docs/design.md §14 "Holds"), validated.
@@ -272,6 +277,20 @@ impl Policy {
                 .map_err(|es| errors.extend(es.into_iter().map(|e| format!("action.{e}"))))
                 .ok(),
         };
+        if c.partitions == partitions::Retirement::Drop
+            && !matches!(action, None | Some(ActionSpec::DeleteRows))
+        {
+            errors.push(
+                "partitions: \"drop\" removes rows without calling anything; it needs the \
+                 default action (delete the rows)"
+                    .into(),
+            );
+        }
+        if c.allow_unreplicated_drop && c.partitions != partitions::Retirement::Drop {
+            errors.push(
+                "allow_unreplicated_drop: only means something with partitions = \"drop\"".into(),
+            );
+        }
         let transport = match c.transport.as_deref() {
             None | Some("builtin") => Transport::Builtin,
             Some("pubsub") => Transport::Pubsub,
@@ -387,6 +406,8 @@ impl Policy {
             safety,
             after: c.after,
             after_allows_dead_letters: c.after_allows_dead_letters,
+            partitions: c.partitions,
+            allow_unreplicated_drop: c.allow_unreplicated_drop,
         })
     }
 

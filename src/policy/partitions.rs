@@ -15,6 +15,17 @@ use sqlx::{PgConnection, Postgres, QueryBuilder, Row};
 
 use super::{TableName, Target};
 
+/// How a policy retires a partitioned target's expired partitions (`partitions = ...`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Retirement {
+    /// Row by row, like any table.
+    #[default]
+    Rows,
+    /// The partition sweep: detached, exported, recorded and dropped whole.
+    Drop,
+}
+
 /// One leaf partition of a target, as planning walks it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Leaf {

@@ -265,6 +265,14 @@ impl RuleSet {
         self
     }
 
+    /// These rules applied to `table` instead of the target: a partition detached from it,
+    /// whose columns are the target's.
+    pub fn on_table(mut self, table: crate::policy::TableName) -> Self {
+        self.target.table = table;
+        self.partition = None;
+        self
+    }
+
     /// Pushes `(constraint) and ` when the rules are confined to a leaf ([`RuleSet::in_partition`]),
     /// right after a `where` on the target (its column names are unqualified).
     pub fn push_partition_scope(&self, q: &mut QueryBuilder<'_, Postgres>) {

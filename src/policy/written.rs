@@ -67,6 +67,15 @@ pub struct PolicyConfig {
     /// Governor marks overriding `[governor]`'s for this policy.
     #[serde(default)]
     pub governor: Option<crate::governor::MarksConfig>,
+    /// How a partitioned target's expired partitions go: `"rows"` (default: row by row, like any
+    /// table) or `"drop"` (the partition sweep: a partition whose whole range is expired and
+    /// whose rows are all eligible is exported, recorded and dropped).
+    #[serde(default)]
+    pub partitions: super::partitions::Retirement,
+    /// With `partitions = "drop"`: drop partitions of a table in a publication although logical
+    /// subscribers keep their rows (a detach or a drop is not replicated).
+    #[serde(default)]
+    pub allow_unreplicated_drop: bool,
 }
 
 /// `retry = { ... }`: how failed commands are retried (docs/design.md §2.7).

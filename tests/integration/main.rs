@@ -21,6 +21,7 @@ mod kit;
 mod leases;
 mod locked_rows;
 mod on_call;
+mod partition_sweep;
 mod partitioned;
 mod planning;
 mod planning_paths;

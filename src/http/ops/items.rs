@@ -73,6 +73,7 @@ pub async fn item_history(
     let dead = with_verdicts(&state, &dead).await?;
     let dropped = ledger::item_history::dropped_exports(&state.pool).await?;
     let now = present(&state, &policy, &canonical).await?;
+    let dropped_partitions = dropped_partitions(&state, p, &key_of, &canonical).await?;
     let next_cursor = (rows.len() as i64 == limit)
         .then(|| rows.last().map(|r| r.audit_id.to_string()))
         .flatten();
@@ -97,10 +98,39 @@ pub async fn item_history(
         "dead_letters": dead,
         "history_complete_since": dropped.last().map(|d| d.to_at),
         "exports": dropped,
+        "dropped_partitions": dropped_partitions,
         "present_state": now.0,
         "unitemized_runs": now.1,
     }))
     .into_response())
+}
+
+/// The manifests of the policy's dropped partitions whose range holds the key (docs/design.md §14
+/// "Partition sweep"): every key of a partitioned target includes its timestamp, which says
+/// which partition held it. Empty when the key has no timestamp column.
+async fn dropped_partitions(
+    state: &AppState,
+    p: &crate::policy::Policy,
+    key_of: &crate::policy::Key,
+    canonical: &str,
+) -> Result<Vec<serde_json::Value>, Problem> {
+    let ts = p.spec.target.timestamp.as_str();
+    let Some(at) = key_of
+        .columns()
+        .iter()
+        .position(|(name, _)| name.as_str() == ts)
+    else {
+        return Ok(Vec::new());
+    };
+    let Some(value) = key_of
+        .values(canonical)
+        .ok()
+        .and_then(|v| v.get(at).cloned())
+    else {
+        return Ok(Vec::new());
+    };
+    let zone = p.spec.target.timestamp_zone.as_deref();
+    Ok(ledger::retirements::manifests_holding(&state.pool, p.name.as_str(), &value, zone).await?)
 }
 
 /// Runs listed in `unitemized_runs` at most.

@@ -197,6 +197,8 @@ pub async fn get_run(
     body["waiting_on_lock"] = json!(facts.waiting_on_lock_commands);
     body["waiting_on_lock_commands"] = json!(waiting);
     body["progress"] = json!(progress);
+    // The partitions the run retires whole (partitions = "drop"), each with where it stands.
+    body["partitions"] = json!(ledger::retirements::of_run(&state.pool, &run_id).await?);
     Ok(Json(body).into_response())
 }
 

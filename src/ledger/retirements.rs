@@ -1,0 +1,406 @@
+//! Partition retirements (docs/design.md §14 "Partition sweep"): the partitions a run of a policy
+//! with `partitions = "drop"` retires, each moved along `planned → detaching → detached →
+//! dropped` (or `kept`, `gone`) by one leased step at a time, and the manifests the drops wrote
+//! into the audit.
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+/// A partition planning chose to retire, or to keep with the reason.
+#[derive(Debug, Clone)]
+pub struct Chosen {
+    /// The leaf (schema-qualified, quoted as needed).
+    pub partition: String,
+    /// Its parent.
+    pub parent: String,
+    /// Its bound as PostgreSQL printed it.
+    pub bound: String,
+    /// Its range on the policy's timestamp.
+    pub timestamp_from: Option<DateTime<Utc>>,
+    /// The end of its range (exclusive).
+    pub timestamp_to: DateTime<Utc>,
+    /// The rows it held at planning.
+    pub rows: i64,
+    /// Why it is kept (swept row by row); `None`: it retires.
+    pub kept: Option<String>,
+}
+
+/// Records the partitions `run_id`'s planning chose (in the first page's transaction): each
+/// retiring one `planned` (`would_drop` for a dry run), each kept one `kept` with its reason,
+/// and the retiring rows added to the run's planned count (and, for a dry run, to
+/// `would_delete`: nothing executes). A partition another run is retiring now is left to it.
+/// Returns the partitions this run retires.
+pub async fn record_chosen(
+    conn: &mut PgConnection,
+    run_id: &str,
+    dry_run: bool,
+    chosen: &[Chosen],
+) -> sqlx::Result<Vec<String>> {
+    let mut retiring = Vec::new();
+    let mut rows = 0i64;
+    for c in chosen {
+        let state = match (&c.kept, dry_run) {
+            (Some(_), _) => "kept",
+            (None, true) => "would_drop",
+            (None, false) => "planned",
+        };
+        let inserted: Option<String> = sqlx::query_scalar(
+            "insert into sweeper.partition_retirements
+                 (run_id, partition, parent, bound, timestamp_from, timestamp_to, rows, state,
+                  reason, finished_at)
+             values ($1, $2, $3, $4, $5, $6, $7, $8, $9,
+                     case when $8 in ('kept', 'would_drop') then sweeper.now() end)
+             on conflict (partition) where state in ('planned', 'detaching', 'detached')
+             do nothing
+             returning partition",
+        )
+        .bind(run_id)
+        .bind(&c.partition)
+        .bind(&c.parent)
+        .bind(&c.bound)
+        .bind(c.timestamp_from)
+        .bind(c.timestamp_to)
+        .bind(c.rows)
+        .bind(state)
+        .bind(&c.kept)
+        .fetch_optional(&mut *conn)
+        .await?;
+        if c.kept.is_none() {
+            // Retiring here, or by the run already retiring it: either way not walked.
+            retiring.push(c.partition.clone());
+            if inserted.is_some() {
+                rows += c.rows;
+            }
+        }
+    }
+    if rows > 0 {
+        sqlx::query(
+            "update sweeper.runs
+                set eligible_planned = eligible_planned + $2,
+                    would_delete = would_delete + case when dry_run then $2 else 0 end
+              where run_id = $1",
+        )
+        .bind(run_id)
+        .bind(rows)
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(retiring)
+}
+
+/// A retirement the retirer holds, with its run's fixed inputs.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Retirement {
+    /// The run.
+    pub run_id: String,
+    /// The leaf (schema-qualified, quoted as needed).
+    pub partition: String,
+    /// Its parent at planning.
+    pub parent: String,
+    /// Its bound as PostgreSQL printed it.
+    pub bound: String,
+    /// Its range's start on the policy's timestamp.
+    pub timestamp_from: Option<DateTime<Utc>>,
+    /// Its range's end (exclusive).
+    pub timestamp_to: DateTime<Utc>,
+    /// Its rows at planning.
+    pub rows: i64,
+    /// Where it stands.
+    pub state: String,
+    /// Claims so far, this one included.
+    pub attempts: i32,
+    /// The run's policy.
+    pub policy: String,
+    /// The run's pinned version.
+    pub policy_version: String,
+    /// The run's window.
+    pub window_at: DateTime<Utc>,
+    /// The run's cutoff.
+    pub cutoff: DateTime<Utc>,
+}
+
+/// Claims the oldest retirement not finished (unleased or its lease expired) of one of
+/// `policies`, whose run is planned and released by every hold (`held`: the policies this
+/// replica's active hours or governor hold), leasing it to `token` for `lease_seconds`.
+pub async fn claim(
+    pool: &PgPool,
+    token: Uuid,
+    lease_seconds: f64,
+    policies: &[String],
+    held: &[String],
+) -> sqlx::Result<Option<Retirement>> {
+    let released = super::holds::released("$4");
+    sqlx::query_as(&format!(
+        "with c as (
+             update sweeper.partition_retirements p
+                set lease_token = $1,
+                    lease_until = (select sweeper.now()) + make_interval(secs => $2),
+                    attempts = attempts + 1
+              where (p.run_id, p.partition) = (
+                    select x.run_id, x.partition
+                      from sweeper.partition_retirements x
+                      join sweeper.runs r using (run_id)
+                     where x.state in ('planned', 'detaching', 'detached')
+                       and (x.lease_until is null or x.lease_until < (select sweeper.now()))
+                       and r.policy = any($3) and r.planning_done
+                       and r.status in ('planning', 'running') and {released}
+                     order by x.created_at
+                     limit 1
+                     for update of x skip locked)
+          returning p.*)
+         select c.run_id, c.partition, c.parent, c.bound, c.timestamp_from, c.timestamp_to,
+                c.rows, c.state, c.attempts, r.policy, r.policy_version, r.window_at, r.cutoff
+           from c join sweeper.runs r using (run_id)"
+    ))
+    .bind(token)
+    .bind(lease_seconds)
+    .bind(policies)
+    .bind(held)
+    .fetch_optional(pool)
+    .await
+}
+
+/// Moves a retirement `token` holds to `state` (with `reason`); false when the lease was lost.
+pub async fn set_state(
+    conn: &mut PgConnection,
+    r: &Retirement,
+    token: Uuid,
+    state: &str,
+    reason: Option<&str>,
+) -> sqlx::Result<bool> {
+    Ok(sqlx::query(
+        "update sweeper.partition_retirements
+            set state = $4, reason = coalesce($5, reason),
+                finished_at = case when $4 in ('kept', 'gone', 'dropped') then sweeper.now() end
+          where run_id = $1 and partition = $2 and lease_token = $3",
+    )
+    .bind(&r.run_id)
+    .bind(&r.partition)
+    .bind(token)
+    .bind(state)
+    .bind(reason)
+    .execute(conn)
+    .await?
+    .rows_affected()
+        == 1)
+}
+
+/// Records a failed step on the retirement and gives its lease back after `retry_seconds`.
+pub async fn record_failure(
+    pool: &PgPool,
+    r: &Retirement,
+    token: Uuid,
+    error: &str,
+    retry_seconds: f64,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "update sweeper.partition_retirements
+            set last_error = $4,
+                lease_until = (select sweeper.now()) + make_interval(secs => $5)
+          where run_id = $1 and partition = $2 and lease_token = $3",
+    )
+    .bind(&r.run_id)
+    .bind(&r.partition)
+    .bind(token)
+    .bind(error)
+    .bind(retry_seconds)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// What a drop proves: the manifest's fields.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Manifest {
+    /// The policy.
+    pub policy: String,
+    /// The run.
+    pub run_id: String,
+    /// The partition dropped.
+    pub partition: String,
+    /// Its parent.
+    pub parent: String,
+    /// Its bound.
+    pub bound: String,
+    /// Its range's start on the policy's timestamp.
+    pub timestamp_from: Option<DateTime<Utc>>,
+    /// Its range's end (exclusive).
+    pub timestamp_to: DateTime<Utc>,
+    /// The rows it held when dropped.
+    pub rows: i64,
+    /// Its first item key, bytewise.
+    pub first_key: Option<String>,
+    /// Its last item key, bytewise.
+    pub last_key: Option<String>,
+    /// SHA-256 of the item key texts sorted bytewise, each followed by `\n`.
+    pub digest: String,
+    /// The key export's file.
+    pub export_location: String,
+    /// The key export's SHA-256.
+    pub export_sha256: String,
+}
+
+/// Records a drop in `tx`, which holds the detached table's lock and drops it after: one
+/// execution row and one manifest row in the audit, the rows added to the run's `deleted` (its
+/// planned count corrected to what the manifest names), and the retirement `dropped` with its
+/// evidence. False when the lease was lost (nothing is written; the caller rolls back).
+pub async fn record_drop(
+    tx: &mut PgConnection,
+    r: &Retirement,
+    token: Uuid,
+    m: &Manifest,
+) -> sqlx::Result<bool> {
+    let detail = serde_json::to_value(m).expect("a manifest serializes");
+    let manifest_id: Option<i64> = sqlx::query_scalar(
+        "with mine as (
+             select 1 from sweeper.partition_retirements
+              where run_id = $1 and partition = $2 and lease_token = $3 and state = 'detached'
+              for update),
+         ex as (
+             insert into sweeper.audit_executions
+                 (policy, policy_version, current_version, run_id, window_at, pinned_cutoff,
+                  cutoff, command_id, attempt, actor, dry_run, recorded_at)
+             select r.policy, r.policy_version, null, r.run_id, r.window_at, r.cutoff, r.cutoff,
+                    r.run_id || ':drop:' || $2, $4, 'sweeper', false, (select sweeper.now())
+               from sweeper.runs r
+              where r.run_id = $1 and exists (select 1 from mine)
+             returning execution_id, recorded_at),
+         man as (
+             insert into sweeper.audit_manifests (execution_id, recorded_at, partition, rows, detail)
+             select execution_id, recorded_at, $2, $5, $6 from ex
+             returning manifest_id),
+         counted as (
+             update sweeper.runs
+                set deleted = deleted + $5, eligible_planned = eligible_planned + $5 - $7
+              where run_id = $1 and exists (select 1 from man))
+         update sweeper.partition_retirements
+            set state = 'dropped', rows = $5, manifest_id = (select manifest_id from man),
+                export_location = $8, export_sha256 = $9, digest = $10,
+                finished_at = sweeper.now()
+          where run_id = $1 and partition = $2 and exists (select 1 from man)
+          returning manifest_id",
+    )
+    .bind(&r.run_id)
+    .bind(&r.partition)
+    .bind(token)
+    .bind(r.attempts)
+    .bind(m.rows)
+    .bind(detail)
+    .bind(r.rows)
+    .bind(&m.export_location)
+    .bind(&m.export_sha256)
+    .bind(&m.digest)
+    .fetch_optional(tx)
+    .await?;
+    Ok(manifest_id.is_some())
+}
+
+/// A partition a run retires (or keeps), as `GET /runs/{id}` lists it.
+#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
+pub struct PartitionState {
+    /// The leaf.
+    pub partition: String,
+    /// Its bound.
+    pub bound: String,
+    /// Its range on the policy's timestamp.
+    pub timestamp_from: Option<DateTime<Utc>>,
+    /// The end of its range (exclusive).
+    pub timestamp_to: DateTime<Utc>,
+    /// Rows counted at planning; once dropped, the rows its manifest names.
+    pub rows: i64,
+    /// `would_drop`, `planned`, `detaching`, `detached`, `dropped`, `kept` or `gone`.
+    pub state: String,
+    /// Why it was kept or gone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The manifest of its drop in the audit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub manifest_id: Option<i64>,
+    /// Its key export.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub export_location: Option<String>,
+    /// The export's SHA-256.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub export_sha256: Option<String>,
+    /// SHA-256 of its item keys sorted bytewise, each followed by a newline.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// The last failed step's error, while it is retried.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// When it was dropped, kept or found gone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+/// A run's partitions as planning chose them and where each stands, for `GET /runs/{id}`.
+pub async fn of_run(pool: &PgPool, run_id: &str) -> sqlx::Result<Vec<PartitionState>> {
+    sqlx::query_as(
+        "select partition, bound, timestamp_from, timestamp_to, rows, state, reason, manifest_id,
+                export_location, export_sha256, digest, last_error, finished_at
+           from sweeper.partition_retirements
+          where run_id = $1
+          order by timestamp_to, partition",
+    )
+    .bind(run_id)
+    .fetch_all(pool)
+    .await
+}
+
+/// The manifests of `policy`'s dropped partitions whose range holds `value` (the key's value of
+/// the policy's timestamp as its canonical text; read in `zone` for a `timestamp` column): each
+/// as the evidence it records, with its execution's run fields. Reads only the policy's
+/// manifests (one per retired partition), never the audit's items.
+pub async fn manifests_holding(
+    pool: &PgPool,
+    policy: &str,
+    value: &str,
+    zone: Option<&str>,
+) -> sqlx::Result<Vec<serde_json::Value>> {
+    let rows: Vec<ManifestRow> = sqlx::query_as(
+        "with k as (select case when $3::text is null then $2::timestamptz
+                                else $2::timestamp at time zone $3 end as at)
+         select m.detail, m.manifest_id, m.recorded_at, e.window_at, e.cutoff, e.policy_version
+           from sweeper.audit_manifests m
+           join sweeper.audit_executions e
+             on e.execution_id = m.execution_id and e.recorded_at = m.recorded_at
+          cross join k
+          where m.detail ->> 'policy' = $1
+            and (m.detail ->> 'timestamp_from' is null
+                 or (m.detail ->> 'timestamp_from')::timestamptz <= k.at)
+            and k.at < (m.detail ->> 'timestamp_to')::timestamptz
+          order by m.manifest_id",
+    )
+    .bind(policy)
+    .bind(value)
+    .bind(zone)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(mut detail, manifest_id, recorded_at, window, cutoff, version)| {
+                let fields = serde_json::json!({
+                    "manifest_id": manifest_id, "recorded_at": recorded_at,
+                    "window": window, "cutoff": cutoff, "policy_version": version,
+                    "membership": "in the range of a dropped partition; verify with the export",
+                });
+                if let (Some(d), serde_json::Value::Object(f)) = (detail.as_object_mut(), fields) {
+                    d.extend(f);
+                }
+                detail
+            },
+        )
+        .collect())
+}
+
+/// A manifest with its execution's fields, as [`manifests_holding`] reads it.
+type ManifestRow = (
+    serde_json::Value,
+    i64,
+    DateTime<Utc>,
+    DateTime<Utc>,
+    DateTime<Utc>,
+    String,
+);

@@ -1,0 +1,372 @@
+//! The partition sweep's retirer (docs/design.md §14 "Partition sweep"): takes one partition a
+//! run chose to retire through its steps, each idempotent, under a lease on its ledger row.
+//!
+//! 1. **Detach.** With a default partition beside it, a plain `DETACH` under `lock_timeout`
+//!    (`CONCURRENTLY` is not allowed then), retried with backoff; otherwise `DETACH …
+//!    CONCURRENTLY` on a connection without `statement_timeout`, recorded as `detaching` first so
+//!    that after a crash the next try finishes PostgreSQL's "detach pending" with `FINALIZE`.
+//!    From here no statement on the target reaches the partition's rows.
+//! 2. **Evidence, then the drop, in one transaction** holding the detached table's ACCESS
+//!    EXCLUSIVE lock: its rows are checked again against the run's rules (a row the run must
+//!    keep — a hold set since planning — attaches the table again and leaves it to the next
+//!    run); its keys, sorted bytewise, are written to a gzip JSON Lines export, synced and
+//!    re-read to verify; an execution row and a manifest row go into the audit; the run counts
+//!    the rows `deleted`; the table is dropped. A crash anywhere in it rolls it all back and the
+//!    next try writes the export again: no table is dropped without its verified export and
+//!    manifest, and none twice.
+//!
+//! The retirer works only on runs whose planning is done and that no hold keeps (the guard's
+//! approval, a suspension, active hours, the governor), like a command; the pace does not apply
+//! (a drop removes no row one by one).
+
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use sha2::{Digest, Sha256};
+use sqlx::{Postgres, QueryBuilder};
+use tracing::{info, warn};
+use uuid::Uuid;
+
+use crate::export_file::{self, verify, write_lines};
+use crate::ledger;
+use crate::ledger::retirements::{Manifest, Retirement};
+use crate::plan::RunRef;
+use crate::policy::{RuleSet, TableName};
+use crate::state::AppState;
+
+/// Keys written to the export per chunk.
+const CHUNK_KEYS: usize = 10_000;
+
+/// Claims one retirement due and takes it as far as it goes. Returns whether one was claimed.
+pub async fn retire_next(state: &AppState) -> anyhow::Result<bool> {
+    let policies: Vec<String> = state
+        .config
+        .policies
+        .iter()
+        .filter(|p| p.partitions == crate::policy::partitions::Retirement::Drop)
+        .map(|p| p.name.to_string())
+        .collect();
+    if policies.is_empty() {
+        return Ok(false);
+    }
+    let token = Uuid::new_v4();
+    let held = crate::holds::held_policies(state);
+    let lease = state.config.planning.lease.seconds() as f64;
+    let Some(r) = ledger::retirements::claim(&state.pool, token, lease, &policies, &held).await?
+    else {
+        return Ok(false);
+    };
+    if let Err(e) = retire(state, &r, token).await {
+        let retry = 2f64.powi(r.attempts.clamp(0, 6)).min(60.0);
+        warn!(run_id = r.run_id, partition = r.partition, error = %format!("{e:#}"), retry_seconds = retry, "retiring a partition failed; retrying");
+        ledger::retirements::record_failure(&state.pool, &r, token, &format!("{e:#}"), retry)
+            .await?;
+    }
+    Ok(true)
+}
+
+/// Takes `r` through its remaining steps.
+async fn retire(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result<()> {
+    let mut r = r.clone();
+    if matches!(r.state.as_str(), "planned" | "detaching") {
+        r.state = detach(state, &r, token).await?;
+        crate::crash_point!("retire_after_detach");
+    }
+    if r.state == "detached" {
+        r.state = drop_with_evidence(state, &r, token).await?;
+    }
+    if matches!(r.state.as_str(), "dropped" | "kept" | "gone") {
+        // The run may be complete now; the closure check needs the run's rules.
+        let rules = rules_of(state, &r).await.ok();
+        if let Err(e) = crate::completion::complete_run(state, &r.run_id, rules.as_ref()).await {
+            warn!(run_id = r.run_id, error = %e, "completing the run failed; housekeeping will complete it");
+        }
+    }
+    Ok(())
+}
+
+/// The run's rules (the stricter of its pinned and current versions).
+async fn rules_of(state: &AppState, r: &Retirement) -> anyhow::Result<RuleSet> {
+    let mut conn = state.pool.acquire().await?;
+    let run = RunRef {
+        run_id: &r.run_id,
+        policy: &r.policy,
+        pinned_version: &r.policy_version,
+        cutoff: r.cutoff,
+        window: r.window_at,
+    };
+    crate::plan::run_rules(state, &mut conn, &run)
+        .await
+        .map_err(|f| anyhow::anyhow!(f.message))
+}
+
+/// Detaches the partition from its parent; returns its state after (`detached`, or `gone` when
+/// it no longer exists).
+async fn detach(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result<String> {
+    let pool = &state.pool;
+    let (exists, pending, default_beside): (bool, Option<bool>, bool) = sqlx::query_as(
+        "select to_regclass($2) is not null,
+                (select i.inhdetachpending from pg_inherits i
+                  where i.inhparent = to_regclass($1) and i.inhrelid = to_regclass($2)),
+                exists (select 1 from pg_inherits i join pg_class c on c.oid = i.inhrelid
+                         where i.inhparent = to_regclass($1)
+                           and pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')",
+    )
+    .bind(&r.parent)
+    .bind(&r.partition)
+    .fetch_one(pool)
+    .await?;
+    let mut conn = pool.acquire().await?;
+    let next = match (exists, pending) {
+        (false, _) => {
+            let why = "the partition was dropped or renamed outside sweeper before its retirement";
+            ledger::retirements::set_state(&mut conn, r, token, "gone", Some(why)).await?;
+            warn!(run_id = r.run_id, partition = r.partition, "{why}");
+            return Ok("gone".into());
+        }
+        // Not attached under its parent any more: detached (by an earlier try).
+        (true, None) => "detached",
+        (true, Some(pending)) if default_beside && !pending => {
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            sqlx::query(&format!(
+                "alter table {} detach partition {}",
+                r.parent, r.partition
+            ))
+            .execute(&mut *tx)
+            .await
+            .context("detaching (plain DETACH: the table has a default partition)")?;
+            if !ledger::retirements::set_state(&mut tx, r, token, "detached", None).await? {
+                bail!("the retirement's lease was lost; the detach is rolled back");
+            }
+            tx.commit().await?;
+            return Ok("detached".into());
+        }
+        (true, Some(pending)) => {
+            if !ledger::retirements::set_state(&mut conn, r, token, "detaching", None).await? {
+                bail!("the retirement's lease was lost");
+            }
+            // DETACH ... CONCURRENTLY waits for every transaction that could see the partition:
+            // no statement_timeout on this connection, which is closed afterwards.
+            conn.close_on_drop();
+            sqlx::query("set statement_timeout = 0")
+                .execute(&mut *conn)
+                .await?;
+            let how = if pending { "finalize" } else { "concurrently" };
+            sqlx::query(&format!(
+                "alter table {} detach partition {} {how}",
+                r.parent, r.partition
+            ))
+            .execute(&mut *conn)
+            .await
+            .with_context(|| format!("detaching (DETACH PARTITION ... {})", how.to_uppercase()))?;
+            "detached"
+        }
+    };
+    let mut conn = pool.acquire().await?;
+    if !ledger::retirements::set_state(&mut conn, r, token, next, None).await? {
+        bail!("the retirement's lease was lost");
+    }
+    Ok(next.into())
+}
+
+/// Checks the detached table against the run's rules, writes and verifies its key export, records
+/// the manifest and drops it, in one transaction; returns the state after (`dropped`, `kept`).
+async fn drop_with_evidence(
+    state: &AppState,
+    r: &Retirement,
+    token: Uuid,
+) -> anyhow::Result<String> {
+    let dir = state
+        .config
+        .ledger
+        .audit_export_dir
+        .clone()
+        .context("partitions = \"drop\" needs ledger.audit_export_dir")?;
+    let table = TableName::parse(&r.partition.replace('"', ""))
+        .map_err(|e| anyhow::anyhow!("the partition's name: {e}"))?;
+    let rules = rules_of(state, r).await?.on_table(table);
+    let mut tx = state.pool.begin().await?;
+    sqlx::query(&format!(
+        "lock table {} in access exclusive mode",
+        r.partition
+    ))
+    .execute(&mut *tx)
+    .await?;
+    let mut q = QueryBuilder::<Postgres>::new("select count(*) from ");
+    q.push(rules.table_sql());
+    q.push(" where not (");
+    rules.push_has_key(&mut q);
+    q.push(" and ");
+    rules.push_eligible(&mut q);
+    q.push(")");
+    let kept: i64 = q.build_query_scalar().fetch_one(&mut *tx).await?;
+    if kept > 0 {
+        sqlx::query(&format!(
+            "alter table {} attach partition {} {}",
+            r.parent, r.partition, r.bound
+        ))
+        .execute(&mut *tx)
+        .await
+        .context("attaching the partition again")?;
+        let why = format!(
+            "{kept} of its rows are kept since planning (an exclusion or the selection): attached \
+             again; the next run sweeps it row by row"
+        );
+        if !ledger::retirements::set_state(&mut tx, r, token, "kept", Some(&why)).await? {
+            bail!("the retirement's lease was lost");
+        }
+        tx.commit().await?;
+        info!(run_id = r.run_id, partition = r.partition, reason = %why, "partition kept");
+        return Ok("kept".into());
+    }
+    let name = export_name(&r.policy, &r.run_id, &r.partition);
+    let path = dir.join(&name);
+    let partial = path.with_extension("gz.partial");
+    let written = write_export(&mut tx, &rules, r, &partial).await?;
+    let sha256 = export_file::finish(Some(written.out), &partial, &path, &dir).await?;
+    verify(Path::new(&path), written.rows, &sha256).await?;
+    crate::crash_point!("retire_after_export");
+    let manifest = Manifest {
+        policy: r.policy.clone(),
+        run_id: r.run_id.clone(),
+        partition: r.partition.clone(),
+        parent: r.parent.clone(),
+        bound: r.bound.clone(),
+        timestamp_from: r.timestamp_from,
+        timestamp_to: r.timestamp_to,
+        rows: written.rows,
+        first_key: written.first_key,
+        last_key: written.last_key,
+        digest: written.digest,
+        export_location: path.display().to_string(),
+        export_sha256: sha256,
+    };
+    if !ledger::retirements::record_drop(&mut tx, r, token, &manifest).await? {
+        bail!("the retirement's lease was lost; nothing is dropped");
+    }
+    sqlx::query(&format!("drop table {}", r.partition))
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    crate::crash_point!("retire_after_drop");
+    info!(
+        run_id = r.run_id,
+        partition = r.partition,
+        rows = manifest.rows,
+        export = manifest.export_location,
+        sha256 = manifest.export_sha256,
+        "partition exported, recorded and dropped"
+    );
+    Ok("dropped".into())
+}
+
+/// The export file's name: the policy, the run and the partition, each made safe for a file
+/// name.
+fn export_name(policy: &str, run_id: &str, partition: &str) -> String {
+    let safe = |s: &str| -> String {
+        s.chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect()
+    };
+    format!(
+        "sweeper-partition-{}-{}-{}.jsonl.gz",
+        safe(policy),
+        safe(run_id),
+        safe(partition)
+    )
+}
+
+/// What writing an export produced.
+struct Written {
+    out: export_file::Encoder,
+    rows: i64,
+    first_key: Option<String>,
+    last_key: Option<String>,
+    digest: String,
+}
+
+/// Writes the detached table's keys, sorted bytewise, to `partial`: one line
+/// `{"policy","run_id","partition","item_key"}` each, read from one streamed statement.
+async fn write_export(
+    tx: &mut sqlx::PgConnection,
+    rules: &RuleSet,
+    r: &Retirement,
+    partial: &Path,
+) -> anyhow::Result<Written> {
+    let mut out = Some(export_file::create(partial)?);
+    // A cursor in the drop's transaction: one sort, read CHUNK_KEYS keys per round trip.
+    sqlx::query(&format!(
+        "declare retiring_keys no scroll cursor for
+         select {key} as item_key from {table} order by ({key}) collate \"C\"",
+        key = rules.key_text_sql(),
+        table = rules.table_sql()
+    ))
+    .execute(&mut *tx)
+    .await?;
+    let fetch = format!("fetch forward {CHUNK_KEYS} from retiring_keys");
+    let mut rows = 0i64;
+    let mut digest = Sha256::new();
+    let mut first_key = None;
+    let mut last_key = None;
+    loop {
+        let keys: Vec<String> = sqlx::query_scalar(&fetch).fetch_all(&mut *tx).await?;
+        if keys.is_empty() {
+            break;
+        }
+        let mut lines = Vec::with_capacity(keys.len() * 96);
+        for (i, key) in keys.iter().enumerate() {
+            digest.update(key.as_bytes());
+            digest.update(b"\n");
+            if i > 0 {
+                lines.push(b'\n');
+            }
+            serde_json::to_writer(
+                &mut lines,
+                &serde_json::json!({
+                    "policy": r.policy, "run_id": r.run_id,
+                    "partition": r.partition, "item_key": key,
+                }),
+            )?;
+        }
+        if first_key.is_none() {
+            first_key = keys.first().cloned();
+        }
+        last_key = keys.last().cloned();
+        rows += write_lines(&mut out, lines, keys.len()).await?;
+    }
+    sqlx::query("close retiring_keys").execute(&mut *tx).await?;
+    Ok(Written {
+        out: out.take().expect("the encoder"),
+        rows,
+        first_key,
+        last_key,
+        digest: hex::encode(digest.finalize()),
+    })
+}
+
+/// Runs the retirer until `shutdown`: a retirement after another while there are some, polling
+/// otherwise.
+pub async fn retirer_loop(state: AppState, shutdown: tokio_util::sync::CancellationToken) {
+    while !shutdown.is_cancelled() {
+        let worked = match retire_next(&state).await {
+            Ok(worked) => worked,
+            Err(e) => {
+                warn!(error = %format!("{e:#}"), "the partition retirer failed; retrying");
+                false
+            }
+        };
+        if worked {
+            continue;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(state.config.queue.poll_interval.std()) => {}
+        }
+    }
+}

@@ -1,0 +1,239 @@
+//! The partition sweep, part 1 (issue 35): a policy with `partitions = "drop"` retires each expired
+//! partition of a monthly-partitioned target whose rows are all eligible — detached, its keys
+//! exported and verified, a manifest in the audit, dropped — and sweeps the others row by row: one
+//! with a held row, the one straddling the cutoff. A dry run reports what it would drop; a
+//! dropped key's history names the manifest; `check-config` refuses the shapes a drop would hurt.
+
+use sha2::{Digest, Sha256};
+use sqlx::PgPool;
+use sweeper::app::worker::{WorkerStep, run_one_command};
+
+use crate::common::*;
+use crate::partitioned::{PARTITIONED, PARTITIONED_POLICY, make_months};
+
+fn export_dir() -> std::path::PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("sweeper-partition-export-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Monthly `demo.events` from January 2026, 40 events on the 15th of each of the first 9
+/// months, and event 1000 in March under a legal hold; the policy drops partitions.
+async fn spawn(dir: &std::path::Path) -> TestApp {
+    let app = TestApp::spawn(Spawn {
+        setup_sql: PARTITIONED,
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: format!("{PARTITIONED_POLICY}partitions = \"drop\"\n"),
+        extra_toml: format!("[ledger]\naudit_export_dir = \"{}\"\n", dir.display()),
+        workers: 0,
+    })
+    .await;
+    make_months(&app.pool, 10).await;
+    sqlx::raw_sql(
+        "insert into demo.events (id, created_at, payload)
+         select i, timestamptz '2026-01-15' + make_interval(months => m), 'x'
+           from generate_series(1, 40) i, generate_series(0, 8) m;
+         insert into demo.events values (1000, '2026-03-20', 'held');
+         insert into legal.event_holds values (1000, null);",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    app
+}
+
+async fn count(pool: &PgPool, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+}
+
+async fn drain(app: &TestApp) {
+    while let WorkerStep::Ran(_) = run_one_command(&app.state).await.unwrap() {}
+}
+
+fn read_export(path: &str) -> Vec<serde_json::Value> {
+    use std::io::BufRead;
+    let gz = flate2::read::GzDecoder::new(std::fs::File::open(path).unwrap());
+    std::io::BufReader::new(gz)
+        .lines()
+        .map(|l| serde_json::from_str(&l.unwrap()).unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn expired_partitions_are_exported_recorded_and_dropped_and_a_held_one_is_swept_row_by_row() {
+    let dir = export_dir();
+    let app = spawn(&dir).await;
+    let run_id = app.api.trigger_new("events", "").await;
+    app.wait_planned(&run_id).await;
+    // March's rows go one command at a time (it holds event 1000); the others are dropped.
+    drain(&app).await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    // The cutoff is 2026-06-03T02:00Z: January to May are old, 5 × 40 rows; event 1000 is held.
+    assert_eq!(run["deleted"], 200, "{run}");
+    assert_eq!(run["eligible_planned"], 200, "{run}");
+    assert_eq!(run["remaining_eligible"], 0, "the closure check: {run}");
+    let tables: Vec<String> = sqlx::query_scalar(
+        "select c.relname::text from pg_inherits i join pg_class c on c.oid = i.inhrelid
+          where i.inhparent = 'demo.events'::regclass order by 1",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        tables,
+        ["03", "06", "07", "08", "09", "10"]
+            .map(|m| format!("events_2026_{m}"))
+            .to_vec()
+    );
+    assert_eq!(
+        count(&app.pool, "select count(*) from pg_class where relname in ('events_2026_01', 'events_2026_02', 'events_2026_04', 'events_2026_05')").await,
+        0,
+        "the retired partitions are dropped, not left detached"
+    );
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_2026_03").await,
+        1,
+        "March keeps its held event only"
+    );
+    let parts = run["partitions"].as_array().unwrap();
+    let states: Vec<(&str, &str)> = parts
+        .iter()
+        .map(|p| {
+            (
+                p["partition"].as_str().unwrap(),
+                p["state"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        states,
+        [
+            ("demo.events_2026_01", "dropped"),
+            ("demo.events_2026_02", "dropped"),
+            ("demo.events_2026_03", "kept"),
+            ("demo.events_2026_04", "dropped"),
+            ("demo.events_2026_05", "dropped"),
+        ],
+        "{run}"
+    );
+    assert!(
+        parts[2]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("1 of its 41 rows are kept"),
+        "{run}"
+    );
+    // Each dropped partition: a verified export of its 40 keys, and a manifest whose digest is
+    // the SHA-256 of the keys sorted bytewise, each followed by a newline.
+    for p in parts.iter().filter(|p| p["state"] == "dropped") {
+        assert_eq!(p["rows"], 40, "{p}");
+        let location = p["export_location"].as_str().unwrap();
+        let bytes = std::fs::read(location).unwrap();
+        assert_eq!(
+            hex::encode(Sha256::digest(&bytes)),
+            p["export_sha256"],
+            "{p}"
+        );
+        let lines = read_export(location);
+        assert_eq!(lines.len(), 40);
+        let mut keys: Vec<String> = lines
+            .iter()
+            .map(|l| {
+                assert_eq!(l["policy"], "events");
+                assert_eq!(l["run_id"], run_id.as_str());
+                assert_eq!(l["partition"], p["partition"]);
+                l["item_key"].as_str().unwrap().to_string()
+            })
+            .collect();
+        let sorted = {
+            let mut k = keys.clone();
+            k.sort();
+            k
+        };
+        assert_eq!(keys, sorted, "the export is in bytewise order");
+        let mut digest = Sha256::new();
+        for k in keys.drain(..) {
+            digest.update(k.as_bytes());
+            digest.update(b"\n");
+        }
+        assert_eq!(hex::encode(digest.finalize()), p["digest"], "{p}");
+        let manifest: serde_json::Value =
+            sqlx::query_scalar("select detail from sweeper.audit_manifests where manifest_id = $1")
+                .bind(p["manifest_id"].as_i64().unwrap())
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+        assert_eq!(manifest["rows"], 40, "{manifest}");
+        assert_eq!(manifest["digest"], p["digest"], "{manifest}");
+        assert_eq!(manifest["export_sha256"], p["export_sha256"], "{manifest}");
+        assert_eq!(manifest["run_id"], run_id.as_str(), "{manifest}");
+    }
+    // Nothing of the dropped partitions is in the item audit; March's 40 are.
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from sweeper.audit_trail where outcome = 'deleted'"
+        )
+        .await,
+        40
+    );
+    // A dropped key's history: the manifest of the partition whose range holds it.
+    let key = r#"["7","2026-02-15T00:00:00Z"]"#;
+    let h = app
+        .get_json(&format!(
+            "/policies/events/items/{}",
+            percent_encoding::utf8_percent_encode(key, percent_encoding::NON_ALPHANUMERIC)
+        ))
+        .await;
+    let m = &h["dropped_partitions"][0];
+    assert_eq!(m["partition"], "demo.events_2026_02", "{h}");
+    assert_eq!(m["run_id"], run_id.as_str(), "{h}");
+    assert_eq!(m["rows"], 40, "{h}");
+    assert_eq!(m["cutoff"], "2026-06-03T02:00:00Z", "{h}");
+    assert_eq!(
+        m["membership"], "in the range of a dropped partition; verify with the export",
+        "{h}"
+    );
+    assert_eq!(h["dropped_partitions"].as_array().unwrap().len(), 1, "{h}");
+}
+
+#[tokio::test]
+async fn a_dry_run_reports_the_partitions_it_would_drop_and_drops_nothing() {
+    let dir = export_dir();
+    let app = spawn(&dir).await;
+    let run_id = app.api.trigger_new("events", "?dry_run=true").await;
+    app.wait_planned(&run_id).await;
+    drain(&app).await;
+    let run = app.wait_terminal(&run_id).await;
+    let states: Vec<(&str, &str, i64)> = run["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["partition"].as_str().unwrap(),
+                p["state"].as_str().unwrap(),
+                p["rows"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        states,
+        [
+            ("demo.events_2026_01", "would_drop", 40),
+            ("demo.events_2026_02", "would_drop", 40),
+            ("demo.events_2026_03", "kept", 41),
+            ("demo.events_2026_04", "would_drop", 40),
+            ("demo.events_2026_05", "would_drop", 40),
+        ],
+        "{run}"
+    );
+    assert_eq!(run["would_delete"], 200, "{run}");
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events").await,
+        361
+    );
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "no export");
+}
