@@ -237,3 +237,117 @@ async fn a_dry_run_reports_the_partitions_it_would_drop_and_drops_nothing() {
     );
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "no export");
 }
+
+/// `check-config` on a policy with `partitions = "drop"`: a foreign key into the target, a
+/// row-level DELETE trigger and a publication are each refused by name (a drop bypasses the
+/// first two and is not replicated); `allow_unreplicated_drop` turns the publication into a
+/// warning; a table partitioned otherwise than by range on the timestamp is refused with the
+/// reason; the role that drops is said.
+#[tokio::test]
+async fn check_config_refuses_what_a_drop_would_bypass() {
+    use crate::kit::process::{sweeper, write_config};
+    let db = TestDb::create().await;
+    let pool = PgPool::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(PARTITIONED).execute(&pool).await.unwrap();
+    make_months(&pool, 2).await;
+    let dir = export_dir();
+    let check = |policy: String| {
+        let extra = format!("[ledger]\naudit_export_dir = \"{}\"\n", dir.display());
+        let path = write_config(&config_toml(&db.url, 0, &extra, &policy));
+        let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let drop_policy = format!("{PARTITIONED_POLICY}partitions = \"drop\"\n");
+    let (code, text) = check(drop_policy.clone());
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.contains("info: policy[events]: partitions: expired partitions of demo.events are detached and dropped by this role, a member of their owner postgres"),
+        "{text}"
+    );
+    sqlx::raw_sql(
+        "create table demo.event_notes (id bigint, created_at timestamptz,
+             foreign key (id, created_at) references demo.events);
+         create function demo.no_op() returns trigger language plpgsql as 'begin return old; end';
+         create trigger keep_history before delete on demo.events
+             for each row execute function demo.no_op();
+         create publication events_out for table demo.events;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (code, text) = check(drop_policy.clone());
+    assert_eq!(code, Some(1), "{text}");
+    for expected in [
+        "error: policy[events]: partitions: \"drop\" would bypass foreign key event_notes_id_created_at_fkey on demo.event_notes",
+        "error: policy[events]: partitions: \"drop\" would bypass trigger keep_history on demo.events",
+        "error: policy[events]: partitions: \"drop\" on demo.events, which is in publication events_out",
+    ] {
+        assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+    }
+    sqlx::raw_sql("drop table demo.event_notes; drop trigger keep_history on demo.events;")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (code, text) = check(format!("{drop_policy}allow_unreplicated_drop = true\n"));
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.contains(
+            "warning: policy[events]: partitions: demo.events is in publication events_out"
+        ),
+        "{text}"
+    );
+    // Partitioned by list: the bounds say nothing of age.
+    sqlx::raw_sql(
+        "drop publication events_out;
+         create table demo.by_region (id bigint primary key, created_at timestamptz not null,
+             region text not null) partition by list (id);
+         create table demo.by_region_1 partition of demo.by_region for values in (1);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let listed = drop_policy
+        .replace("demo.events", "demo.by_region")
+        .replace(r#"key = ["id", "created_at"]"#, r#"key = "id""#);
+    let (code, text) = check(listed);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("error: policy[events]: partitions: \"drop\" needs demo.by_region partitioned by range on created_at alone (a partition's bounds then say how old its rows are); it is partitioned by list on id"),
+        "{text}"
+    );
+}
+
+/// `partitions = "drop"` needs an export directory and the default action.
+#[test]
+fn a_drop_needs_an_export_directory_and_the_delete_action() {
+    let config = |extra: &str, policy_extra: &str| {
+        sweeper::settings::Config::from_toml(&config_toml(
+            "postgres://x/y",
+            0,
+            extra,
+            &format!("{PARTITIONED_POLICY}partitions = \"drop\"\n{policy_extra}"),
+        ))
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+    };
+    let err = config("", "").unwrap_err();
+    assert!(
+        err.contains("partitions = \"drop\" needs ledger.audit_export_dir"),
+        "{err}"
+    );
+    let err = config(
+        "[ledger]\naudit_export_dir = \"/tmp\"\n",
+        "action = { kind = \"http\", dependency = \"payments\", method = \"POST\", path = \"/p/{id}\", then = { set = \"payload\" } }\n",
+    )
+    .unwrap_err();
+    assert!(
+        err.contains("partitions: \"drop\" removes rows without calling anything"),
+        "{err}"
+    );
+    config("[ledger]\naudit_export_dir = \"/tmp\"\n", "").unwrap();
+}
