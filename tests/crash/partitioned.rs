@@ -176,3 +176,85 @@ async fn a_crash_mid_command_on_a_partitioned_table_loses_nothing() {
     wait_terminal(&pool, &run_id).await;
     assert_end_state(&pool, &run_id).await;
 }
+
+/// The same table under `partitions = "drop"`, exporting to `dir`.
+fn drop_config(db_url: &str, workers: usize, dir: &std::path::Path) -> String {
+    config(db_url, workers).replace(
+        "batch_size = 7\n",
+        &format!(
+            "batch_size = 7\npartitions = \"drop\"\n\n[ledger]\naudit_export_dir = \"{}\"\n",
+            dir.display()
+        ),
+    )
+}
+
+/// Killed at each step of a partition's retirement — after its detach, after its export was
+/// written and verified (before the drop's transaction commits), after the drop — a restarted
+/// server finishes: January to May each dropped once, each with one manifest whose export
+/// verifies and holds its 25 keys, the run's count exact, June to August untouched.
+#[tokio::test]
+async fn a_crash_at_each_step_of_a_partition_retirement_drops_it_once_with_its_evidence() {
+    for point in [
+        "retire_after_detach",
+        "retire_after_export",
+        "retire_after_drop",
+    ] {
+        let (db, pool) = prepare().await;
+        let dir = std::env::temp_dir().join(format!("sweeper-crash-drop-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let how = Launch {
+            crash_at: Some(point),
+            ..Default::default()
+        };
+        let mut server = Server::launch(&drop_config(&db.url, 0, &dir), how).await;
+        let run_id = trigger(&server).await;
+        server.wait_crashed().await;
+        let _server = Server::launch(&drop_config(&db.url, 0, &dir), Launch::default()).await;
+        advance(&pool, 61).await; // past the retirement's lease
+        wait_terminal(&pool, &run_id).await;
+        let gone: i64 = sqlx::query_scalar(
+            "select count(*) from generate_series(1, 5) m
+              where to_regclass(format('demo.events_2026_%s', lpad(m::text, 2, '0'))) is null",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(gone, 5, "{point}: January to May dropped");
+        let manifests: Vec<(String, i64, serde_json::Value)> = sqlx::query_as(
+            "select partition, rows, detail from sweeper.audit_manifests order by partition",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            manifests.len(),
+            5,
+            "{point}: one manifest per partition: {manifests:?}"
+        );
+        for (partition, rows, detail) in &manifests {
+            assert_eq!(*rows, 25, "{point}: {partition}");
+            let location = detail["export_location"].as_str().unwrap();
+            let bytes = std::fs::read(location).unwrap();
+            use sha2::Digest;
+            assert_eq!(
+                hex::encode(sha2::Sha256::digest(&bytes)),
+                detail["export_sha256"],
+                "{point}: {partition}"
+            );
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(&bytes[..]), &mut text)
+                .unwrap();
+            assert_eq!(text.lines().count(), 25, "{point}: {partition}");
+        }
+        let (deleted, left, commands): (i64, i64, i64) = sqlx::query_as(
+            "select (select deleted from sweeper.run_totals where run_id = $1),
+                    (select count(*) from demo.events),
+                    (select count(*) from sweeper.commands where run_id = $1)",
+        )
+        .bind(&run_id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!((deleted, left, commands), (125, 75, 0), "{point}");
+    }
+}
