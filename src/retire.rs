@@ -56,6 +56,22 @@ pub async fn retire_next(state: &AppState) -> anyhow::Result<bool> {
     else {
         return Ok(false);
     };
+    // A stage's upstream runs hold it as they hold the run's commands.
+    let mut conn = state.pool.acquire().await?;
+    if let Some(why) = crate::holds::after_hold(state, &mut conn, &r.policy, r.window_at).await? {
+        drop(conn);
+        let recheck = state.config.hold_recheck_seconds() as f64;
+        ledger::retirements::record_failure(
+            &state.pool,
+            &r,
+            token,
+            &format!("held (after): {why}"),
+            recheck,
+        )
+        .await?;
+        return Ok(true);
+    }
+    drop(conn);
     if let Err(e) = retire(state, &r, token).await {
         let retry = 2f64.powi(r.attempts.clamp(0, 6)).min(60.0);
         warn!(run_id = r.run_id, partition = r.partition, error = %format!("{e:#}"), retry_seconds = retry, "retiring a partition failed; retrying");
@@ -124,7 +140,16 @@ async fn detach(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result
             warn!(run_id = r.run_id, partition = r.partition, "{why}");
             return Ok("gone".into());
         }
-        // Not attached under its parent any more: detached (by an earlier try).
+        // Not attached under its parent any more: detached by an earlier try of ours, or, when
+        // none began, by someone else (pg_partman keeping the table, an operator), whose table
+        // is left as it is.
+        (true, None) if r.state == "planned" => {
+            let why = "the partition was detached outside sweeper before its retirement; its \
+                       table is left as it is";
+            ledger::retirements::set_state(&mut conn, r, token, "gone", Some(why)).await?;
+            warn!(run_id = r.run_id, partition = r.partition, "{why}");
+            return Ok("gone".into());
+        }
         (true, None) => "detached",
         (true, Some(pending)) if default_beside && !pending => {
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
@@ -222,7 +247,7 @@ async fn drop_with_evidence(
     let name = export_name(&r.policy, &r.run_id, &r.partition);
     let path = dir.join(&name);
     let partial = path.with_extension("gz.partial");
-    let written = write_export(&mut tx, &rules, r, &partial).await?;
+    let written = write_export(state, &mut tx, &rules, (r, token), &partial).await?;
     let sha256 = export_file::finish(Some(written.out), &partial, &path, &dir).await?;
     verify(Path::new(&path), written.rows, &sha256).await?;
     crate::crash_point!("retire_after_export");
@@ -293,12 +318,16 @@ struct Written {
 
 /// Writes the detached table's keys, sorted bytewise, to `partial`: one line
 /// `{"policy","run_id","partition","item_key"}` each, read from one streamed statement.
+/// The retirement's lease is renewed with each chunk (a large partition may take longer than a
+/// lease to export); a lease lost stops the export.
 async fn write_export(
+    state: &AppState,
     tx: &mut sqlx::PgConnection,
     rules: &RuleSet,
-    r: &Retirement,
+    (r, token): (&Retirement, Uuid),
     partial: &Path,
 ) -> anyhow::Result<Written> {
+    let lease = state.config.planning.lease.seconds() as f64;
     let mut out = Some(export_file::create(partial)?);
     // A cursor in the drop's transaction: one sort, read CHUNK_KEYS keys per round trip.
     sqlx::query(&format!(
@@ -339,6 +368,9 @@ async fn write_export(
         }
         last_key = keys.last().cloned();
         rows += write_lines(&mut out, lines, keys.len()).await?;
+        if !ledger::retirements::renew(&state.pool, r, token, lease).await? {
+            bail!("the retirement's lease was lost while its keys were exported");
+        }
     }
     sqlx::query("close retiring_keys").execute(&mut *tx).await?;
     Ok(Written {

@@ -226,6 +226,16 @@ pub async fn cancel(
         .bind(run_id)
         .execute(&mut *tx)
         .await?;
+    // A partition not yet detached is not retired; one whose detach began is finished.
+    sqlx::query(
+        "update sweeper.partition_retirements
+            set state = 'kept', reason = 'the run was cancelled before the partition was detached',
+                finished_at = sweeper.now()
+          where run_id = $1 and state = 'planned'",
+    )
+    .bind(run_id)
+    .execute(&mut *tx)
+    .await?;
     let n = sqlx::query(
         "update sweeper.commands
             set state = 'cancelled', finished_at = sweeper.now(), lease_until = null, lease_owner = null

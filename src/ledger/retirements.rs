@@ -122,7 +122,9 @@ pub struct Retirement {
 
 /// Claims the oldest retirement not finished (unleased or its lease expired) of one of
 /// `policies`, whose run is planned and released by every hold (`held`: the policies this
-/// replica's active hours or governor hold), leasing it to `token` for `lease_seconds`.
+/// replica's active hours or governor hold), leasing it to `token` for `lease_seconds`. A cancel
+/// or a supersession turns the run's `planned` retirements `kept` (what has not begun stops, as
+/// for commands); one whose detach began is finished whatever the run's status since.
 pub async fn claim(
     pool: &PgPool,
     token: Uuid,
@@ -143,8 +145,7 @@ pub async fn claim(
                       join sweeper.runs r using (run_id)
                      where x.state in ('planned', 'detaching', 'detached')
                        and (x.lease_until is null or x.lease_until < (select sweeper.now()))
-                       and r.policy = any($3) and r.planning_done
-                       and r.status in ('planning', 'running') and {released}
+                       and r.policy = any($3) and r.planning_done and {released}
                      order by x.created_at
                      limit 1
                      for update of x skip locked)
@@ -181,6 +182,29 @@ pub async fn set_state(
     .bind(state)
     .bind(reason)
     .execute(conn)
+    .await?
+    .rows_affected()
+        == 1)
+}
+
+/// Renews the lease `token` holds on a retirement for `lease_seconds` from now; false when it was
+/// lost.
+pub async fn renew(
+    pool: &PgPool,
+    r: &Retirement,
+    token: Uuid,
+    lease_seconds: f64,
+) -> sqlx::Result<bool> {
+    Ok(sqlx::query(
+        "update sweeper.partition_retirements
+            set lease_until = (select sweeper.now()) + make_interval(secs => $4)
+          where run_id = $1 and partition = $2 and lease_token = $3",
+    )
+    .bind(&r.run_id)
+    .bind(&r.partition)
+    .bind(token)
+    .bind(lease_seconds)
+    .execute(pool)
     .await?
     .rows_affected()
         == 1)

@@ -11,7 +11,10 @@ fn executed_nothing(r: &str) -> String {
     format!(
         "{r}.deleted + {r}.already_absent + {r}.excluded + {r}.not_eligible + {r}.failed
             + {r}.reconciled + {r}.called = 0
-         and not exists (select 1 from sweeper.effects f where f.run_id = {r}.run_id)"
+         and not exists (select 1 from sweeper.effects f where f.run_id = {r}.run_id)
+         and not exists (select 1 from sweeper.partition_retirements p
+                          where p.run_id = {r}.run_id
+                            and p.state in ('detaching', 'detached', 'dropped'))"
     )
 }
 
@@ -101,6 +104,16 @@ pub async fn supersede(
         sp.rollback().await?;
         return Ok(false);
     }
+    // Its partitions not detached are not retired by it (the later run's planning met them).
+    sqlx::query(
+        "update sweeper.partition_retirements
+            set state = 'kept', reason = 'the run was superseded before the partition was detached',
+                finished_at = sweeper.now()
+          where run_id = $1 and state = 'planned'",
+    )
+    .bind(&run.run_id)
+    .execute(&mut *sp)
+    .await?;
     super::dead_letter::log_operator_act(
         &mut sp,
         "sweeper",

@@ -568,6 +568,7 @@ impl Check<'_> {
                 );
             }
         }
+        self.partman_retention().await?;
         if member {
             self.say(
                 Level::Info,
@@ -584,6 +585,48 @@ impl Check<'_> {
                     "partitions: \"drop\" detaches and drops partitions of {}, which needs a \
                      member of its owner {owner}; this role is not one (grant {owner} to it)",
                     t.table
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// With pg_partman managing the target: a warning when its own retention is set too (it
+    /// drops or detaches whole partitions by their bounds, held rows included, without evidence).
+    async fn partman_retention(&mut self) -> sqlx::Result<()> {
+        let t = &self.p.spec.target;
+        let schema: Option<String> = sqlx::query_scalar(
+            "select quote_ident(n.nspname) from pg_extension e
+               join pg_namespace n on n.oid = e.extnamespace
+              where e.extname = 'pg_partman'",
+        )
+        .fetch_optional(self.pool)
+        .await?;
+        let Some(schema) = schema else {
+            return Ok(());
+        };
+        let retention: Option<Option<String>> = sqlx::query_scalar(&format!(
+            "select retention::text from {schema}.part_config where parent_table = $1"
+        ))
+        .bind(format!(
+            "{}.{}",
+            t.table.schema.as_str(),
+            t.table.name.as_str()
+        ))
+        .fetch_optional(self.pool)
+        .await?;
+        if let Some(Some(retention)) = retention {
+            self.say(
+                Level::Warning,
+                format!(
+                    "partitions: pg_partman's own retention ({retention}) is set on {}: it drops or \
+                     detaches whole partitions by their bounds alone, held rows included and \
+                     without evidence, possibly before sweeper retires them; set its retention \
+                     to NULL (update {schema}.part_config set retention = null where \
+                     parent_table = '{}.{}') and let pg_partman only create partitions",
+                    t.table,
+                    t.table.schema.as_str(),
+                    t.table.name.as_str()
                 ),
             );
         }

@@ -95,7 +95,7 @@ const LAYERS: &[&[&str]] = &[
     &["quickstart"],
     &["app"],
     &["http"],
-    &["windows"],
+    &["windows", "retire"],
     &["trigger", "plan", "execute"],
     &["completion"],
     &["holds"],
@@ -106,7 +106,13 @@ const LAYERS: &[&[&str]] = &[
     &["policy"],
     &["governor", "metrics"],
     &["ledger"],
-    &["retry", "window", "strict_json", "failpoints"],
+    &[
+        "retry",
+        "window",
+        "strict_json",
+        "failpoints",
+        "export_file",
+    ],
     &["config"],
 ];
 

@@ -351,3 +351,285 @@ fn a_drop_needs_an_export_directory_and_the_delete_action() {
     );
     config("[ledger]\naudit_export_dir = \"/tmp\"\n", "").unwrap();
 }
+
+/// The tables of the pg_partman test: `demo.events` made empty; pg_partman creates its
+/// partitions (and a default one).
+const PARTMAN_SETUP: &str = "create schema demo;
+create schema legal;
+create schema partman;
+create extension pg_partman schema partman;
+create table demo.events (
+    id bigint not null,
+    created_at timestamptz not null,
+    payload text,
+    primary key (id, created_at)
+) partition by range (created_at);
+create index on demo.events (created_at);
+create table legal.event_holds (event_id bigint not null, released_at timestamptz);
+create index on legal.event_holds (event_id);
+select partman.create_parent(p_parent_table => 'demo.events', p_control => 'created_at',
+       p_type => 'native', p_interval => 'monthly', p_premake => 1,
+       p_start_partition => '2026-01-01');
+insert into demo.events (id, created_at, payload)
+select i, timestamptz '2026-01-15' + make_interval(months => m), 'x'
+  from generate_series(1, 10) i, generate_series(0, 7) m;
+insert into demo.events values (1000, '2026-03-20', 'held');
+insert into legal.event_holds values (1000, null);";
+
+/// pg_partman 4.7 (Debian's `postgresql-15-partman`) beside the sweep, on the same data: its own
+/// retention drops the expired months whole, March's event under a legal hold included; sweeper
+/// (partitions = "drop", pg_partman only creating partitions) drops the other expired months and
+/// sweeps March row by row, so the held event stays. Beside pg_partman's default partition the
+/// detach is a plain one. `check-config` warns while pg_partman's retention is set.
+#[tokio::test]
+async fn beside_pg_partman_a_held_row_survives_that_its_retention_drops() {
+    // pg_partman alone: retention ending before June.
+    let db = TestDb::create().await;
+    let pool = PgPool::connect(&db.url).await.unwrap();
+    if let Err(e) = sqlx::raw_sql(PARTMAN_SETUP).execute(&pool).await {
+        panic!(
+            "pg_partman must be installed (Debian package postgresql-15-partman; .ci/run installs it): {e}"
+        );
+    }
+    sqlx::raw_sql(
+        "update partman.part_config set retention = (now() - timestamptz '2026-06-02')::text
+          where parent_table = 'demo.events';
+         select partman.run_maintenance('demo.events');",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        count(&pool, "select count(*) from demo.events where id = 1000").await,
+        0,
+        "pg_partman's retention dropped the held event with March"
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "select count(*) from demo.events where created_at < '2026-06-01'"
+        )
+        .await,
+        0
+    );
+
+    // Sweeper on the same data, pg_partman creating partitions only.
+    let dir = export_dir();
+    let app = TestApp::spawn(Spawn {
+        setup_sql: PARTMAN_SETUP,
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: format!("{PARTITIONED_POLICY}partitions = \"drop\"\n"),
+        extra_toml: format!("[ledger]\naudit_export_dir = \"{}\"\n", dir.display()),
+        workers: 0,
+    })
+    .await;
+    sqlx::query("select partman.run_maintenance('demo.events')")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    app.wait_planned(&run_id).await;
+    drain(&app).await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(run["deleted"], 50, "January to May, 10 events each: {run}");
+    let states: Vec<(&str, &str)> = run["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["partition"].as_str().unwrap(),
+                p["state"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        states,
+        [
+            ("demo.events_p2026_01", "dropped"),
+            ("demo.events_p2026_02", "dropped"),
+            ("demo.events_p2026_03", "kept"),
+            ("demo.events_p2026_04", "dropped"),
+            ("demo.events_p2026_05", "dropped"),
+        ],
+        "{run}"
+    );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from demo.events where id = 1000"
+        )
+        .await,
+        1,
+        "the held event stays"
+    );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from demo.events where created_at < '2026-06-03'"
+        )
+        .await,
+        1
+    );
+    // pg_partman goes on creating partitions beside it.
+    sqlx::query("select partman.run_maintenance('demo.events')")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+
+    // check-config warns while pg_partman's retention is set on the table.
+    use crate::kit::process::{sweeper, write_config};
+    sqlx::query(
+        "update partman.part_config set retention = '6 months' where parent_table = 'demo.events'",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let extra = format!("[ledger]\naudit_export_dir = \"{}\"\n", dir.display());
+    let path = write_config(&config_toml(
+        &app.db.url,
+        0,
+        &extra,
+        &format!("{PARTITIONED_POLICY}partitions = \"drop\"\n"),
+    ));
+    let out = sweeper(&["check-config", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("warning: policy[events]: partitions: pg_partman's own retention (6 months) is set on demo.events"),
+        "{text}"
+    );
+}
+
+/// The blast-radius guard counts the rows of the partitions a run retires and holds their
+/// retirement like any command until approved. A legal hold set while the run waits is found in
+/// the detached table: that partition is attached again, `kept`, its rows all there; the others
+/// are dropped. A cancelled run's retirements not begun are `kept`, nothing detached.
+#[tokio::test]
+async fn the_guard_holds_a_retirement_and_a_hold_set_since_planning_keeps_the_partition() {
+    let dir = export_dir();
+    let app = TestApp::spawn(Spawn {
+        setup_sql: PARTITIONED,
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: format!(
+            "{PARTITIONED_POLICY}partitions = \"drop\"\nguard = {{ max_items = 30 }}\n"
+        ),
+        extra_toml: format!("[ledger]\naudit_export_dir = \"{}\"\n", dir.display()),
+        workers: 0,
+    })
+    .await;
+    make_months(&app.pool, 10).await;
+    sqlx::raw_sql(
+        "insert into demo.events (id, created_at, payload)
+         select i, timestamptz '2026-01-15' + make_interval(months => m), 'x'
+           from generate_series(1, 40) i, generate_series(0, 8) m;
+         insert into demo.events values (2000, '2026-02-20', 'held later');",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    let run = app
+        .api
+        .wait_run(&run_id, "held for approval", |r| {
+            r["approval"]["state"] == "required"
+        })
+        .await;
+    assert_eq!(
+        run["eligible_planned"], 201,
+        "the retiring rows are planned: {run}"
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let states: Vec<String> = sqlx::query_scalar(
+        "select distinct state from sweeper.partition_retirements where run_id = $1",
+    )
+    .bind(&run_id)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(states, ["planned"], "nothing detached before the approval");
+    // A legal hold on event 2000, in February, set while the run waits.
+    sqlx::query("insert into legal.event_holds values (2000, null)")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    app.api
+        .expect(
+            200,
+            reqwest::Method::POST,
+            &format!("/runs/{run_id}/approve"),
+            Some(serde_json::json!({"reason": "the first sweep of old months"})),
+        )
+        .await;
+    let run = app.wait_terminal(&run_id).await;
+    let parts = run["partitions"].as_array().unwrap();
+    let february = parts
+        .iter()
+        .find(|p| p["partition"] == "demo.events_2026_02")
+        .unwrap();
+    assert_eq!(february["state"], "kept", "{run}");
+    assert!(
+        february["reason"]
+            .as_str()
+            .unwrap()
+            .contains("1 of its rows are kept since planning"),
+        "{run}"
+    );
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events where created_at >= '2026-02-01' and created_at < '2026-03-01'").await,
+        41,
+        "February attached again with every row"
+    );
+    assert_eq!(
+        parts.iter().filter(|p| p["state"] == "dropped").count(),
+        4,
+        "{run}"
+    );
+    assert_eq!(run["deleted"], 160, "{run}");
+
+    // A cancelled run: its retirements not begun are kept.
+    // A month later June has expired whole.
+    set_clock(&app.pool, at("2026-10-01T02:01:00Z")).await;
+    let second = app.api.trigger_new("events", "").await;
+    app.api
+        .wait_run(&second, "held for approval", |r| {
+            r["approval"]["state"] == "required"
+        })
+        .await;
+    app.api
+        .expect(
+            200,
+            reqwest::Method::POST,
+            &format!("/runs/{second}/cancel"),
+            Some(serde_json::json!({"reason": "not today"})),
+        )
+        .await;
+    let kept: Vec<(String, String, String)> = sqlx::query_as(
+        "select partition, state, reason from sweeper.partition_retirements where run_id = $1
+          order by partition",
+    )
+    .bind(&second)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(kept.len(), 2, "{kept:?}");
+    assert_eq!(kept[0].0, "demo.events_2026_02");
+    assert_eq!(
+        (kept[1].0.as_str(), kept[1].1.as_str()),
+        ("demo.events_2026_06", "kept")
+    );
+    assert_eq!(
+        kept[1].2, "the run was cancelled before the partition was detached",
+        "{kept:?}"
+    );
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_2026_06").await,
+        40
+    );
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_2026_02").await,
+        41
+    );
+}
