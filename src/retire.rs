@@ -39,16 +39,14 @@ const CHUNK_KEYS: usize = 10_000;
 
 /// Claims one retirement due and takes it as far as it goes. Returns whether one was claimed.
 pub async fn retire_next(state: &AppState) -> anyhow::Result<bool> {
+    // Every configured policy: a retirement begun under `partitions = "drop"` is finished after
+    // the setting changed back to "rows".
     let policies: Vec<String> = state
         .config
         .policies
         .iter()
-        .filter(|p| p.partitions == crate::policy::partitions::Retirement::Drop)
         .map(|p| p.name.to_string())
         .collect();
-    if policies.is_empty() {
-        return Ok(false);
-    }
     let token = Uuid::new_v4();
     let held = crate::holds::held_policies(state);
     let lease = state.config.planning.lease.seconds() as f64;
@@ -120,18 +118,21 @@ async fn rules_of(state: &AppState, r: &Retirement) -> anyhow::Result<RuleSet> {
 /// it no longer exists).
 async fn detach(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result<String> {
     let pool = &state.pool;
-    let (exists, pending, default_beside): (bool, Option<bool>, bool) = sqlx::query_as(
-        "select to_regclass($2) is not null,
+    let (exists, pending, partition_elsewhere, default_beside): (bool, Option<bool>, bool, bool) =
+        sqlx::query_as(
+            "select to_regclass($2) is not null,
                 (select i.inhdetachpending from pg_inherits i
                   where i.inhparent = to_regclass($1) and i.inhrelid = to_regclass($2)),
+                coalesce((select c.relispartition from pg_class c where c.oid = to_regclass($2)),
+                         false),
                 exists (select 1 from pg_inherits i join pg_class c on c.oid = i.inhrelid
                          where i.inhparent = to_regclass($1)
                            and pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')",
-    )
-    .bind(&r.parent)
-    .bind(&r.partition)
-    .fetch_one(pool)
-    .await?;
+        )
+        .bind(&r.parent)
+        .bind(&r.partition)
+        .fetch_one(pool)
+        .await?;
     let mut conn = pool.acquire().await?;
     let next = match (exists, pending) {
         (false, _) => {
@@ -143,6 +144,13 @@ async fn detach(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result
         // Not attached under its parent any more: detached by an earlier try of ours, or, when
         // none began, by someone else (pg_partman keeping the table, an operator), whose table
         // is left as it is.
+        (true, None) if partition_elsewhere => {
+            let why = "the partition is attached under another parent than the one it was \
+                       planned under (renamed, or moved): left as it is";
+            ledger::retirements::set_state(&mut conn, r, token, "gone", Some(why)).await?;
+            warn!(run_id = r.run_id, partition = r.partition, "{why}");
+            return Ok("gone".into());
+        }
         (true, None) if r.state == "planned" => {
             let why = "the partition was detached outside sweeper before its retirement; its \
                        table is left as it is";
@@ -174,6 +182,11 @@ async fn detach(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result
             // no statement_timeout on this connection, which is closed afterwards.
             conn.close_on_drop();
             sqlx::query("set statement_timeout = 0")
+                .execute(&mut *conn)
+                .await?;
+            // Its second phase waits, as a lock wait, for every transaction that began before
+            // the first: `lock_timeout` would fail it behind a long application transaction.
+            sqlx::query("set lock_timeout = 0")
                 .execute(&mut *conn)
                 .await?;
             let how = if pending { "finalize" } else { "concurrently" };
@@ -211,46 +224,33 @@ async fn drop_with_evidence(
         .map_err(|e| anyhow::anyhow!("the partition's name: {e}"))?;
     let rules = rules_of(state, r).await?.on_table(table);
     let mut tx = state.pool.begin().await?;
+    let exists: bool = sqlx::query_scalar("select to_regclass($1) is not null")
+        .bind(&r.partition)
+        .fetch_one(&mut *tx)
+        .await?;
+    if !exists {
+        let why = "the detached partition was dropped or renamed outside sweeper before its drop";
+        ledger::retirements::set_state(&mut tx, r, token, "gone", Some(why)).await?;
+        tx.commit().await?;
+        warn!(run_id = r.run_id, partition = r.partition, "{why}");
+        return Ok("gone".into());
+    }
     sqlx::query(&format!(
         "lock table {} in access exclusive mode",
         r.partition
     ))
     .execute(&mut *tx)
     .await?;
-    let mut q = QueryBuilder::<Postgres>::new("select count(*) from ");
-    q.push(rules.table_sql());
-    q.push(" where not (");
-    rules.push_has_key(&mut q);
-    q.push(" and ");
-    rules.push_eligible(&mut q);
-    q.push(")");
-    let kept: i64 = q.build_query_scalar().fetch_one(&mut *tx).await?;
+    let kept = kept_rows(&mut tx, &rules).await?;
     if kept > 0 {
-        sqlx::query(&format!(
-            "alter table {} attach partition {} {}",
-            r.parent, r.partition, r.bound
-        ))
-        .execute(&mut *tx)
-        .await
-        .context("attaching the partition again")?;
-        let why = format!(
-            "{kept} of its rows are kept since planning (an exclusion or the selection): attached \
-             again; the next run sweeps it row by row"
-        );
-        if !ledger::retirements::set_state(&mut tx, r, token, "kept", Some(&why)).await? {
-            bail!("the retirement's lease was lost");
-        }
-        tx.commit().await?;
-        info!(run_id = r.run_id, partition = r.partition, reason = %why, "partition kept");
-        return Ok("kept".into());
+        return keep(tx, r, token, kept).await.map(|()| "kept".into());
     }
     let name = export_name(&r.policy, &r.run_id, &r.partition);
     let path = dir.join(&name);
     let partial = path.with_extension("gz.partial");
     let written = write_export(state, &mut tx, &rules, (r, token), &partial).await?;
     let sha256 = export_file::finish(Some(written.out), &partial, &path, &dir).await?;
-    verify(Path::new(&path), written.rows, &sha256).await?;
-    crate::crash_point!("retire_after_export");
+    let rows = written.rows;
     let manifest = Manifest {
         policy: r.policy.clone(),
         run_id: r.run_id.clone(),
@@ -259,20 +259,39 @@ async fn drop_with_evidence(
         bound: r.bound.clone(),
         timestamp_from: r.timestamp_from,
         timestamp_to: r.timestamp_to,
-        rows: written.rows,
+        rows,
         first_key: written.first_key,
         last_key: written.last_key,
         digest: written.digest,
         export_location: path.display().to_string(),
         export_sha256: sha256,
     };
-    if !ledger::retirements::record_drop(&mut tx, r, token, &manifest).await? {
-        bail!("the retirement's lease was lost; nothing is dropped");
+    // From here a failure rolls the drop back: the export it wrote goes too (a retry writes it
+    // again, or keeps the partition and needs none).
+    let dropped = async {
+        verify(Path::new(&path), rows, &manifest.export_sha256).await?;
+        crate::crash_point!("retire_after_export");
+        // A hold committed while the keys were exported (the related tables are not locked) is
+        // seen here, as close to the drop as it can be: tried again, the partition is kept.
+        if kept_rows(&mut tx, &rules).await? > 0 {
+            bail!("a row of the partition became held while its keys were exported; tried again");
+        }
+        if !ledger::retirements::record_drop(&mut tx, r, token, &manifest).await? {
+            bail!("the retirement's lease was lost; nothing is dropped");
+        }
+        sqlx::query(&format!("drop table {}", r.partition))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        anyhow::Ok(())
     }
-    sqlx::query(&format!("drop table {}", r.partition))
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
+    .await;
+    if let Err(e) = dropped {
+        if let Err(rm) = std::fs::remove_file(&path) {
+            warn!(path = %path.display(), error = %rm, "removing the export of a drop rolled back failed");
+        }
+        return Err(e);
+    }
     crate::crash_point!("retire_after_drop");
     info!(
         run_id = r.run_id,
@@ -283,6 +302,66 @@ async fn drop_with_evidence(
         "partition exported, recorded and dropped"
     );
     Ok("dropped".into())
+}
+
+/// The detached table's rows the run must not remove (held by an exclusion, not selected, not
+/// old enough, or with a key no item key names).
+async fn kept_rows(tx: &mut sqlx::PgConnection, rules: &RuleSet) -> anyhow::Result<i64> {
+    let mut q = QueryBuilder::<Postgres>::new("select count(*) from ");
+    q.push(rules.table_sql());
+    q.push(" where not (");
+    rules.push_has_key(&mut q);
+    q.push(" and ");
+    rules.push_eligible(&mut q);
+    q.push(")");
+    Ok(q.build_query_scalar().fetch_one(&mut *tx).await?)
+}
+
+/// Keeps a detached partition with `kept` rows the run must not remove: attached again for its
+/// bound (the next run sweeps it row by row) and recorded `kept`, committing `tx`. When it cannot
+/// be attached again (rows inserted in its range meanwhile went to a default partition), it is
+/// left detached, and the reason says so and what to do.
+async fn keep(
+    mut tx: sqlx::Transaction<'_, Postgres>,
+    r: &Retirement,
+    token: Uuid,
+    kept: i64,
+) -> anyhow::Result<()> {
+    let mut attach = sqlx::Connection::begin(&mut *tx).await?;
+    let attached = sqlx::query(&format!(
+        "alter table {} attach partition {} {}",
+        r.parent, r.partition, r.bound
+    ))
+    .execute(&mut *attach)
+    .await;
+    let why = match attached {
+        Ok(_) => {
+            attach.commit().await?;
+            format!(
+                "{kept} of its rows are kept since planning (an exclusion or the selection): \
+                 attached again; the next run sweeps it row by row"
+            )
+        }
+        Err(e) => {
+            attach.rollback().await?;
+            format!(
+                "{kept} of its rows are kept since planning, and it could not be attached again \
+                 ({e}): the detached table {} holds its rows; attach it by hand ({} once the \
+                 conflicting rows are moved)",
+                r.partition,
+                format_args!(
+                    "alter table {} attach partition {} {}",
+                    r.parent, r.partition, r.bound
+                )
+            )
+        }
+    };
+    if !ledger::retirements::set_state(&mut tx, r, token, "kept", Some(&why)).await? {
+        bail!("the retirement's lease was lost");
+    }
+    tx.commit().await?;
+    info!(run_id = r.run_id, partition = r.partition, reason = %why, "partition kept");
+    Ok(())
 }
 
 /// The export file's name: the policy, the run and the partition, each made safe for a file

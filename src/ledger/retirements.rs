@@ -162,7 +162,9 @@ pub async fn claim(
     .await
 }
 
-/// Moves a retirement `token` holds to `state` (with `reason`); false when the lease was lost.
+/// Moves a retirement `token` holds to `state` (with `reason`); false when the lease was lost. A
+/// retirement that ends `kept` or `gone` after planning takes its rows back out of the run's
+/// planned count (they were not retired by this run).
 pub async fn set_state(
     conn: &mut PgConnection,
     r: &Retirement,
@@ -170,21 +172,32 @@ pub async fn set_state(
     state: &str,
     reason: Option<&str>,
 ) -> sqlx::Result<bool> {
-    Ok(sqlx::query(
-        "update sweeper.partition_retirements
-            set state = $4, reason = coalesce($5, reason),
-                finished_at = case when $4 in ('kept', 'gone', 'dropped') then sweeper.now() end
-          where run_id = $1 and partition = $2 and lease_token = $3",
+    let changed: Option<i64> = sqlx::query_scalar(
+        "with old as (
+             select state, rows from sweeper.partition_retirements
+              where run_id = $1 and partition = $2 and lease_token = $3
+              for update),
+         s as (
+             update sweeper.partition_retirements
+                set state = $4, reason = coalesce($5, reason),
+                    finished_at = case when $4 in ('kept', 'gone', 'dropped') then sweeper.now() end
+              where run_id = $1 and partition = $2 and lease_token = $3
+             returning 1),
+         counted as (
+             update sweeper.runs
+                set eligible_planned = eligible_planned - (select rows from old)
+              where run_id = $1 and $4 in ('kept', 'gone') and exists (select 1 from s)
+                and (select state from old) in ('planned', 'detaching', 'detached'))
+         select count(*) from s",
     )
     .bind(&r.run_id)
     .bind(&r.partition)
     .bind(token)
     .bind(state)
     .bind(reason)
-    .execute(conn)
-    .await?
-    .rows_affected()
-        == 1)
+    .fetch_optional(conn)
+    .await?;
+    Ok(changed == Some(1))
 }
 
 /// Renews the lease `token` holds on a retirement for `lease_seconds` from now; false when it was

@@ -451,10 +451,6 @@ impl Check<'_> {
         Ok(())
     }
 
-    /// A partitioned target: its leaves in the order planning walks them, with their bounds; the
-    /// index each walk reads every leaf through; a default partition warned about (its
-    /// constraint is the negation of all its siblings', which grows with them and changes
-    /// whenever a partition is attached).
     /// `partitions = "drop"` (docs/design.md §14 "Partition sweep"): the target is range
     /// partitioned on the policy's timestamp alone (a partition's bounds then say how old its
     /// rows are); no row-level DELETE trigger and no foreign key would be bypassed (a drop fires
@@ -633,6 +629,10 @@ impl Check<'_> {
         Ok(())
     }
 
+    /// A partitioned target: its leaves in the order planning walks them, with their bounds; the
+    /// index each walk reads every leaf through; a default partition warned about (its
+    /// constraint is the negation of all its siblings', which grows with them and changes
+    /// whenever a partition is attached).
     async fn partitions(&mut self) -> sqlx::Result<()> {
         let t = &self.p.spec.target;
         let mut conn = self.pool.acquire().await?;
