@@ -19,6 +19,9 @@
 set -euo pipefail
 server=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 admin="${server%/*}/postgres"
+# sweeper reads DATABASE_URL before its configuration's database_url: each contender's
+# configuration names its own database.
+unset DATABASE_URL SWEEPER_DATABASE_URL
 rows_per_month=${ROWS_PER_MONTH:-250000}
 straddle=$((rows_per_month * 4 / 50))
 reps=${REPS:-3}
@@ -30,7 +33,7 @@ bin=target/release/sweeper
 
 # The window: the latest 02:00 UTC tick; the cutoff 90 days before it.
 window=$(psql -Atq "$admin" -c "select to_char(date_trunc('day', now() at time zone 'UTC' - interval '2 hours') + interval '2 hours', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')")
-cutoff="timestamptz '$window' - interval '90 days'"
+cutoff="(timestamptz '$window' - interval '90 days')"
 has_partman=$(psql -Atq "$admin" -c "select count(*) from pg_available_extensions where name = 'pg_partman'")
 
 # The table (by hand, or by pg_partman) and its rows; `$1`: "hand" or "partman".
@@ -44,7 +47,7 @@ create table demo.events (id bigint not null, created_at timestamptz not null, p
                           primary key (id, created_at)) partition by range (created_at);
 create index on demo.events (created_at);
 SQL
-  local first="date_trunc('month', $cutoff) - interval '4 months'"
+  local first="(date_trunc('month', $cutoff) - interval '4 months')"
   if [ "$how" = partman ]; then
     psql -q -v ON_ERROR_STOP=1 "$url" <<SQL
 create schema partman;
@@ -101,7 +104,7 @@ listen = "127.0.0.1:$port"
 migrate_on_start = true
 [queue]
 workers = 2
-poll_interval = "100ms"
+poll_interval = "1s"
 [ledger]
 audit_export_dir = "$work/exports"
 [[auth.issuer]]
@@ -130,7 +133,12 @@ run_sweeper() {
   from=$(wal_now "$url")
   "$bin" serve --config "$work/sweeper.toml" >"$work/serve.log" 2>&1 &
   local pid=$!
-  until curl -sf "http://127.0.0.1:$port/readyz" >/dev/null; do sleep 0.05; done
+  local waited=0
+  until curl -sf "http://127.0.0.1:$port/readyz" >/dev/null; do
+    sleep 0.05
+    waited=$((waited + 1))
+    if [ "$waited" -gt 1200 ]; then echo "sweeper did not become ready:" >&2; tail -20 "$work/serve.log" >&2; exit 1; fi
+  done
   local started run status
   started=$(date +%s.%N)
   run=$(curl -sf -X POST -H "authorization: Bearer $token" \
@@ -158,7 +166,7 @@ run_partman() {
   local from started seconds wal
   from=$(wal_now "$url")
   started=$(date +%s.%N)
-  psql -q "$url" -c "select partman.run_maintenance('demo.events')"
+  psql -q "$url" -c "select partman.run_maintenance('demo.events')" >/dev/null
   seconds=$(echo "$(date +%s.%N) - $started" | bc)
   wal=$(psql -Atq "$url" -c "select pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '$from')")
   echo "$seconds - $wal $(dead "$url") $(old_left "$url")"

@@ -461,10 +461,11 @@ async fn write_export(
     })
 }
 
-/// Runs the retirer until `shutdown`: a retirement after another while there are some, polling
-/// otherwise.
+/// Runs the retirer until `shutdown`: a retirement after another while there are some; otherwise
+/// it waits for a run's planning to end, polling as a fallback.
 pub async fn retirer_loop(state: AppState, shutdown: tokio_util::sync::CancellationToken) {
     while !shutdown.is_cancelled() {
+        let notified = state.wake_retirer.notified();
         let worked = match retire_next(&state).await {
             Ok(worked) => worked,
             Err(e) => {
@@ -477,6 +478,7 @@ pub async fn retirer_loop(state: AppState, shutdown: tokio_util::sync::Cancellat
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,
+            _ = notified => {}
             _ = tokio::time::sleep(state.config.queue.poll_interval.std()) => {}
         }
     }

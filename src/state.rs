@@ -34,6 +34,8 @@ pub struct AppState {
     pub wake_workers: Arc<Notify>,
     /// Wakes the planner (a run was created).
     pub wake_planner: Arc<Notify>,
+    /// Wakes the partition retirer (a run's planning is done).
+    pub wake_retirer: Arc<Notify>,
     /// This process's identity as a lease owner.
     pub replica_id: uuid::Uuid,
     /// Downstream dependencies: clients, per-replica limits, the shared pause view.

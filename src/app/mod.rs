@@ -183,6 +183,7 @@ impl Application {
                 specs: Arc::new(ledger::SpecCache::default()),
                 wake_workers: Arc::new(Notify::new()),
                 wake_planner: Arc::new(Notify::new()),
+                wake_retirer: Arc::new(Notify::new()),
                 replica_id: uuid::Uuid::new_v4(),
                 dependencies: Arc::new(dependencies),
                 governor: crate::governor::Governor::default(),

@@ -475,6 +475,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
         info!(run_id, path = c.path.as_str(), reason = %c.reason, "planning path chosen");
     }
     if done {
+        state.wake_retirer.notify_waiters();
         info!(run_id, status, "planning done");
         Ok(PlanStep::Done)
     } else {
