@@ -12,13 +12,13 @@ use flate2::read::GzDecoder;
 use flate2::write::GzEncoder;
 use sha2::{Digest, Sha256};
 
-/// Starts an export at `partial` (created or truncated).
-pub(crate) fn create(partial: &Path) -> anyhow::Result<Encoder> {
+/// Starts an export at `partial` (created or truncated), compressed at `level`.
+pub(crate) fn create(partial: &Path, level: Compression) -> anyhow::Result<Encoder> {
     let file = std::fs::File::create(partial)
         .with_context(|| format!("creating {}", partial.display()))?;
     Ok(GzEncoder::new(
         Hashing::new(std::io::BufWriter::new(file)),
-        Compression::default(),
+        level,
     ))
 }
 

@@ -293,6 +293,15 @@ async fn drop_with_evidence(
         return Err(e);
     }
     crate::crash_point!("retire_after_drop");
+    // A dropped partition's rows are deleted items like any command's (its manifest is their
+    // audit): counted in sweeper_items_total.
+    crate::metrics::items_recorded(
+        &r.policy,
+        &ledger::Counts {
+            deleted: rows,
+            ..Default::default()
+        },
+    );
     info!(
         run_id = r.run_id,
         partition = r.partition,
@@ -407,7 +416,18 @@ async fn write_export(
     partial: &Path,
 ) -> anyhow::Result<Written> {
     let lease = state.config.planning.lease.seconds() as f64;
-    let mut out = Some(export_file::create(partial)?);
+    // gzip's fastest level: a partition's key lines repeat their policy, run and partition, which
+    // compress well at any level, and the default level would be most of a drop's time.
+    let mut out = Some(export_file::create(partial, flate2::Compression::fast())?);
+    // Each line is this prefix, the key as a JSON string, and `}`.
+    let prefix = {
+        let mut p = serde_json::to_vec(&serde_json::json!({
+            "policy": r.policy, "run_id": r.run_id, "partition": r.partition,
+        }))?;
+        p.pop();
+        p.extend_from_slice(b",\"item_key\":");
+        p
+    };
     // A cursor in the drop's transaction: one sort, read CHUNK_KEYS keys per round trip.
     sqlx::query(&format!(
         "declare retiring_keys no scroll cursor for
@@ -434,13 +454,9 @@ async fn write_export(
             if i > 0 {
                 lines.push(b'\n');
             }
-            serde_json::to_writer(
-                &mut lines,
-                &serde_json::json!({
-                    "policy": r.policy, "run_id": r.run_id,
-                    "partition": r.partition, "item_key": key,
-                }),
-            )?;
+            lines.extend_from_slice(&prefix);
+            serde_json::to_writer(&mut lines, key)?;
+            lines.push(b'}');
         }
         if first_key.is_none() {
             first_key = keys.first().cloned();

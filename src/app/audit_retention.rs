@@ -97,7 +97,10 @@ async fn export_month(state: &AppState, p: &Partition, dir: &Path) -> anyhow::Re
     let path = dir.join(format!("sweeper-audit-{}.jsonl.gz", p.partition));
     let partial = path.with_extension("gz.partial");
     let expected = ledger::audit::partition_rows(&state.pool, p).await?;
-    let mut out = Some(export_file::create(&partial)?);
+    let mut out = Some(export_file::create(
+        &partial,
+        flate2::Compression::default(),
+    )?);
     let mut rows = 0i64;
     let mut after = 0i64;
     loop {
