@@ -241,57 +241,69 @@ async fn drop_with_evidence(
     ))
     .execute(&mut *tx)
     .await?;
-    let kept = kept_rows(&mut tx, &rules).await?;
-    if kept > 0 {
-        return keep(tx, r, token, kept).await.map(|()| "kept".into());
-    }
+    let lease = state.config.planning.lease.seconds() as f64;
     let name = export_name(&r.policy, &r.run_id, &r.partition);
     let path = dir.join(&name);
     let partial = path.with_extension("gz.partial");
-    let written = write_export(state, &mut tx, &rules, (r, token), &partial).await?;
-    let sha256 = export_file::finish(Some(written.out), &partial, &path, &dir).await?;
-    let rows = written.rows;
-    let manifest = Manifest {
-        policy: r.policy.clone(),
-        run_id: r.run_id.clone(),
-        partition: r.partition.clone(),
-        parent: r.parent.clone(),
-        bound: r.bound.clone(),
-        timestamp_from: r.timestamp_from,
-        timestamp_to: r.timestamp_to,
-        rows,
-        first_key: written.first_key,
-        last_key: written.last_key,
-        digest: written.digest,
-        export_location: path.display().to_string(),
-        export_sha256: sha256,
-    };
-    // From here a failure rolls the drop back: the export it wrote goes too (a retry writes it
-    // again, or keeps the partition and needs none).
-    let dropped = async {
-        verify(Path::new(&path), rows, &manifest.export_sha256).await?;
+    let kept = kept_rows(&mut tx, &rules).await?;
+    if kept > 0 {
+        // An export an earlier try left (it crashed before its commit) stands for nothing.
+        remove_export(&[&path, &partial]);
+        return keep(tx, r, token, kept).await.map(|()| "kept".into());
+    }
+    if !ledger::retirements::renew(&state.pool, r, token, lease).await? {
+        bail!("the retirement's lease was lost");
+    }
+    // Everything up to the commit is rolled back on a failure, and the export it wrote goes too
+    // (a retry writes it again, or keeps the partition and needs none).
+    let prepared = async {
+        let written = write_export(state, &mut tx, &rules, (r, token), &partial).await?;
+        let sha256 = export_file::finish(Some(written.out), &partial, &path, &dir).await?;
+        let manifest = Manifest {
+            policy: r.policy.clone(),
+            run_id: r.run_id.clone(),
+            partition: r.partition.clone(),
+            parent: r.parent.clone(),
+            bound: r.bound.clone(),
+            timestamp_from: r.timestamp_from,
+            timestamp_to: r.timestamp_to,
+            rows: written.rows,
+            first_key: written.first_key,
+            last_key: written.last_key,
+            digest: written.digest,
+            export_location: path.display().to_string(),
+            export_sha256: sha256,
+        };
+        verify(Path::new(&path), manifest.rows, &manifest.export_sha256).await?;
         crate::crash_point!("retire_after_export");
         // A hold committed while the keys were exported (the related tables are not locked) is
         // seen here, as close to the drop as it can be: tried again, the partition is kept.
         if kept_rows(&mut tx, &rules).await? > 0 {
             bail!("a row of the partition became held while its keys were exported; tried again");
         }
-        if !ledger::retirements::record_drop(&mut tx, r, token, &manifest).await? {
+        if !ledger::retirements::renew(&state.pool, r, token, lease).await?
+            || !ledger::retirements::record_drop(&mut tx, r, token, &manifest).await?
+        {
             bail!("the retirement's lease was lost; nothing is dropped");
         }
         sqlx::query(&format!("drop table {}", r.partition))
             .execute(&mut *tx)
             .await?;
-        tx.commit().await?;
-        anyhow::Ok(())
+        anyhow::Ok(manifest)
     }
     .await;
-    if let Err(e) = dropped {
-        if let Err(rm) = std::fs::remove_file(&path) {
-            warn!(path = %path.display(), error = %rm, "removing the export of a drop rolled back failed");
+    let manifest = match prepared {
+        Ok(m) => m,
+        Err(e) => {
+            remove_export(&[&path, &partial]);
+            return Err(e);
         }
-        return Err(e);
-    }
+    };
+    // A failed commit keeps the export: the server may have committed before the connection
+    // broke, and then the manifest names this file. A retry that finds the table still there
+    // writes it again.
+    tx.commit().await?;
+    let rows = manifest.rows;
     crate::crash_point!("retire_after_drop");
     // A dropped partition's rows are deleted items like any command's (its manifest is their
     // audit): counted in sweeper_items_total.
@@ -311,6 +323,19 @@ async fn drop_with_evidence(
         "partition exported, recorded and dropped"
     );
     Ok("dropped".into())
+}
+
+/// Removes an export file and its partial file if they exist (a drop that did not commit).
+fn remove_export(paths: &[&Path]) {
+    for path in paths {
+        match std::fs::remove_file(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                warn!(path = %path.display(), error = %e, "removing the export of a drop that did not commit failed")
+            }
+        }
+    }
 }
 
 /// The detached table's rows the run must not remove (held by an exclusion, not selected, not
@@ -351,7 +376,9 @@ async fn keep(
                  attached again; the next run sweeps it row by row"
             )
         }
-        Err(e) => {
+        // Only a row of its range found in the default partition (23514) keeps it detached; any
+        // other failure (a lock timeout, a lost connection) is tried again.
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("23514") => {
             attach.rollback().await?;
             format!(
                 "{kept} of its rows are kept since planning, and it could not be attached again \
@@ -364,6 +391,7 @@ async fn keep(
                 )
             )
         }
+        Err(e) => return Err(anyhow::Error::new(e).context("attaching the partition again")),
     };
     if !ledger::retirements::set_state(&mut tx, r, token, "kept", Some(&why)).await? {
         bail!("the retirement's lease was lost");

@@ -228,10 +228,14 @@ pub async fn cancel(
         .await?;
     // A partition not yet detached is not retired; one whose detach began is finished.
     sqlx::query(
-        "update sweeper.partition_retirements
-            set state = 'kept', reason = 'the run was cancelled before the partition was detached',
-                finished_at = sweeper.now()
-          where run_id = $1 and state = 'planned'",
+        "with k as (
+             update sweeper.partition_retirements
+                set state = 'kept', reason = 'the run was cancelled before the partition was detached',
+                    finished_at = sweeper.now()
+              where run_id = $1 and state = 'planned'
+             returning rows)
+         update sweeper.runs set eligible_planned = eligible_planned - (select sum(rows) from k)
+          where run_id = $1 and exists (select 1 from k)",
     )
     .bind(run_id)
     .execute(&mut *tx)

@@ -162,7 +162,9 @@ pub async fn claim(
     .await
 }
 
-/// Moves a retirement `token` holds to `state` (with `reason`); false when the lease was lost. A
+/// Moves a retirement `token` holds, not finished, to `state` (with `reason`); false when the
+/// lease was lost or it was finished meanwhile (a cancel keeps what has not begun). The statement
+/// reads the row as it was before (one snapshot for the whole statement). A
 /// retirement that ends `kept` or `gone` after planning takes its rows back out of the run's
 /// planned count (they were not retired by this run).
 pub async fn set_state(
@@ -175,13 +177,13 @@ pub async fn set_state(
     let changed: Option<i64> = sqlx::query_scalar(
         "with old as (
              select state, rows from sweeper.partition_retirements
-              where run_id = $1 and partition = $2 and lease_token = $3
-              for update),
+              where run_id = $1 and partition = $2 and lease_token = $3),
          s as (
              update sweeper.partition_retirements
                 set state = $4, reason = coalesce($5, reason),
                     finished_at = case when $4 in ('kept', 'gone', 'dropped') then sweeper.now() end
               where run_id = $1 and partition = $2 and lease_token = $3
+                and state in ('planned', 'detaching', 'detached')
              returning 1),
          counted as (
              update sweeper.runs

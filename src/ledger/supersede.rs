@@ -106,10 +106,14 @@ pub async fn supersede(
     }
     // Its partitions not detached are not retired by it (the later run's planning met them).
     sqlx::query(
-        "update sweeper.partition_retirements
-            set state = 'kept', reason = 'the run was superseded before the partition was detached',
-                finished_at = sweeper.now()
-          where run_id = $1 and state = 'planned'",
+        "with k as (
+             update sweeper.partition_retirements
+                set state = 'kept', reason = 'the run was superseded before the partition was detached',
+                    finished_at = sweeper.now()
+              where run_id = $1 and state = 'planned'
+             returning rows)
+         update sweeper.runs set eligible_planned = eligible_planned - (select sum(rows) from k)
+          where run_id = $1 and exists (select 1 from k)",
     )
     .bind(&run.run_id)
     .execute(&mut *sp)

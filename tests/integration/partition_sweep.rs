@@ -588,6 +588,10 @@ async fn the_guard_holds_a_retirement_and_a_hold_set_since_planning_keeps_the_pa
         "{run}"
     );
     assert_eq!(run["deleted"], 160, "{run}");
+    assert_eq!(
+        run["eligible_planned"], 160,
+        "February's rows left the planned count when it was kept: {run}"
+    );
 
     // A cancelled run: its retirements not begun are kept.
     // A month later June has expired whole.
@@ -627,6 +631,12 @@ async fn the_guard_holds_a_retirement_and_a_hold_set_since_planning_keeps_the_pa
     assert_eq!(
         count(&app.pool, "select count(*) from demo.events_2026_06").await,
         40
+    );
+    let second_run = app.api.run(&second).await;
+    assert_eq!(
+        second_run["eligible_planned"], 40,
+        "February's 40 rows planned row by row; June's 40 left the planned count with the \
+         cancel: {second_run}"
     );
     assert_eq!(
         count(&app.pool, "select count(*) from demo.events_2026_02").await,
