@@ -14,7 +14,9 @@
 # the rows left older than the cutoff.
 # Run from the repository root:
 #   DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres bash benches/partition_sweep.sh
-# Options by environment: ROWS_PER_MONTH (250000), REPS (3). Needs pg_partman (Debian's
+# Options by environment: ROWS_PER_MONTH (250000), REPS (3), STRADDLE (old rows in the straddling
+# month, and as many young ones; default 2 % of the expired ones; 0 isolates the retirement's own
+# WAL), CONTENDERS ("drop rows partman"). Needs pg_partman (Debian's
 # postgresql-15-partman) for the third contender; without it that contender is skipped.
 set -euo pipefail
 server=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
@@ -23,7 +25,7 @@ admin="${server%/*}/postgres"
 # configuration names its own database.
 unset DATABASE_URL SWEEPER_DATABASE_URL
 rows_per_month=${ROWS_PER_MONTH:-250000}
-straddle=$((rows_per_month * 4 / 50))
+straddle=${STRADDLE:-$((rows_per_month * 4 / 50))}
 reps=${REPS:-3}
 port=${PORT:-18095}
 work=$(mktemp -d)
@@ -177,7 +179,7 @@ if [ "$has_partman" = 1 ]; then seed sweeper_bench_partitions_seed_partman partm
 echo "window $window; $((rows_per_month * 4)) rows in four expired months, $straddle old and $straddle young in the straddling month"
 echo "rep contender seconds retirement_span_s wal_bytes dead_tuples old_rows_left"
 for rep in $(seq 1 "$reps"); do
-  for c in drop rows partman; do
+  for c in ${CONTENDERS:-drop rows partman}; do
     db=sweeper_bench_partitions_run
     template=sweeper_bench_partitions_seed
     if [ "$c" = partman ]; then
