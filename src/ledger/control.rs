@@ -227,19 +227,7 @@ pub async fn cancel(
         .execute(&mut *tx)
         .await?;
     // A partition not yet detached is not retired; one whose detach began is finished.
-    sqlx::query(
-        "with k as (
-             update sweeper.partition_retirements
-                set state = 'kept', reason = 'the run was cancelled before the partition was detached',
-                    finished_at = sweeper.now()
-              where run_id = $1 and state = 'planned'
-             returning rows)
-         update sweeper.runs set eligible_planned = eligible_planned - (select sum(rows) from k)
-          where run_id = $1 and exists (select 1 from k)",
-    )
-    .bind(run_id)
-    .execute(&mut *tx)
-    .await?;
+    super::retirements::keep_not_begun(&mut tx, run_id, "cancelled").await?;
     let n = sqlx::query(
         "update sweeper.commands
             set state = 'cancelled', finished_at = sweeper.now(), lease_until = null, lease_owner = null

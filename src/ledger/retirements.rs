@@ -89,6 +89,28 @@ pub async fn record_chosen(
     Ok(retiring)
 }
 
+/// Keeps the retirements of `run_id` not begun (`planned`) when the run stops (`how`:
+/// `cancelled`, `superseded`), their rows taken out of its planned count; one whose detach began is
+/// left to the retirer, which finishes it. What a stopped run leaves is decided here, for both.
+pub async fn keep_not_begun(conn: &mut PgConnection, run_id: &str, how: &str) -> sqlx::Result<()> {
+    sqlx::query(
+        "with k as (
+             update sweeper.partition_retirements
+                set state = 'kept',
+                    reason = 'the run was ' || $2 || ' before the partition was detached',
+                    finished_at = sweeper.now()
+              where run_id = $1 and state = 'planned'
+             returning rows)
+         update sweeper.runs set eligible_planned = eligible_planned - (select sum(rows) from k)
+          where run_id = $1 and exists (select 1 from k)",
+    )
+    .bind(run_id)
+    .bind(how)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
 /// A retirement the retirer holds, with its run's fixed inputs.
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct Retirement {

@@ -105,19 +105,7 @@ pub async fn supersede(
         return Ok(false);
     }
     // Its partitions not detached are not retired by it (the later run's planning met them).
-    sqlx::query(
-        "with k as (
-             update sweeper.partition_retirements
-                set state = 'kept', reason = 'the run was superseded before the partition was detached',
-                    finished_at = sweeper.now()
-              where run_id = $1 and state = 'planned'
-             returning rows)
-         update sweeper.runs set eligible_planned = eligible_planned - (select sum(rows) from k)
-          where run_id = $1 and exists (select 1 from k)",
-    )
-    .bind(&run.run_id)
-    .execute(&mut *sp)
-    .await?;
+    super::retirements::keep_not_begun(&mut sp, &run.run_id, "superseded").await?;
     super::dead_letter::log_operator_act(
         &mut sp,
         "sweeper",
