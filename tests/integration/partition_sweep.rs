@@ -51,6 +51,21 @@ async fn drain(app: &TestApp) {
     while let WorkerStep::Ran(_) = run_one_command(&app.state).await.unwrap() {}
 }
 
+/// A run's partitions as `(partition, state)`, in the order `GET /runs/{id}` lists them.
+fn states(run: &serde_json::Value) -> Vec<(&str, &str)> {
+    run["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["partition"].as_str().unwrap(),
+                p["state"].as_str().unwrap(),
+            )
+        })
+        .collect()
+}
+
 fn read_export(path: &str) -> Vec<serde_json::Value> {
     use std::io::BufRead;
     let gz = flate2::read::GzDecoder::new(std::fs::File::open(path).unwrap());
@@ -98,15 +113,7 @@ async fn expired_partitions_are_exported_recorded_and_dropped_and_a_held_one_is_
         "March keeps its held event only"
     );
     let parts = run["partitions"].as_array().unwrap();
-    let states: Vec<(&str, &str)> = parts
-        .iter()
-        .map(|p| {
-            (
-                p["partition"].as_str().unwrap(),
-                p["state"].as_str().unwrap(),
-            )
-        })
-        .collect();
+    let states = states(&run);
     assert_eq!(
         states,
         [
@@ -433,17 +440,7 @@ async fn beside_pg_partman_a_held_row_survives_that_its_retention_drops() {
     let run = app.wait_terminal(&run_id).await;
     assert_eq!(run["status"], "completed", "{run}");
     assert_eq!(run["deleted"], 50, "January to May, 10 events each: {run}");
-    let states: Vec<(&str, &str)> = run["partitions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            (
-                p["partition"].as_str().unwrap(),
-                p["state"].as_str().unwrap(),
-            )
-        })
-        .collect();
+    let states = states(&run);
     assert_eq!(
         states,
         [
