@@ -27,7 +27,7 @@ use sqlx::{Postgres, QueryBuilder};
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use crate::export_file::{self, verify, write_lines};
+use crate::export_file::{self, verify};
 use crate::ledger;
 use crate::ledger::retirements::{Manifest, Retirement};
 use crate::plan::RunRef;
@@ -83,7 +83,17 @@ pub async fn retire_next(state: &AppState) -> anyhow::Result<bool> {
 async fn retire(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result<()> {
     let mut r = r.clone();
     if matches!(r.state.as_str(), "planned" | "detaching") {
+        let began = std::time::Instant::now();
         r.state = detach(state, &r, token).await?;
+        if r.state == "detached" {
+            let seconds = began.elapsed().as_secs_f64();
+            info!(
+                run_id = r.run_id,
+                partition = r.partition,
+                seconds,
+                "partition detached"
+            );
+        }
         crate::crash_point!("retire_after_detach");
     }
     if r.state == "detached" {
@@ -245,6 +255,7 @@ async fn drop_with_evidence(
     let name = export_name(&r.policy, &r.run_id, &r.partition);
     let path = dir.join(&name);
     let partial = path.with_extension("gz.partial");
+    let began = std::time::Instant::now();
     let kept = kept_rows(&mut tx, &rules).await?;
     if kept > 0 {
         // An export an earlier try left (it crashed before its commit) stands for nothing.
@@ -270,7 +281,7 @@ async fn drop_with_evidence(
             rows: written.rows,
             first_key: written.first_key,
             last_key: written.last_key,
-            digest: written.digest,
+            digest: hex::encode(written.digest.finalize()),
             export_location: path.display().to_string(),
             export_sha256: sha256,
         };
@@ -320,6 +331,7 @@ async fn drop_with_evidence(
         rows = manifest.rows,
         export = manifest.export_location,
         sha256 = manifest.export_sha256,
+        seconds = began.elapsed().as_secs_f64(),
         "partition exported, recorded and dropped"
     );
     Ok("dropped".into())
@@ -429,13 +441,16 @@ struct Written {
     rows: i64,
     first_key: Option<String>,
     last_key: Option<String>,
-    digest: String,
+    /// SHA-256 of the keys, each followed by `\n`, in the order written.
+    digest: Sha256,
 }
 
 /// Writes the detached table's keys, sorted bytewise, to `partial`: one line
 /// `{"policy","run_id","partition","item_key"}` each, read from one streamed statement.
-/// The retirement's lease is renewed with each chunk (a large partition may take longer than a
-/// lease to export); a lease lost stops the export.
+/// The keys are fetched on this task while a blocking thread hashes, formats and compresses the
+/// chunk before (PostgreSQL's sort and transfer overlap the compression). The retirement's lease
+/// is renewed with each chunk (a large partition may take longer than a lease to export); a lease
+/// lost stops the export.
 async fn write_export(
     state: &AppState,
     tx: &mut sqlx::PgConnection,
@@ -446,7 +461,7 @@ async fn write_export(
     let lease = state.config.planning.lease.seconds() as f64;
     // gzip's fastest level: a partition's key lines repeat their policy, run and partition, which
     // compress well at any level, and the default level would be most of a drop's time.
-    let mut out = Some(export_file::create(partial, flate2::Compression::fast())?);
+    let out = export_file::create(partial, flate2::Compression::fast())?;
     // Each line is this prefix, the key as a JSON string, and `}`.
     let prefix = {
         let mut p = serde_json::to_vec(&serde_json::json!({
@@ -456,53 +471,69 @@ async fn write_export(
         p.extend_from_slice(b",\"item_key\":");
         p
     };
-    // A cursor in the drop's transaction: one sort, read CHUNK_KEYS keys per round trip.
-    sqlx::query(&format!(
-        "declare retiring_keys no scroll cursor for
-         select {key} as item_key from {table} order by ({key}) collate \"C\"",
-        key = rules.key_text_sql(),
-        table = rules.table_sql()
-    ))
-    .execute(&mut *tx)
-    .await?;
-    let fetch = format!("fetch forward {CHUNK_KEYS} from retiring_keys");
-    let mut rows = 0i64;
-    let mut digest = Sha256::new();
-    let mut first_key = None;
-    let mut last_key = None;
-    loop {
-        let keys: Vec<String> = sqlx::query_scalar(&fetch).fetch_all(&mut *tx).await?;
-        if keys.is_empty() {
-            break;
-        }
-        let mut lines = Vec::with_capacity(keys.len() * 96);
-        for (i, key) in keys.iter().enumerate() {
-            digest.update(key.as_bytes());
-            digest.update(b"\n");
-            if i > 0 {
-                lines.push(b'\n');
+    // One chunk in flight beside the one being fetched.
+    let (chunks, mut received) = tokio::sync::mpsc::channel::<Vec<String>>(1);
+    let writer = tokio::task::spawn_blocking(move || -> anyhow::Result<Written> {
+        let mut w = Written {
+            out,
+            rows: 0,
+            first_key: None,
+            last_key: None,
+            digest: Sha256::new(),
+        };
+        let mut lines = Vec::new();
+        while let Some(keys) = received.blocking_recv() {
+            lines.clear();
+            for key in &keys {
+                w.digest.update(key.as_bytes());
+                w.digest.update(b"\n");
+                lines.extend_from_slice(&prefix);
+                serde_json::to_writer(&mut lines, key)?;
+                lines.extend_from_slice(b"}\n");
             }
-            lines.extend_from_slice(&prefix);
-            serde_json::to_writer(&mut lines, key)?;
-            lines.push(b'}');
+            std::io::Write::write_all(&mut w.out, &lines)?;
+            w.rows += keys.len() as i64;
+            if w.first_key.is_none() {
+                w.first_key = keys.first().cloned();
+            }
+            w.last_key = keys.into_iter().next_back();
         }
-        if first_key.is_none() {
-            first_key = keys.first().cloned();
+        Ok(w)
+    });
+    let fetched = async {
+        // A cursor in the drop's transaction: one sort, read CHUNK_KEYS keys per round trip.
+        // The key text is computed once, as the sort key (sorting by the expression again with
+        // another collation would compute it twice: 40 % of the statement's time).
+        sqlx::query(&format!(
+            "declare retiring_keys no scroll cursor for
+             select ({key}) collate \"C\" as item_key from {table} order by 1",
+            key = rules.key_text_sql(),
+            table = rules.table_sql()
+        ))
+        .execute(&mut *tx)
+        .await?;
+        let fetch = format!("fetch forward {CHUNK_KEYS} from retiring_keys");
+        loop {
+            let keys: Vec<String> = sqlx::query_scalar(&fetch).fetch_all(&mut *tx).await?;
+            if keys.is_empty() {
+                break;
+            }
+            if chunks.send(keys).await.is_err() {
+                // The writer stopped: its error is the one to report.
+                break;
+            }
+            if !ledger::retirements::renew(&state.pool, r, token, lease).await? {
+                bail!("the retirement's lease was lost while its keys were exported");
+            }
         }
-        last_key = keys.last().cloned();
-        rows += write_lines(&mut out, lines, keys.len()).await?;
-        if !ledger::retirements::renew(&state.pool, r, token, lease).await? {
-            bail!("the retirement's lease was lost while its keys were exported");
-        }
+        sqlx::query("close retiring_keys").execute(&mut *tx).await?;
+        anyhow::Ok(())
     }
-    sqlx::query("close retiring_keys").execute(&mut *tx).await?;
-    Ok(Written {
-        out: out.take().expect("the encoder"),
-        rows,
-        first_key,
-        last_key,
-        digest: hex::encode(digest.finalize()),
-    })
+    .await;
+    drop(chunks);
+    let written = writer.await.context("the export's writer")?;
+    fetched?;
+    written
 }
 
 /// Runs the retirer until `shutdown`: a retirement after another while there are some; otherwise
