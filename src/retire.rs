@@ -14,6 +14,9 @@
 //!    the rows `deleted`; the table is dropped. A crash anywhere in it rolls it all back and the
 //!    next try writes the export again: no table is dropped without its verified export and
 //!    manifest, and none twice.
+//! 3. **With a grace period** (`drop_grace`), step 2 records the evidence but leaves the table
+//!    detached (`awaiting_drop`); once the grace has passed the table is dropped, unless it was
+//!    attached again or changed meanwhile.
 //!
 //! The retirer works only on runs whose planning is done and that no hold keeps (the guard's
 //! approval, a suspension, active hours, the governor), like a command; the pace does not apply
@@ -81,6 +84,11 @@ pub async fn retire_next(state: &AppState) -> anyhow::Result<bool> {
 
 /// Takes `r` through its remaining steps.
 async fn retire(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result<()> {
+    if r.state == "awaiting_drop" {
+        // Claimed once its grace has passed; its run completed when its evidence was recorded.
+        drop_after_grace(state, r, token).await?;
+        return Ok(());
+    }
     let mut r = r.clone();
     if matches!(r.state.as_str(), "planned" | "detaching") {
         let began = std::time::Instant::now();
@@ -99,7 +107,10 @@ async fn retire(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result
     if r.state == "detached" {
         r.state = drop_with_evidence(state, &r, token).await?;
     }
-    if matches!(r.state.as_str(), "dropped" | "kept" | "gone") {
+    if matches!(
+        r.state.as_str(),
+        "awaiting_drop" | "dropped" | "kept" | "gone"
+    ) {
         // The run may be complete now; the closure check needs the run's rules.
         let rules = rules_of(state, &r).await.ok();
         if let Err(e) = crate::completion::complete_run(state, &r.run_id, rules.as_ref()).await {
@@ -252,6 +263,11 @@ async fn drop_with_evidence(
     .execute(&mut *tx)
     .await?;
     let lease = state.config.planning.lease.seconds() as f64;
+    // A policy no longer configured is not claimed; one whose setting changed since keeps it.
+    let grace = state
+        .config
+        .policy(&r.policy)
+        .map_or(0, |p| p.drop_grace_seconds);
     let name = export_name(&r.policy, &r.run_id, &r.partition);
     let path = dir.join(&name);
     let partial = path.with_extension("gz.partial");
@@ -293,13 +309,15 @@ async fn drop_with_evidence(
             bail!("a row of the partition became held while its keys were exported; tried again");
         }
         if !ledger::retirements::renew(&state.pool, r, token, lease).await?
-            || !ledger::retirements::record_drop(&mut tx, r, token, &manifest).await?
+            || !ledger::retirements::record_drop(&mut tx, r, token, &manifest, grace).await?
         {
             bail!("the retirement's lease was lost; nothing is dropped");
         }
-        sqlx::query(&format!("drop table {}", r.partition))
-            .execute(&mut *tx)
-            .await?;
+        if grace == 0 {
+            sqlx::query(&format!("drop table {}", r.partition))
+                .execute(&mut *tx)
+                .await?;
+        }
         anyhow::Ok(manifest)
     }
     .await;
@@ -332,9 +350,89 @@ async fn drop_with_evidence(
         export = manifest.export_location,
         sha256 = manifest.export_sha256,
         seconds = began.elapsed().as_secs_f64(),
-        "partition exported, recorded and dropped"
+        grace_seconds = grace,
+        "partition exported and recorded{}",
+        if grace == 0 {
+            ", and dropped"
+        } else {
+            "; dropped after its grace"
+        }
     );
-    Ok("dropped".into())
+    Ok(if grace == 0 {
+        "dropped"
+    } else {
+        "awaiting_drop"
+    }
+    .into())
+}
+
+/// Drops a partition whose grace has passed, in one transaction holding its ACCESS EXCLUSIVE
+/// lock, when it is still the table the manifest names: detached, with the manifest's row
+/// count. One attached again during its grace (an operator's undo) is left `kept`; one changed
+/// or dropped meanwhile is left `kept` or `gone` with the reason. Its manifest and the run's
+/// counts stand in every case: they record the rows that left the target with the detach.
+async fn drop_after_grace(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result<String> {
+    let mut tx = state.pool.begin().await?;
+    let (exists, attached): (bool, bool) = sqlx::query_as(
+        "select to_regclass($1) is not null,
+                coalesce((select relispartition from pg_class where oid = to_regclass($1)), false)",
+    )
+    .bind(&r.partition)
+    .fetch_one(&mut *tx)
+    .await?;
+    let (next, why) = if !exists {
+        (
+            "gone",
+            Some("dropped or renamed outside sweeper during its grace".to_string()),
+        )
+    } else if attached {
+        (
+            "kept",
+            Some(
+                "attached again during its grace: left as it is (its manifest still records                  the detach)"
+                    .to_string(),
+            ),
+        )
+    } else {
+        sqlx::query(&format!(
+            "lock table {} in access exclusive mode",
+            r.partition
+        ))
+        .execute(&mut *tx)
+        .await?;
+        let rows: i64 = sqlx::query_scalar(&format!("select count(*) from {}", r.partition))
+            .fetch_one(&mut *tx)
+            .await?;
+        if rows == r.rows {
+            sqlx::query(&format!("drop table {}", r.partition))
+                .execute(&mut *tx)
+                .await?;
+            ("dropped", None)
+        } else {
+            (
+                "kept",
+                Some(format!(
+                    "its rows changed during its grace ({rows} rows; its manifest names {}):                      not dropped; drop it by hand once its rows are accounted for",
+                    r.rows
+                )),
+            )
+        }
+    };
+    if !ledger::retirements::end_grace(&mut tx, r, token, next, why.as_deref()).await? {
+        bail!("the retirement's lease was lost; nothing is dropped");
+    }
+    tx.commit().await?;
+    match &why {
+        None => info!(
+            run_id = r.run_id,
+            partition = r.partition,
+            "partition dropped after its grace"
+        ),
+        Some(why) => {
+            warn!(run_id = r.run_id, partition = r.partition, reason = %why, "partition not dropped after its grace")
+        }
+    }
+    Ok(next.into())
 }
 
 /// Removes an export file and its partial file if they exist (a drop that did not commit).

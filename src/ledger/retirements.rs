@@ -1,7 +1,7 @@
 //! Partition retirements (docs/design.md §14 "Partition sweep"): the partitions a run of a policy
 //! with `partitions = "drop"` retires, each moved along `planned → detaching → detached →
-//! dropped` (or `kept`, `gone`) by one leased step at a time, and the manifests the drops wrote
-//! into the audit.
+//! dropped` (through `awaiting_drop` when the policy has a `drop_grace`; or `kept`, `gone`) by
+//! one leased step at a time, and the manifests the drops wrote into the audit.
 
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
@@ -144,7 +144,8 @@ pub struct Retirement {
 
 /// Claims the oldest retirement not finished (unleased or its lease expired) of one of
 /// `policies`, whose run is planned and released by every hold (`held`: the policies this
-/// replica's active hours or governor hold), leasing it to `token` for `lease_seconds`. A cancel
+/// replica's active hours or governor hold), leasing it to `token` for `lease_seconds`; one
+/// `awaiting_drop` only once its grace has passed. A cancel
 /// or a supersession turns the run's `planned` retirements `kept` (what has not begun stops, as
 /// for commands); one whose detach began is finished whatever the run's status since.
 pub async fn claim(
@@ -165,7 +166,8 @@ pub async fn claim(
                     select x.run_id, x.partition
                       from sweeper.partition_retirements x
                       join sweeper.runs r using (run_id)
-                     where x.state in ('planned', 'detaching', 'detached')
+                     where (x.state in ('planned', 'detaching', 'detached')
+                            or x.state = 'awaiting_drop' and x.drop_after <= (select sweeper.now()))
                        and (x.lease_until is null or x.lease_until < (select sweeper.now()))
                        and r.policy = any($3) and r.planning_done and {released}
                      order by x.created_at
@@ -302,15 +304,18 @@ pub struct Manifest {
     pub export_sha256: String,
 }
 
-/// Records a drop in `tx`, which holds the detached table's lock and drops it after: one
+/// Records a retirement's evidence in `tx`, which holds the detached table's lock: one
 /// execution row and one manifest row in the audit, the rows added to the run's `deleted` (its
-/// planned count corrected to what the manifest names), and the retirement `dropped` with its
-/// evidence. False when the lease was lost (nothing is written; the caller rolls back).
+/// planned count corrected to what the manifest names: they left the target with the detach),
+/// and the retirement `dropped` with its evidence (the caller drops the table in `tx`) or, with
+/// a grace of `grace_seconds` > 0, `awaiting_drop` until then. False when the lease was lost
+/// (nothing is written; the caller rolls back).
 pub async fn record_drop(
     tx: &mut PgConnection,
     r: &Retirement,
     token: Uuid,
     m: &Manifest,
+    grace_seconds: i64,
 ) -> sqlx::Result<bool> {
     let detail = serde_json::to_value(m).expect("a manifest serializes");
     let manifest_id: Option<i64> = sqlx::query_scalar(
@@ -336,9 +341,13 @@ pub async fn record_drop(
                 set deleted = deleted + $5, eligible_planned = eligible_planned + $5 - $7
               where run_id = $1 and exists (select 1 from man))
          update sweeper.partition_retirements
-            set state = 'dropped', rows = $5, manifest_id = (select manifest_id from man),
+            set state = case when $11 > 0 then 'awaiting_drop' else 'dropped' end,
+                rows = $5, manifest_id = (select manifest_id from man),
                 export_location = $8, export_sha256 = $9, digest = $10,
-                finished_at = sweeper.now()
+                drop_after = case when $11 > 0
+                                  then sweeper.now() + make_interval(secs => $11) end,
+                finished_at = case when $11 > 0 then null else sweeper.now() end,
+                lease_until = case when $11 > 0 then null else lease_until end
           where run_id = $1 and partition = $2 and exists (select 1 from man)
           returning manifest_id",
     )
@@ -352,9 +361,38 @@ pub async fn record_drop(
     .bind(&m.export_location)
     .bind(&m.export_sha256)
     .bind(&m.digest)
+    .bind(grace_seconds as f64)
     .fetch_optional(tx)
     .await?;
     Ok(manifest_id.is_some())
+}
+
+/// Ends a retirement `token` holds in `awaiting_drop`: `dropped` (the caller dropped the table in
+/// `conn`'s transaction), or `kept` or `gone` with `reason` (it was attached again, changed or
+/// dropped during its grace). Its manifest and the run's counts stand either way: they record
+/// the rows that left the target with the detach. False when the lease was lost.
+pub async fn end_grace(
+    conn: &mut PgConnection,
+    r: &Retirement,
+    token: Uuid,
+    state: &str,
+    reason: Option<&str>,
+) -> sqlx::Result<bool> {
+    Ok(sqlx::query(
+        "update sweeper.partition_retirements
+            set state = $4, reason = $5, finished_at = sweeper.now()
+          where run_id = $1 and partition = $2 and lease_token = $3
+            and state = 'awaiting_drop'",
+    )
+    .bind(&r.run_id)
+    .bind(&r.partition)
+    .bind(token)
+    .bind(state)
+    .bind(reason)
+    .execute(conn)
+    .await?
+    .rows_affected()
+        == 1)
 }
 
 /// A partition a run retires (or keeps), as `GET /runs/{id}` lists it.
@@ -370,7 +408,8 @@ pub struct PartitionState {
     pub timestamp_to: DateTime<Utc>,
     /// Rows counted at planning; once dropped, the rows its manifest names.
     pub rows: i64,
-    /// `would_drop`, `planned`, `detaching`, `detached`, `dropped`, `kept` or `gone`.
+    /// `would_drop`, `planned`, `detaching`, `detached`, `awaiting_drop`, `dropped`, `kept` or
+    /// `gone`.
     pub state: String,
     /// Why it was kept or gone.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -390,6 +429,9 @@ pub struct PartitionState {
     /// The last failed step's error, while it is retried.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
+    /// While `awaiting_drop`: when its grace ends and it is dropped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drop_after: Option<DateTime<Utc>>,
     /// When it was dropped, kept or found gone.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<DateTime<Utc>>,
@@ -399,7 +441,7 @@ pub struct PartitionState {
 pub async fn of_run(pool: &PgPool, run_id: &str) -> sqlx::Result<Vec<PartitionState>> {
     sqlx::query_as(
         "select partition, bound, timestamp_from, timestamp_to, rows, state, reason, manifest_id,
-                export_location, export_sha256, digest, last_error, finished_at
+                export_location, export_sha256, digest, last_error, drop_after, finished_at
            from sweeper.partition_retirements
           where run_id = $1
           order by timestamp_to, partition",

@@ -78,6 +78,9 @@ pub struct Policy {
     pub partitions: partitions::Retirement,
     /// Whether a drop may go ahead on a table in a publication.
     pub allow_unreplicated_drop: bool,
+    /// How long a retired partition stays detached before its drop, in seconds (0: dropped at
+    /// once; not part of the version).
+    pub drop_grace_seconds: i64,
 }
 
 /// A policy's production-safety controls (docs/design.md §14 "Holds"), validated.
@@ -291,6 +294,9 @@ impl Policy {
                 "allow_unreplicated_drop: only means something with partitions = \"drop\"".into(),
             );
         }
+        if c.drop_grace.is_some() && c.partitions != partitions::Retirement::Drop {
+            errors.push("drop_grace: only means something with partitions = \"drop\"".into());
+        }
         let transport = match c.transport.as_deref() {
             None | Some("builtin") => Transport::Builtin,
             Some("pubsub") => Transport::Pubsub,
@@ -408,6 +414,7 @@ impl Policy {
             after_allows_dead_letters: c.after_allows_dead_letters,
             partitions: c.partitions,
             allow_unreplicated_drop: c.allow_unreplicated_drop,
+            drop_grace_seconds: c.drop_grace.map_or(0, |d| d.seconds()),
         })
     }
 

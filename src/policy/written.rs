@@ -76,6 +76,11 @@ pub struct PolicyConfig {
     /// subscribers keep their rows (a detach or a drop is not replicated).
     #[serde(default)]
     pub allow_unreplicated_drop: bool,
+    /// With `partitions = "drop"`: how long a retired partition stays detached, its evidence
+    /// recorded, before it is dropped (default `"0s"`: dropped at once). Attaching it again
+    /// meanwhile keeps it.
+    #[serde(default)]
+    pub drop_grace: Option<crate::config::DurationSpec>,
 }
 
 /// `retry = { ... }`: how failed commands are retried (docs/design.md §2.7).

@@ -21,10 +21,15 @@ fn export_dir() -> std::path::PathBuf {
 /// Monthly `demo.events` from January 2026, 40 events on the 15th of each of the first 9
 /// months, and event 1000 in March under a legal hold; the policy drops partitions.
 async fn spawn(dir: &std::path::Path) -> TestApp {
+    spawn_with(dir, "").await
+}
+
+/// [`spawn`], with `policy_extra` added to the policy.
+async fn spawn_with(dir: &std::path::Path, policy_extra: &str) -> TestApp {
     let app = TestApp::spawn(Spawn {
         setup_sql: PARTITIONED,
         now: Some(at("2026-09-01T02:01:00Z")),
-        policies: format!("{PARTITIONED_POLICY}partitions = \"drop\"\n"),
+        policies: format!("{PARTITIONED_POLICY}partitions = \"drop\"\n{policy_extra}"),
         extra_toml: format!("[ledger]\naudit_export_dir = \"{}\"\n", dir.display()),
         workers: 0,
     })
@@ -364,6 +369,19 @@ fn a_drop_needs_an_export_directory_and_the_delete_action() {
         "{err}"
     );
     config("[ledger]\naudit_export_dir = \"/tmp\"\n", "").unwrap();
+    let err = sweeper::settings::Config::from_toml(&config_toml(
+        "postgres://x/y",
+        0,
+        "",
+        &format!("{PARTITIONED_POLICY}drop_grace = \"7d\"\n"),
+    ))
+    .map(|_| ())
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("drop_grace: only means something with partitions = \"drop\""),
+        "{err}"
+    );
 }
 
 /// The tables of the pg_partman test: `demo.events` made empty; pg_partman creates its
@@ -677,5 +695,124 @@ async fn a_partition_larger_than_one_fetch_is_exported_whole_and_in_order() {
     assert_eq!(february["state"], "dropped", "{run}");
     assert_eq!(february["rows"], 25_040, "{run}");
     assert_verified_export(february, &run_id);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// With `drop_grace`, a retired partition stays detached, its export and manifest recorded, and
+/// its run completes; once the grace has passed it is dropped. One attached again meanwhile (an
+/// operator's undo) is left `kept`; one whose rows changed is left `kept` with the counts. The
+/// run's counts and manifests stand.
+#[tokio::test]
+async fn with_a_grace_period_the_partitions_wait_detached_and_are_dropped_after_it() {
+    let dir = export_dir();
+    let app = spawn_with(&dir, "drop_grace = \"1h\"\n").await;
+    let run_id = app.api.trigger_new("events", "").await;
+    app.wait_planned(&run_id).await;
+    drain(&app).await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(run["deleted"], 200, "{run}");
+    assert_eq!(run["remaining_eligible"], 0, "{run}");
+    assert_eq!(
+        states(&run),
+        [
+            ("demo.events_2026_01", "awaiting_drop"),
+            ("demo.events_2026_02", "awaiting_drop"),
+            ("demo.events_2026_03", "kept"),
+            ("demo.events_2026_04", "awaiting_drop"),
+            ("demo.events_2026_05", "awaiting_drop"),
+        ],
+        "{run}"
+    );
+    let parts = run["partitions"].as_array().unwrap().clone();
+    for p in parts.iter().filter(|p| p["state"] == "awaiting_drop") {
+        // An hour after its evidence was recorded (the test's clock runs on from 02:01).
+        let drop_after: chrono::DateTime<chrono::Utc> =
+            p["drop_after"].as_str().unwrap().parse().unwrap();
+        assert!(
+            drop_after >= at("2026-09-01T03:01:00Z") && drop_after < at("2026-09-01T03:02:00Z"),
+            "{p}"
+        );
+        assert_verified_export(p, &run_id);
+    }
+    let detached = "select count(*) from pg_class c where c.relname in
+                        ('events_2026_01', 'events_2026_02', 'events_2026_04', 'events_2026_05')
+                      and not c.relispartition";
+    assert_eq!(count(&app.pool, detached).await, 4, "detached, not dropped");
+    // Not dropped before the grace has passed, however often the retirer looks.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(count(&app.pool, detached).await, 4);
+    // The operator takes February back; someone writes into April's detached table.
+    let bound = parts[1]["bound"].as_str().unwrap();
+    sqlx::raw_sql(&format!(
+        "alter table demo.events attach partition demo.events_2026_02 {bound};
+         insert into demo.events_2026_04 values (5000, '2026-04-20', 'late');"
+    ))
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    set_clock(&app.pool, at("2026-09-01T03:05:00Z")).await;
+    let run = app
+        .api
+        .wait_run(&run_id, "past its grace", |r| {
+            r["partitions"]
+                .as_array()
+                .is_some_and(|ps| ps.iter().all(|p| p["state"] != "awaiting_drop"))
+        })
+        .await;
+    assert_eq!(
+        states(&run),
+        [
+            ("demo.events_2026_01", "dropped"),
+            ("demo.events_2026_02", "kept"),
+            ("demo.events_2026_03", "kept"),
+            ("demo.events_2026_04", "kept"),
+            ("demo.events_2026_05", "dropped"),
+        ],
+        "{run}"
+    );
+    let parts = run["partitions"].as_array().unwrap();
+    assert!(
+        parts[1]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("attached again during its grace"),
+        "{run}"
+    );
+    assert!(
+        parts[3]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("its rows changed during its grace (41 rows; its manifest names 40)"),
+        "{run}"
+    );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from pg_class where relname in ('events_2026_01', 'events_2026_05')"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_2026_04").await,
+        41
+    );
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events where created_at >= '2026-02-01' and created_at < '2026-03-01'").await,
+        40,
+        "February is back in the table"
+    );
+    // The run and its evidence stand: four manifests, 200 rows deleted.
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(run["deleted"], 200, "{run}");
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from sweeper.audit_manifests where detail ->> 'policy' = 'events'"
+        )
+        .await,
+        4
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
