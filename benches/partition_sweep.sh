@@ -30,8 +30,9 @@ reps=${REPS:-3}
 port=${PORT:-18095}
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
-cargo build --release --locked -q
-bin=target/release/sweeper
+# BIN: a sweeper binary to measure instead of this tree's release build.
+if [ -z "${BIN:-}" ]; then cargo build --release --locked -q; fi
+bin=${BIN:-target/release/sweeper}
 
 # The window: the latest 02:00 UTC tick; the cutoff 90 days before it.
 window=$(psql -Atq "$admin" -c "select to_char(date_trunc('day', now() at time zone 'UTC' - interval '2 hours') + interval '2 hours', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')")

@@ -37,7 +37,7 @@ use crate::plan::RunRef;
 use crate::policy::{RuleSet, TableName};
 use crate::state::AppState;
 
-/// Keys written to the export per chunk.
+/// Keys handed from the fetch to the export's writer at a time.
 const CHUNK_KEYS: usize = 10_000;
 
 /// Claims one retirement due and takes it as far as it goes. Returns whether one was claimed.
@@ -547,8 +547,8 @@ struct Written {
 /// `{"policy","run_id","partition","item_key"}` each, read from one streamed statement.
 /// The keys are fetched on this task while a blocking thread hashes, formats and compresses the
 /// chunk before (PostgreSQL's sort and transfer overlap the compression). The retirement's lease
-/// is renewed with each chunk (a large partition may take longer than a lease to export); a lease
-/// lost stops the export.
+/// is renewed every quarter lease while the keys come (a large partition may take longer than a
+/// lease to export); a lease lost stops the export.
 async fn write_export(
     state: &AppState,
     tx: &mut sqlx::PgConnection,
@@ -569,7 +569,7 @@ async fn write_export(
         p.extend_from_slice(b",\"item_key\":");
         p
     };
-    // One chunk in flight beside the one being fetched.
+    // One chunk waiting beside the one being written and the one being gathered.
     let (chunks, mut received) = tokio::sync::mpsc::channel::<Vec<String>>(1);
     let writer = tokio::task::spawn_blocking(move || -> anyhow::Result<Written> {
         let mut w = Written {
@@ -599,32 +599,39 @@ async fn write_export(
         Ok(w)
     });
     let fetched = async {
-        // A cursor in the drop's transaction: one sort, read CHUNK_KEYS keys per round trip.
-        // The key text is computed once, as the sort key (sorting by the expression again with
-        // another collation would compute it twice: 40 % of the statement's time).
-        sqlx::query(&format!(
-            "declare retiring_keys no scroll cursor for
-             select ({key}) collate \"C\" as item_key from {table} order by 1",
+        // One statement, streamed: PostgreSQL sends the sorted keys as fast as they are read,
+        // with no round trip per chunk (a cursor's FETCH loop took 8 % longer a retirement).
+        // The key text is computed once, as the sort key (sorting by the expression again under
+        // another collation computed it twice: 40 % of the statement). Its rows go to the
+        // writer CHUNK_KEYS at a time.
+        let sql = format!(
+            "select ({key}) collate \"C\" as item_key from {table} order by 1",
             key = rules.key_text_sql(),
             table = rules.table_sql()
-        ))
-        .execute(&mut *tx)
-        .await?;
-        let fetch = format!("fetch forward {CHUNK_KEYS} from retiring_keys");
-        loop {
-            let keys: Vec<String> = sqlx::query_scalar(&fetch).fetch_all(&mut *tx).await?;
-            if keys.is_empty() {
-                break;
-            }
-            if chunks.send(keys).await.is_err() {
-                // The writer stopped: its error is the one to report.
-                break;
-            }
-            if !ledger::retirements::renew(&state.pool, r, token, lease).await? {
-                bail!("the retirement's lease was lost while its keys were exported");
+        );
+        let mut stream = sqlx::query_scalar::<_, String>(&sql).fetch(&mut *tx);
+        let mut keys = Vec::with_capacity(CHUNK_KEYS);
+        let mut renewed = std::time::Instant::now();
+        while let Some(key) = futures_util::TryStreamExt::try_next(&mut stream).await? {
+            keys.push(key);
+            if keys.len() == CHUNK_KEYS {
+                let full = std::mem::replace(&mut keys, Vec::with_capacity(CHUNK_KEYS));
+                if chunks.send(full).await.is_err() {
+                    // The writer stopped: its error is the one to report.
+                    break;
+                }
+                if renewed.elapsed().as_secs_f64() > lease / 4.0 {
+                    if !ledger::retirements::renew(&state.pool, r, token, lease).await? {
+                        bail!("the retirement's lease was lost while its keys were exported");
+                    }
+                    renewed = std::time::Instant::now();
+                }
             }
         }
-        sqlx::query("close retiring_keys").execute(&mut *tx).await?;
+        drop(stream);
+        if !keys.is_empty() {
+            let _ = chunks.send(keys).await;
+        }
         anyhow::Ok(())
     }
     .await;
