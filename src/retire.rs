@@ -211,13 +211,18 @@ async fn detach(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result
                 .execute(&mut *conn)
                 .await?;
             let how = if pending { "finalize" } else { "concurrently" };
-            sqlx::query(&format!(
-                "alter table {} detach partition {} {how}",
-                r.parent, r.partition
-            ))
-            .execute(&mut *conn)
-            .await
-            .with_context(|| format!("detaching (DETACH PARTITION ... {})", how.to_uppercase()))?;
+            let detaching = async {
+                sqlx::query(&format!(
+                    "alter table {} detach partition {} {how}",
+                    r.parent, r.partition
+                ))
+                .execute(&mut *conn)
+                .await
+                .with_context(|| format!("detaching (DETACH PARTITION ... {})", how.to_uppercase()))
+            };
+            // It may wait long for older transactions: the lease is renewed meanwhile, and a
+            // lost one does not interrupt it (the statement runs on in the server anyway).
+            renewing(state, r, token, detaching, Lost::Continue).await?;
             "detached"
         }
     };
@@ -547,8 +552,8 @@ struct Written {
 /// `{"policy","run_id","partition","item_key"}` each, read from one streamed statement.
 /// The keys are fetched on this task while a blocking thread hashes, formats and compresses the
 /// chunk before (PostgreSQL's sort and transfer overlap the compression). The retirement's lease
-/// is renewed every quarter lease while the keys come (a large partition may take longer than a
-/// lease to export); a lease lost stops the export.
+/// is renewed throughout (a large partition may take longer than a lease to export); a lease
+/// lost stops the export.
 async fn write_export(
     state: &AppState,
     tx: &mut sqlx::PgConnection,
@@ -556,7 +561,6 @@ async fn write_export(
     (r, token): (&Retirement, Uuid),
     partial: &Path,
 ) -> anyhow::Result<Written> {
-    let lease = state.config.planning.lease.seconds() as f64;
     // gzip's fastest level: a partition's key lines repeat their policy, run and partition, which
     // compress well at any level, and the default level would be most of a drop's time.
     let out = export_file::create(partial, flate2::Compression::fast())?;
@@ -611,7 +615,6 @@ async fn write_export(
         );
         let mut stream = sqlx::query_scalar::<_, String>(&sql).fetch(&mut *tx);
         let mut keys = Vec::with_capacity(CHUNK_KEYS);
-        let mut renewed = std::time::Instant::now();
         while let Some(key) = futures_util::TryStreamExt::try_next(&mut stream).await? {
             keys.push(key);
             if keys.len() == CHUNK_KEYS {
@@ -620,12 +623,6 @@ async fn write_export(
                     // The writer stopped: its error is the one to report.
                     break;
                 }
-                if renewed.elapsed().as_secs_f64() > lease / 4.0 {
-                    if !ledger::retirements::renew(&state.pool, r, token, lease).await? {
-                        bail!("the retirement's lease was lost while its keys were exported");
-                    }
-                    renewed = std::time::Instant::now();
-                }
             }
         }
         drop(stream);
@@ -633,12 +630,62 @@ async fn write_export(
             let _ = chunks.send(keys).await;
         }
         anyhow::Ok(())
-    }
-    .await;
+    };
+    // A large partition's sort alone may outlast a lease: renewed throughout, and a lost lease
+    // stops the export.
+    let fetched = renewing(state, r, token, fetched, Lost::Stop).await;
     drop(chunks);
     let written = writer.await.context("the export's writer")?;
     fetched?;
     written
+}
+
+/// What [`renewing`] does when the lease is lost.
+#[derive(Clone, Copy, PartialEq)]
+enum Lost {
+    /// Ends the work with an error (the work is dropped).
+    Stop,
+    /// Logs it and lets the work finish (a statement the server would run on anyway).
+    Continue,
+}
+
+/// Runs `work` while renewing the retirement's lease every quarter of it.
+async fn renewing<T>(
+    state: &AppState,
+    r: &Retirement,
+    token: Uuid,
+    work: impl std::future::Future<Output = anyhow::Result<T>>,
+    lost: Lost,
+) -> anyhow::Result<T> {
+    let lease = state.config.planning.lease.seconds() as f64;
+    let mut every = tokio::time::interval(std::time::Duration::from_secs_f64(lease / 4.0));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    every.tick().await;
+    tokio::pin!(work);
+    let mut reported = false;
+    loop {
+        tokio::select! {
+            done = &mut work => return done,
+            _ = every.tick() => {
+                let held = match ledger::retirements::renew(&state.pool, r, token, lease).await {
+                    Ok(held) => held,
+                    Err(e) => {
+                        // Tried again at the next tick; the lease has three more to go.
+                        warn!(run_id = r.run_id, partition = r.partition, error = %e, "renewing the retirement's lease failed");
+                        true
+                    }
+                };
+                if held || reported {
+                    continue;
+                }
+                if lost == Lost::Stop {
+                    bail!("the retirement's lease was lost; stopped");
+                }
+                warn!(run_id = r.run_id, partition = r.partition, "the retirement's lease was lost while its statement runs; letting it finish");
+                reported = true;
+            }
+        }
+    }
 }
 
 /// Runs the retirer until `shutdown`: a retirement after another while there are some; otherwise

@@ -26,11 +26,16 @@ async fn spawn(dir: &std::path::Path) -> TestApp {
 
 /// [`spawn`], with `policy_extra` added to the policy.
 async fn spawn_with(dir: &std::path::Path, policy_extra: &str) -> TestApp {
+    spawn_configured(dir, policy_extra, "").await
+}
+
+/// [`spawn`], with `policy_extra` added to the policy and `toml` to the configuration.
+async fn spawn_configured(dir: &std::path::Path, policy_extra: &str, toml: &str) -> TestApp {
     let app = TestApp::spawn(Spawn {
         setup_sql: PARTITIONED,
         now: Some(at("2026-09-01T02:01:00Z")),
         policies: format!("{PARTITIONED_POLICY}partitions = \"drop\"\n{policy_extra}"),
-        extra_toml: format!("[ledger]\naudit_export_dir = \"{}\"\n", dir.display()),
+        extra_toml: format!("{toml}[ledger]\naudit_export_dir = \"{}\"\n", dir.display()),
         workers: 0,
     })
     .await;
@@ -814,5 +819,62 @@ async fn with_a_grace_period_the_partitions_wait_detached_and_are_dropped_after_
         .await,
         4
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `DETACH … CONCURRENTLY` waits for every transaction that began before it and could see the
+/// partition, however long; the retirement's lease is renewed meanwhile, so no other replica
+/// takes the retirement over while its detach still runs.
+#[tokio::test]
+async fn a_detach_waiting_on_an_old_transaction_keeps_its_lease() {
+    let dir = export_dir();
+    let app = spawn_configured(&dir, "", "[planning]\nlease = \"2s\"\n").await;
+    // An application transaction that read the table and stays open.
+    let mut reader = app.pool.begin().await.unwrap();
+    sqlx::query("select count(*) from demo.events")
+        .execute(&mut *reader)
+        .await
+        .unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    app.wait_planned(&run_id).await;
+    let run = app
+        .api
+        .wait_run(&run_id, "detaching", |r| {
+            r["partitions"]
+                .as_array()
+                .is_some_and(|ps| ps.iter().any(|p| p["state"] == "detaching"))
+        })
+        .await;
+    assert_eq!(run["status"], "running", "{run}");
+    // Two and a half leases later the detach still waits, and its lease is current.
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    let (state, attempts, current): (String, i32, bool) = sqlx::query_as(
+        "select state, attempts, lease_until > sweeper.now()
+           from sweeper.partition_retirements
+          where run_id = $1 and partition = 'demo.events_2026_01'",
+    )
+    .bind(&run_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (state.as_str(), attempts, current),
+        ("detaching", 1, true),
+        "the waiting detach's lease is renewed"
+    );
+    reader.commit().await.unwrap();
+    drain(&app).await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(states(&run)[0], ("demo.events_2026_01", "dropped"), "{run}");
+    let attempts: i32 = sqlx::query_scalar(
+        "select attempts from sweeper.partition_retirements
+          where run_id = $1 and partition = 'demo.events_2026_01'",
+    )
+    .bind(&run_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, 1, "taken through by one claim");
     std::fs::remove_dir_all(&dir).unwrap();
 }
