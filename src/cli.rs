@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::app::Application;
 use crate::config::DurationSpec;
@@ -149,10 +149,24 @@ fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
         eprintln!("{why}");
         return Err(ExitCode::from(2));
     }
-    Config::load(path).map_err(|e| {
+    let config = Config::load(path).map_err(|e| {
         eprintln!("{}: {e}", path.display());
         ExitCode::from(2)
-    })
+    })?;
+    warn_overridden_url(&config, path);
+    Ok(config)
+}
+
+/// Says when the environment's database URL replaces the one the file sets (the environment
+/// wins: a file naming one database and a shell exporting another is an easy mistake).
+fn warn_overridden_url(config: &Config, path: &std::path::Path) {
+    if let Some(var) = config.database_url_overridden_by {
+        warn!(
+            variable = var,
+            "database_url: {var} in the environment overrides the one in {}",
+            path.display()
+        );
+    }
 }
 
 // Over 80 lines: one short arm per subcommand.
@@ -200,6 +214,13 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     return Ok(ExitCode::from(2));
                 }
             };
+            if let Some(var) = config.database_url_overridden_by {
+                println!(
+                    "info: database_url: {var} in the environment overrides the one in {}; \
+                     checked against {var}'s database",
+                    path.display()
+                );
+            }
             for q in &config.credentials.query_tokens {
                 println!(
                     "warning: auth.query_token[{}]: a token in /consume's query string is weaker \

@@ -84,6 +84,8 @@ fn default_true() -> bool {
 pub struct Config {
     /// The PostgreSQL URL of the database holding both the ledger and the target tables.
     pub database_url: SecretString,
+    /// The environment variable whose URL replaced the one the configuration file sets, if any.
+    pub database_url_overridden_by: Option<&'static str>,
     /// Address the HTTP server binds (`127.0.0.1:0` picks a free port).
     pub listen: SocketAddr,
     /// Apply pending migrations when `serve` starts.
@@ -148,9 +150,19 @@ impl Config {
     }
 
     fn build(text: &str, with_environment: bool) -> Result<Config, ConfigError> {
-        let mut builder = config::Config::builder()
-            .add_source(config::File::from_str(text, config::FileFormat::Toml));
+        let file = || config::File::from_str(text, config::FileFormat::Toml);
+        let mut builder = config::Config::builder().add_source(file());
+        // Which variable of the environment replaces a database_url the file sets: said at start,
+        // since the file's URL is then not the one used.
+        let mut overridden_by = None;
         if with_environment {
+            let in_file = config::Config::builder()
+                .add_source(file())
+                .build()
+                .is_ok_and(|c| c.get_string("database_url").is_ok());
+            overridden_by = ["SWEEPER_DATABASE_URL", "DATABASE_URL"]
+                .into_iter()
+                .find(|v| in_file && std::env::var_os(v).is_some());
             builder = builder.add_source(
                 config::Environment::with_prefix("SWEEPER")
                     .prefix_separator("_")
@@ -169,7 +181,9 @@ impl Config {
             .build()
             .and_then(|c| c.try_deserialize())
             .map_err(|e| ConfigError(vec![e.to_string()]))?;
-        Self::validate(raw)
+        let mut config = Self::validate(raw)?;
+        config.database_url_overridden_by = overridden_by;
+        Ok(config)
     }
 
     fn validate(mut raw: RawConfig) -> Result<Config, ConfigError> {
@@ -243,6 +257,7 @@ impl Config {
         }
         Ok(Config {
             database_url,
+            database_url_overridden_by: None,
             listen,
             migrate_on_start: raw.migrate_on_start,
             database: raw.database,

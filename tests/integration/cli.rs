@@ -74,7 +74,26 @@ retain_for = "1d"
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("has no unique index"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("has no unique index"), "{stdout}");
+    // ... and says so: the file's URL is not the one checked.
+    assert!(
+        stdout.contains(&format!(
+            "info: database_url: DATABASE_URL in the environment overrides the one in {}",
+            elsewhere.display()
+        )),
+        "{stdout}"
+    );
+    assert!(
+        !String::from_utf8_lossy(
+            &sweeper(&["check-config", "--config", path.to_str().unwrap()])
+                .output()
+                .unwrap()
+                .stdout
+        )
+        .contains("overrides"),
+        "no such line without the variable"
+    );
 
     // `serve` refuses the same configuration.
     let out = sweeper(&["serve", "--config", path.to_str().unwrap()])
