@@ -9,6 +9,9 @@
 -- `detached` retirements, and a run waits only for those, so it neither drops an awaiting
 -- partition early nor holds its run open; it never writes `awaiting_drop`.
 alter table sweeper.partition_retirements add column drop_after timestamptz;
+-- The table the evidence describes (its oid when the manifest was recorded): the drop after the
+-- grace drops that table only, never another one given its name meanwhile.
+alter table sweeper.partition_retirements add column relid bigint;
 alter table sweeper.partition_retirements drop constraint partition_retirements_state_check;
 alter table sweeper.partition_retirements add constraint partition_retirements_state_check
     check (state in ('would_drop', 'planned', 'detaching', 'detached', 'awaiting_drop',

@@ -250,6 +250,11 @@ async fn drop_with_evidence(
         .map_err(|e| anyhow::anyhow!("the partition's name: {e}"))?;
     let rules = rules_of(state, r).await?.on_table(table);
     let mut tx = state.pool.begin().await?;
+    // The export reads the whole table in one statement: bounded by the lease (renewed while it
+    // runs; a lost one stops it), not by the pool's statement_timeout.
+    sqlx::query("set local statement_timeout = 0")
+        .execute(&mut *tx)
+        .await?;
     let exists: bool = sqlx::query_scalar("select to_regclass($1) is not null")
         .bind(&r.partition)
         .fetch_one(&mut *tx)
@@ -372,57 +377,92 @@ async fn drop_with_evidence(
 }
 
 /// Drops a partition whose grace has passed, in one transaction holding its ACCESS EXCLUSIVE
-/// lock, when it is still the table the manifest names: detached, with the manifest's row
-/// count. One attached again during its grace (an operator's undo) is left `kept`; one changed
-/// or dropped meanwhile is left `kept` or `gone` with the reason. Its manifest and the run's
-/// counts stand in every case: they record the rows that left the target with the detach.
+/// lock, when it is still the table the manifest describes: the same table (not another given
+/// its name), detached, with the manifest's row count, none of its rows held since, and no later
+/// run retiring it. Otherwise it is left as it is, `kept` (attached again: an operator's undo;
+/// changed; held; retired again by a later run) or `gone`, with the reason. Its manifest and the
+/// run's counts stand in every case: they record the rows that left the target with the detach.
 async fn drop_after_grace(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result<String> {
+    let table = TableName::parse(&r.partition.replace('"', ""))
+        .map_err(|e| anyhow::anyhow!("the partition's name: {e}"))?;
+    let rules = rules_of(state, r).await?.on_table(table);
     let mut tx = state.pool.begin().await?;
-    let (exists, attached): (bool, bool) = sqlx::query_as(
-        "select to_regclass($1) is not null,
-                coalesce((select relispartition from pg_class where oid = to_regclass($1)), false)",
-    )
-    .bind(&r.partition)
-    .fetch_one(&mut *tx)
-    .await?;
-    let (next, why) = if !exists {
-        (
-            "gone",
-            Some("dropped or renamed outside sweeper during its grace".to_string()),
-        )
-    } else if attached {
-        (
-            "kept",
-            Some(
-                "attached again during its grace: left as it is (its manifest still records                  the detach)"
-                    .to_string(),
-            ),
-        )
-    } else {
+    // The count and the held rows' check read the whole table: bounded by the lease, which is
+    // renewed meanwhile, not by the pool's statement_timeout.
+    sqlx::query("set local statement_timeout = 0")
+        .execute(&mut *tx)
+        .await?;
+    let decided = async {
+        let before = ledger::retirements::grace_target(&mut tx, r).await?;
+        if !before.exists || !before.same_table {
+            return anyhow::Ok(("gone", Some(gone_reason(before.exists))));
+        }
+        // Taken before anything is judged: an ATTACH still validating holds this lock, and its
+        // catalog change is seen only once it committed.
         sqlx::query(&format!(
             "lock table {} in access exclusive mode",
             r.partition
         ))
         .execute(&mut *tx)
         .await?;
+        let now = ledger::retirements::grace_target(&mut tx, r).await?;
+        if !now.exists || !now.same_table {
+            return Ok(("gone", Some(gone_reason(now.exists))));
+        }
+        if now.attached {
+            return Ok((
+                "kept",
+                Some(
+                    "attached again during its grace: left as it is (its manifest still records \
+                     the detach)"
+                        .to_string(),
+                ),
+            ));
+        }
+        if let Some(run) = now.later_run {
+            return Ok((
+                "kept",
+                Some(format!(
+                    "retired again by run {run} (it was attached again during its grace): left \
+                     to that run"
+                )),
+            ));
+        }
         let rows: i64 = sqlx::query_scalar(&format!("select count(*) from {}", r.partition))
             .fetch_one(&mut *tx)
             .await?;
-        if rows == r.rows {
-            sqlx::query(&format!("drop table {}", r.partition))
-                .execute(&mut *tx)
-                .await?;
-            ("dropped", None)
-        } else {
-            (
+        if rows != r.rows {
+            return Ok((
                 "kept",
                 Some(format!(
-                    "its rows changed during its grace ({rows} rows; its manifest names {}):                      not dropped; drop it by hand once its rows are accounted for",
+                    "its rows changed during its grace ({rows} rows; its manifest names {}): \
+                     not dropped; drop it by hand once its rows are accounted for",
                     r.rows
                 )),
-            )
+            ));
         }
+        let held = kept_rows(&mut tx, &rules).await?;
+        if held > 0 {
+            return Ok((
+                "kept",
+                Some(format!(
+                    "{held} of its rows became held during its grace (an exclusion or the \
+                     selection): not dropped; the detached table {} keeps them ({} returns them \
+                     to the table)",
+                    r.partition,
+                    format_args!(
+                        "alter table {} attach partition {} {}",
+                        r.parent, r.partition, r.bound
+                    )
+                )),
+            ));
+        }
+        sqlx::query(&format!("drop table {}", r.partition))
+            .execute(&mut *tx)
+            .await?;
+        Ok(("dropped", None))
     };
+    let (next, why) = renewing(state, r, token, decided, Lost::Stop).await?;
     if !ledger::retirements::end_grace(&mut tx, r, token, next, why.as_deref()).await? {
         bail!("the retirement's lease was lost; nothing is dropped");
     }
@@ -438,6 +478,18 @@ async fn drop_after_grace(state: &AppState, r: &Retirement, token: Uuid) -> anyh
         }
     }
     Ok(next.into())
+}
+
+/// Why a retirement awaiting its drop is `gone`: its table no longer exists, or another table
+/// has its name.
+fn gone_reason(exists: bool) -> String {
+    if exists {
+        "another table has its name since its evidence was recorded (renamed, and a new one \
+         made): left as it is"
+            .into()
+    } else {
+        "dropped or renamed outside sweeper during its grace".into()
+    }
 }
 
 /// Removes an export file and its partial file if they exist (a drop that did not commit).

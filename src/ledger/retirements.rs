@@ -346,6 +346,7 @@ pub async fn record_drop(
                 export_location = $8, export_sha256 = $9, digest = $10,
                 drop_after = case when $11 > 0
                                   then sweeper.now() + make_interval(secs => $11) end,
+                relid = to_regclass($2)::oid::bigint,
                 finished_at = case when $11 > 0 then null else sweeper.now() end,
                 lease_until = case when $11 > 0 then null else lease_until end
           where run_id = $1 and partition = $2 and exists (select 1 from man)
@@ -365,6 +366,39 @@ pub async fn record_drop(
     .fetch_optional(tx)
     .await?;
     Ok(manifest_id.is_some())
+}
+
+/// Where an `awaiting_drop` retirement's table stands, read with the catalog as of now.
+#[derive(Debug, sqlx::FromRow)]
+pub struct GraceTarget {
+    /// A table of its name exists.
+    pub exists: bool,
+    /// It is the table the evidence describes (same oid).
+    pub same_table: bool,
+    /// It is attached as a partition again.
+    pub attached: bool,
+    /// A later run that planned to retire a table of its name (after it was attached again).
+    pub later_run: Option<String>,
+}
+
+/// Reads where `r`'s table stands (in `conn`'s transaction; after its lock, the committed state).
+pub async fn grace_target(conn: &mut PgConnection, r: &Retirement) -> sqlx::Result<GraceTarget> {
+    sqlx::query_as(
+        "select c.oid is not null as exists,
+                coalesce(c.oid::bigint = p.relid, false) as same_table,
+                coalesce(c.relispartition, false) as attached,
+                (select q.run_id from sweeper.partition_retirements q
+                  where q.partition = p.partition and q.run_id <> p.run_id
+                    and q.created_at > p.created_at
+                  order by q.created_at desc limit 1) as later_run
+           from sweeper.partition_retirements p
+           left join pg_class c on c.oid = to_regclass(p.partition)
+          where p.run_id = $1 and p.partition = $2",
+    )
+    .bind(&r.run_id)
+    .bind(&r.partition)
+    .fetch_one(conn)
+    .await
 }
 
 /// Ends a retirement `token` holds in `awaiting_drop`: `dropped` (the caller dropped the table in
@@ -429,7 +463,7 @@ pub struct PartitionState {
     /// The last failed step's error, while it is retried.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
-    /// While `awaiting_drop`: when its grace ends and it is dropped.
+    /// With a grace period: when its grace ends (or ended) and it is dropped.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub drop_after: Option<DateTime<Utc>>,
     /// When it was dropped, kept or found gone.
@@ -464,10 +498,12 @@ pub async fn manifests_holding(
     let rows: Vec<ManifestRow> = sqlx::query_as(
         "with k as (select case when $3::text is null then $2::timestamptz
                                 else $2::timestamp at time zone $3 end as at)
-         select m.detail, m.manifest_id, m.recorded_at, e.window_at, e.cutoff, e.policy_version
+         select m.detail, m.manifest_id, m.recorded_at, e.window_at, e.cutoff, e.policy_version,
+                coalesce(p.state, 'dropped')
            from sweeper.audit_manifests m
            join sweeper.audit_executions e
              on e.execution_id = m.execution_id and e.recorded_at = m.recorded_at
+           left join sweeper.partition_retirements p on p.manifest_id = m.manifest_id
           cross join k
           where m.detail ->> 'policy' = $1
             and (m.detail ->> 'timestamp_from' is null
@@ -483,11 +519,22 @@ pub async fn manifests_holding(
     Ok(rows
         .into_iter()
         .map(
-            |(mut detail, manifest_id, recorded_at, window, cutoff, version)| {
+            |(mut detail, manifest_id, recorded_at, window, cutoff, version, state)| {
+                let membership = match state.as_str() {
+                    "awaiting_drop" => {
+                        "in the range of a partition detached and awaiting its drop (drop_grace); \
+                         verify with the export"
+                    }
+                    "kept" => {
+                        "in the range of a partition detached and recorded, then not dropped \
+                         (see the run's partitions for why): the row may be live"
+                    }
+                    _ => "in the range of a dropped partition; verify with the export",
+                };
                 let fields = serde_json::json!({
                     "manifest_id": manifest_id, "recorded_at": recorded_at,
                     "window": window, "cutoff": cutoff, "policy_version": version,
-                    "membership": "in the range of a dropped partition; verify with the export",
+                    "state": state, "membership": membership,
                 });
                 if let (Some(d), serde_json::Value::Object(f)) = (detail.as_object_mut(), fields) {
                     d.extend(f);
@@ -505,5 +552,6 @@ type ManifestRow = (
     DateTime<Utc>,
     DateTime<Utc>,
     DateTime<Utc>,
+    String,
     String,
 );

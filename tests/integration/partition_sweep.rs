@@ -703,20 +703,38 @@ async fn a_partition_larger_than_one_fetch_is_exported_whole_and_in_order() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A key's history entry for `key` (an item key's JSON text) among `dropped_partitions`.
+async fn dropped_entry(app: &TestApp, key: &str) -> serde_json::Value {
+    let h = app
+        .get_json(&format!(
+            "/policies/events/items/{}",
+            percent_encoding::utf8_percent_encode(key, percent_encoding::NON_ALPHANUMERIC)
+        ))
+        .await;
+    assert_eq!(h["dropped_partitions"].as_array().unwrap().len(), 1, "{h}");
+    h["dropped_partitions"][0].clone()
+}
+
 /// With `drop_grace`, a retired partition stays detached, its export and manifest recorded, and
-/// its run completes; once the grace has passed it is dropped. One attached again meanwhile (an
-/// operator's undo) is left `kept`; one whose rows changed is left `kept` with the counts. The
-/// run's counts and manifests stand.
+/// its run completes; once the grace has passed it is dropped, unless it is no longer what the
+/// manifest describes: attached again (an operator's undo, here still validating when the grace
+/// ends), changed, or holding a row put on hold meanwhile. Those are left `kept` with the
+/// reason; the run's counts and manifests stand, and a key's history says which is which.
 #[tokio::test]
 async fn with_a_grace_period_the_partitions_wait_detached_and_are_dropped_after_it() {
     let dir = export_dir();
     let app = spawn_with(&dir, "drop_grace = \"1h\"\n").await;
+    // Event 2000 exists in May only.
+    sqlx::query("insert into demo.events values (2000, '2026-05-10', 'x')")
+        .execute(&app.pool)
+        .await
+        .unwrap();
     let run_id = app.api.trigger_new("events", "").await;
     app.wait_planned(&run_id).await;
     drain(&app).await;
     let run = app.wait_terminal(&run_id).await;
     assert_eq!(run["status"], "completed", "{run}");
-    assert_eq!(run["deleted"], 200, "{run}");
+    assert_eq!(run["deleted"], 201, "{run}");
     assert_eq!(run["remaining_eligible"], 0, "{run}");
     assert_eq!(
         states(&run),
@@ -744,19 +762,48 @@ async fn with_a_grace_period_the_partitions_wait_detached_and_are_dropped_after_
                         ('events_2026_01', 'events_2026_02', 'events_2026_04', 'events_2026_05')
                       and not c.relispartition";
     assert_eq!(count(&app.pool, detached).await, 4, "detached, not dropped");
+    let jan = dropped_entry(&app, r#"["7","2026-01-15T00:00:00Z"]"#).await;
+    assert_eq!(jan["state"], "awaiting_drop", "{jan}");
+    assert!(
+        jan["membership"]
+            .as_str()
+            .unwrap()
+            .contains("awaiting its drop"),
+        "{jan}"
+    );
     // Not dropped before the grace has passed, however often the retirer looks.
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     assert_eq!(count(&app.pool, detached).await, 4);
-    // The operator takes February back; someone writes into April's detached table.
-    let bound = parts[1]["bound"].as_str().unwrap();
-    sqlx::raw_sql(&format!(
-        "alter table demo.events attach partition demo.events_2026_02 {bound};
-         insert into demo.events_2026_04 values (5000, '2026-04-20', 'late');"
-    ))
+    // Someone writes into April's detached table; event 2000 goes on hold.
+    sqlx::raw_sql(
+        "insert into demo.events_2026_04 values (5000, '2026-04-20', 'late');
+         insert into legal.event_holds values (2000, null);",
+    )
     .execute(&app.pool)
     .await
     .unwrap();
+    // The operator takes February back, and the attach is still validating when the grace
+    // ends: the retirer waits for its lock, then sees it attached.
+    let bound = parts[1]["bound"].as_str().unwrap();
+    let mut attach = app.pool.begin().await.unwrap();
+    sqlx::query(&format!(
+        "alter table demo.events attach partition demo.events_2026_02 {bound}"
+    ))
+    .execute(&mut *attach)
+    .await
+    .unwrap();
     set_clock(&app.pool, at("2026-09-01T03:05:00Z")).await;
+    let waiting = "select count(*) from pg_locks
+                    where relation = 'demo.events_2026_02'::regclass and not granted";
+    let started = std::time::Instant::now();
+    while count(&app.pool, waiting).await == 0 {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(30),
+            "the retirer never waited"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    attach.commit().await.unwrap();
     let run = app
         .api
         .wait_run(&run_id, "past its grace", |r| {
@@ -772,29 +819,29 @@ async fn with_a_grace_period_the_partitions_wait_detached_and_are_dropped_after_
             ("demo.events_2026_02", "kept"),
             ("demo.events_2026_03", "kept"),
             ("demo.events_2026_04", "kept"),
-            ("demo.events_2026_05", "dropped"),
+            ("demo.events_2026_05", "kept"),
         ],
         "{run}"
     );
     let parts = run["partitions"].as_array().unwrap();
+    let reason = |i: usize| parts[i]["reason"].as_str().unwrap().to_string();
     assert!(
-        parts[1]["reason"]
-            .as_str()
-            .unwrap()
-            .contains("attached again during its grace"),
+        reason(1).contains("attached again during its grace"),
         "{run}"
     );
     assert!(
-        parts[3]["reason"]
-            .as_str()
-            .unwrap()
-            .contains("its rows changed during its grace (41 rows; its manifest names 40)"),
+        reason(3).contains("its rows changed during its grace (41 rows; its manifest names 40)"),
         "{run}"
     );
+    assert!(
+        reason(4).contains("1 of its rows became held during its grace"),
+        "{run}"
+    );
+    assert!(!reason(4).contains("  "), "{run}");
     assert_eq!(
         count(
             &app.pool,
-            "select count(*) from pg_class where relname in ('events_2026_01', 'events_2026_05')"
+            "select count(*) from pg_class where relname = 'events_2026_01'"
         )
         .await,
         0
@@ -804,13 +851,18 @@ async fn with_a_grace_period_the_partitions_wait_detached_and_are_dropped_after_
         41
     );
     assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_2026_05").await,
+        41
+    );
+    assert_eq!(
         count(&app.pool, "select count(*) from demo.events where created_at >= '2026-02-01' and created_at < '2026-03-01'").await,
         40,
         "February is back in the table"
     );
-    // The run and its evidence stand: four manifests, 200 rows deleted.
+    // The run and its evidence stand: four manifests, 201 rows deleted; a key's history says
+    // which partitions went and which did not.
     assert_eq!(run["status"], "completed", "{run}");
-    assert_eq!(run["deleted"], 200, "{run}");
+    assert_eq!(run["deleted"], 201, "{run}");
     assert_eq!(
         count(
             &app.pool,
@@ -818,6 +870,17 @@ async fn with_a_grace_period_the_partitions_wait_detached_and_are_dropped_after_
         )
         .await,
         4
+    );
+    let jan = dropped_entry(&app, r#"["7","2026-01-15T00:00:00Z"]"#).await;
+    assert_eq!(jan["state"], "dropped", "{jan}");
+    let feb = dropped_entry(&app, r#"["7","2026-02-15T00:00:00Z"]"#).await;
+    assert_eq!(feb["state"], "kept", "{feb}");
+    assert!(
+        feb["membership"]
+            .as_str()
+            .unwrap()
+            .contains("the row may be live"),
+        "{feb}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
