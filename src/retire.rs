@@ -250,11 +250,6 @@ async fn drop_with_evidence(
         .map_err(|e| anyhow::anyhow!("the partition's name: {e}"))?;
     let rules = rules_of(state, r).await?.on_table(table);
     let mut tx = state.pool.begin().await?;
-    // The export reads the whole table in one statement: bounded by the lease (renewed while it
-    // runs; a lost one stops it), not by the pool's statement_timeout.
-    sqlx::query("set local statement_timeout = 0")
-        .execute(&mut *tx)
-        .await?;
     let exists: bool = sqlx::query_scalar("select to_regclass($1) is not null")
         .bind(&r.partition)
         .fetch_one(&mut *tx)
@@ -294,7 +289,19 @@ async fn drop_with_evidence(
     // Everything up to the commit is rolled back on a failure, and the export it wrote goes too
     // (a retry writes it again, or keeps the partition and needs none).
     let prepared = async {
+        // The export reads the whole table in one statement: bounded by the lease (renewed
+        // while it runs; a lost one stops it), not by the pool's statement_timeout, which is
+        // set again for what follows.
+        sqlx::query("set local statement_timeout = 0")
+            .execute(&mut *tx)
+            .await?;
         let written = write_export(state, &mut tx, &rules, (r, token), &partial).await?;
+        sqlx::query(&format!(
+            "set local statement_timeout = '{}s'",
+            state.config.database.statement_timeout.seconds()
+        ))
+        .execute(&mut *tx)
+        .await?;
         let sha256 = export_file::finish(Some(written.out), &partial, &path, &dir).await?;
         let manifest = Manifest {
             policy: r.policy.clone(),
@@ -385,7 +392,6 @@ async fn drop_with_evidence(
 async fn drop_after_grace(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result<String> {
     let table = TableName::parse(&r.partition.replace('"', ""))
         .map_err(|e| anyhow::anyhow!("the partition's name: {e}"))?;
-    let rules = rules_of(state, r).await?.on_table(table);
     let mut tx = state.pool.begin().await?;
     // The count and the held rows' check read the whole table: bounded by the lease, which is
     // renewed meanwhile, not by the pool's statement_timeout.
@@ -441,6 +447,8 @@ async fn drop_after_grace(state: &AppState, r: &Retirement, token: Uuid) -> anyh
                 )),
             ));
         }
+        // The rules last: a table found gone or attached is judged without them.
+        let rules = rules_of(state, r).await?.on_table(table);
         let held = kept_rows(&mut tx, &rules).await?;
         if held > 0 {
             return Ok((

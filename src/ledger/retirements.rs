@@ -377,7 +377,8 @@ pub struct GraceTarget {
     pub same_table: bool,
     /// It is attached as a partition again.
     pub attached: bool,
-    /// A later run that planned to retire a table of its name (after it was attached again).
+    /// A later run retiring a table of its name (it was attached again since): a dry run's
+    /// report or a partition a later run kept at planning does not count.
     pub later_run: Option<String>,
 }
 
@@ -390,6 +391,8 @@ pub async fn grace_target(conn: &mut PgConnection, r: &Retirement) -> sqlx::Resu
                 (select q.run_id from sweeper.partition_retirements q
                   where q.partition = p.partition and q.run_id <> p.run_id
                     and q.created_at > p.created_at
+                    and q.state in ('planned', 'detaching', 'detached', 'awaiting_drop',
+                                    'dropped')
                   order by q.created_at desc limit 1) as later_run
            from sweeper.partition_retirements p
            left join pg_class c on c.oid = to_regclass(p.partition)
@@ -499,7 +502,7 @@ pub async fn manifests_holding(
         "with k as (select case when $3::text is null then $2::timestamptz
                                 else $2::timestamp at time zone $3 end as at)
          select m.detail, m.manifest_id, m.recorded_at, e.window_at, e.cutoff, e.policy_version,
-                coalesce(p.state, 'dropped')
+                p.state
            from sweeper.audit_manifests m
            join sweeper.audit_executions e
              on e.execution_id = m.execution_id and e.recorded_at = m.recorded_at
@@ -520,14 +523,14 @@ pub async fn manifests_holding(
         .into_iter()
         .map(
             |(mut detail, manifest_id, recorded_at, window, cutoff, version, state)| {
-                let membership = match state.as_str() {
-                    "awaiting_drop" => {
+                let membership = match state.as_deref() {
+                    Some("awaiting_drop") => {
                         "in the range of a partition detached and awaiting its drop (drop_grace); \
                          verify with the export"
                     }
-                    "kept" => {
-                        "in the range of a partition detached and recorded, then not dropped \
-                         (see the run's partitions for why): the row may be live"
+                    Some("kept" | "gone") => {
+                        "in the range of a partition detached and recorded, then not dropped by \
+                         sweeper (see the run's partitions for why): the row may be live"
                     }
                     _ => "in the range of a dropped partition; verify with the export",
                 };
@@ -553,5 +556,5 @@ type ManifestRow = (
     DateTime<Utc>,
     DateTime<Utc>,
     String,
-    String,
+    Option<String>,
 );

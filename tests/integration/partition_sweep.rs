@@ -771,6 +771,22 @@ async fn with_a_grace_period_the_partitions_wait_detached_and_are_dropped_after_
             .contains("awaiting its drop"),
         "{jan}"
     );
+    // A dry run that planned after this run (here made by hand, dated after it) reports
+    // January as `would_drop`: it retires nothing, so it does not keep January from its drop.
+    sqlx::raw_sql(&format!(
+        "create temp table dry as select * from sweeper.runs where run_id = '{run_id}';
+         update dry set run_id = 'events:dry', dry_run = true, dry_run_no = 1;
+         insert into sweeper.runs select * from dry;
+         insert into sweeper.partition_retirements
+             (run_id, partition, parent, bound, timestamp_to, rows, state, created_at, finished_at)
+         select 'events:dry', partition, parent, bound, timestamp_to, rows, 'would_drop',
+                created_at + interval '1 second', created_at + interval '1 second'
+           from sweeper.partition_retirements
+          where run_id = '{run_id}' and partition = 'demo.events_2026_01';"
+    ))
+    .execute(&app.pool)
+    .await
+    .unwrap();
     // Not dropped before the grace has passed, however often the retirer looks.
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     assert_eq!(count(&app.pool, detached).await, 4);
