@@ -61,6 +61,16 @@ async fn drain(app: &TestApp) {
     while let WorkerStep::Ran(_) = run_one_command(&app.state).await.unwrap() {}
 }
 
+/// Triggers a run of `events` (`query`: the trigger's query string), plans it, executes its
+/// commands and waits until it is terminal; returns its id and `GET /runs/{id}`.
+async fn run_to_end(app: &TestApp, query: &str) -> (String, serde_json::Value) {
+    let run_id = app.api.trigger_new("events", query).await;
+    app.wait_planned(&run_id).await;
+    drain(app).await;
+    let run = app.wait_terminal(&run_id).await;
+    (run_id, run)
+}
+
 /// A run's partitions as `(partition, state)`, in the order `GET /runs/{id}` lists them.
 fn states(run: &serde_json::Value) -> Vec<(&str, &str)> {
     run["partitions"]
@@ -227,10 +237,7 @@ async fn expired_partitions_are_exported_recorded_and_dropped_and_a_held_one_is_
 async fn a_dry_run_reports_the_partitions_it_would_drop_and_drops_nothing() {
     let dir = export_dir();
     let app = spawn(&dir).await;
-    let run_id = app.api.trigger_new("events", "?dry_run=true").await;
-    app.wait_planned(&run_id).await;
-    drain(&app).await;
-    let run = app.wait_terminal(&run_id).await;
+    let (_, run) = run_to_end(&app, "?dry_run=true").await;
     let states: Vec<(&str, &str, i64)> = run["partitions"]
         .as_array()
         .unwrap()
@@ -464,10 +471,7 @@ async fn beside_pg_partman_a_held_row_survives_that_its_retention_drops() {
         .execute(&app.pool)
         .await
         .unwrap();
-    let run_id = app.api.trigger_new("events", "").await;
-    app.wait_planned(&run_id).await;
-    drain(&app).await;
-    let run = app.wait_terminal(&run_id).await;
+    let (_, run) = run_to_end(&app, "").await;
     assert_eq!(run["status"], "completed", "{run}");
     assert_eq!(run["deleted"], 50, "January to May, 10 events each: {run}");
     let states = states(&run);
@@ -685,10 +689,7 @@ async fn a_partition_larger_than_one_fetch_is_exported_whole_and_in_order() {
     .execute(&app.pool)
     .await
     .unwrap();
-    let run_id = app.api.trigger_new("events", "").await;
-    app.wait_planned(&run_id).await;
-    drain(&app).await;
-    let run = app.wait_terminal(&run_id).await;
+    let (run_id, run) = run_to_end(&app, "").await;
     assert_eq!(run["status"], "completed", "{run}");
     assert_eq!(run["deleted"], 25_200, "{run}");
     let february = run["partitions"]
@@ -729,10 +730,7 @@ async fn with_a_grace_period_the_partitions_wait_detached_and_are_dropped_after_
         .execute(&app.pool)
         .await
         .unwrap();
-    let run_id = app.api.trigger_new("events", "").await;
-    app.wait_planned(&run_id).await;
-    drain(&app).await;
-    let run = app.wait_terminal(&run_id).await;
+    let (run_id, run) = run_to_end(&app, "").await;
     assert_eq!(run["status"], "completed", "{run}");
     assert_eq!(run["deleted"], 201, "{run}");
     assert_eq!(run["remaining_eligible"], 0, "{run}");
