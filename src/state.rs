@@ -81,8 +81,7 @@ pub async fn migrate(config: &Config) -> anyhow::Result<()> {
     let mut conn = sqlx::PgConnection::connect_with(&connect_options(config)?)
         .await
         .context("cannot connect to the database (database_url)")?;
-    ledger::migrator()
-        .run(&mut conn)
+    ledger::migrations::migrate(&mut conn)
         .await
         .context("applying migrations")?;
     let _ = conn.close().await;

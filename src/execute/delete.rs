@@ -195,7 +195,20 @@ impl Run<'_> {
         let l = &self.loaded;
         let mut q = QueryBuilder::new("");
         l.rules.push_lockers(&mut q, undecided);
-        let lockers: Vec<(i32, f64)> = q.build_query_as().fetch_all(&mut *tx).await?;
+        // Naming the session reads the rows' xmax, which needs SELECT on the whole table; a role
+        // with column grants only (deploy/roles.sql) says "another transaction" instead.
+        let mut naming = sqlx::Acquire::begin(&mut *tx).await?;
+        let lockers: Vec<(i32, f64)> = match q.build_query_as().fetch_all(&mut *naming).await {
+            Ok(lockers) => {
+                naming.commit().await?;
+                lockers
+            }
+            Err(sqlx::Error::Database(d)) if d.code().as_deref() == Some("42501") => {
+                naming.rollback().await?;
+                Vec::new()
+            }
+            Err(e) => return Err(e.into()),
+        };
         if !decided.failed.is_empty() {
             record_item_dead_letters(&mut tx, l, self.command_id, &decided.failed).await?;
         }

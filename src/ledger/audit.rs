@@ -369,16 +369,26 @@ pub async fn record_export(
     Ok(())
 }
 
-/// Detaches the month's tables from their parents with `DETACH PARTITION … CONCURRENTLY` (audit
-/// writes and reads go on; it cannot run in a transaction block, so each runs on its own). The
-/// record says `detach_pending` first: a crash in the middle leaves PostgreSQL's own "detach
-/// pending" state, which the next pass finishes with `FINALIZE`. A table already detached (or
-/// never made) is skipped.
+/// Detaches the month's tables from their parents. A role that owns the audit's tables uses
+/// `DETACH PARTITION … CONCURRENTLY` (audit writes and reads go on; it cannot run in a
+/// transaction block, so each runs on its own). The record says `detach_pending` first: a crash
+/// in the middle leaves PostgreSQL's own "detach pending" state, which the next pass finishes
+/// with `FINALIZE`. A table already detached (or never made) is skipped. A runtime role that does
+/// not own them (deploy/roles.sql) calls `sweeper.detach_audit_month`, which runs as their owner
+/// and detaches without CONCURRENTLY (a function runs in a transaction): a moment of ACCESS
+/// EXCLUSIVE on each parent, waiting at most its lock_timeout (migration 20261205000025).
 pub async fn detach(pool: &PgPool, p: &Partition) -> sqlx::Result<()> {
     sqlx::query("update sweeper.audit_exports set state = 'detach_pending' where partition = $1")
         .bind(&p.partition)
         .execute(pool)
         .await?;
+    if !owns_audit(pool).await? {
+        sqlx::query("select sweeper.detach_audit_month($1)")
+            .bind(&p.partition)
+            .execute(pool)
+            .await?;
+        return Ok(());
+    }
     for parent in PARENTS {
         let pending: Option<bool> = sqlx::query_scalar(
             "select i.inhdetachpending from pg_inherits i
@@ -403,14 +413,24 @@ pub async fn detach(pool: &PgPool, p: &Partition) -> sqlx::Result<()> {
     Ok(())
 }
 
+/// Whether the connecting role may alter the audit's tables (it owns them, or is a member of
+/// their owner), or goes through the owner's functions.
+async fn owns_audit(pool: &PgPool) -> sqlx::Result<bool> {
+    sqlx::query_scalar(
+        "select pg_has_role(c.relowner, 'USAGE') from pg_class c where c.oid = 'sweeper.audit'::regclass",
+    )
+    .fetch_one(pool)
+    .await
+}
+
 /// Drops the month's detached tables and records the month dropped, in one transaction.
 pub async fn drop_partition(pool: &PgPool, p: &Partition) -> sqlx::Result<()> {
     let mut tx = pool.begin().await?;
-    for parent in PARENTS {
-        sqlx::query(&format!("drop table if exists {}", p.table(parent)))
-            .execute(&mut *tx)
-            .await?;
-    }
+    // As the tables' owner (migration 20261205000025): the runtime role need not own them.
+    sqlx::query("select sweeper.drop_audit_month($1)")
+        .bind(&p.partition)
+        .execute(&mut *tx)
+        .await?;
     sqlx::query("delete from sweeper.audit_partitions where partition = $1")
         .bind(&p.partition)
         .execute(&mut *tx)

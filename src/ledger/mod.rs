@@ -16,6 +16,7 @@ pub mod effects;
 pub mod holds;
 pub mod identity;
 pub mod item_history;
+pub mod migrations;
 pub mod operator_log;
 pub mod outbox;
 pub mod outcome;

@@ -3,8 +3,8 @@
 //! of a type in [`crate::policy::KEY_TYPES`]; the
 //! timestamp is `timestamptz` (or `timestamp` with `timestamp_zone`); exclusion values cast to
 //! their column's type; indexes support the scans; foreign keys that reference the target are
-//! reported with their `ON DELETE` rule; the connecting role holds SELECT, UPDATE and (when rows
-//! are deleted) DELETE on the target.
+//! reported with their `ON DELETE` rule; the connecting role holds the privileges the policy
+//! needs on the target, named one per line when it lacks them.
 
 use std::fmt;
 
@@ -108,7 +108,14 @@ async fn check_policy(
         path,
         out,
     };
-    c.privileges().await?;
+    if !c.privileges().await? {
+        // The other checks read the table's columns, which the role may not.
+        c.say(
+            Level::Info,
+            "the other checks of this policy run once the role may read the columns above".into(),
+        );
+        return Ok(());
+    }
     c.key().await?;
     c.action_columns().await?;
     c.timestamp().await?;
@@ -143,12 +150,17 @@ impl Check<'_> {
         self.info.columns.get(name).cloned()
     }
 
-    /// The connecting role's table privileges: SELECT to plan, UPDATE for the row locks a command
-    /// takes when a row is locked by someone else or an item fails alone (`FOR UPDATE SKIP
-    /// LOCKED` needs it) and for a stamping action, DELETE when rows go.
-    async fn privileges(&mut self) -> sqlx::Result<()> {
+    /// The connecting role's privileges on the target, a line for each one it lacks (deploy/
+    /// roles.sql grants the ledger's; the target's are the user's to grant): USAGE on the
+    /// table's schema, SELECT on each column the policy reads, DELETE when rows go, UPDATE on a
+    /// stamped column, and UPDATE on at least one column, which PostgreSQL requires for the row
+    /// locks a command takes when it meets a row another transaction holds or an item fails alone
+    /// (`SELECT … FOR UPDATE SKIP LOCKED`). Returns whether the role may read every column the
+    /// policy reads.
+    async fn privileges(&mut self) -> sqlx::Result<bool> {
         let t = &self.p.spec.target;
-        let deletes = match &self.p.spec.action {
+        let spec = &self.p.spec;
+        let deletes = match &spec.action {
             crate::policy::ActionSpec::DeleteRows => true,
             crate::policy::ActionSpec::Http(h) => {
                 matches!(h.then, crate::policy::action::Then::DeleteRow)
@@ -157,32 +169,95 @@ impl Check<'_> {
                 matches!(o.then, crate::policy::action::Then::DeleteRow)
             }
         };
-        let missing: Vec<String> = sqlx::query_scalar(
-            "select p from unnest($2::text[]) p where not has_table_privilege(to_regclass($1), p)",
-        )
-        .bind(t.table.quoted())
-        .bind(
-            ["SELECT", "UPDATE"]
-                .into_iter()
-                .chain(deletes.then_some("DELETE"))
-                .collect::<Vec<_>>(),
-        )
-        .fetch_all(self.pool)
-        .await?;
-        if !missing.is_empty() {
+        let stamped = match &spec.action {
+            crate::policy::ActionSpec::Http(h) => h.then.column(),
+            crate::policy::ActionSpec::ObjectStore(o) => o.then.column(),
+            crate::policy::ActionSpec::DeleteRows => None,
+        };
+        let mut read: Vec<&str> = t.key.columns().iter().map(|c| c.as_str()).collect();
+        read.push(t.timestamp.as_str());
+        for e in &spec.exclude {
+            match &e.rule {
+                ExclusionRule::Column(c) => read.push(c.column.as_str()),
+                ExclusionRule::Related { exists } => {
+                    read.extend(exists.target_columns().map(|c| c.as_str()))
+                }
+            }
+        }
+        for s in &spec.select {
+            read.extend(s.target_columns().into_iter().map(|c| c.as_str()));
+        }
+        read.extend(spec.action.columns().into_iter().map(|c| c.as_str()));
+        // Only columns that exist: a missing one is reported by its own check.
+        read.retain(|c| self.info.columns.contains_key(*c));
+        read.sort_unstable();
+        read.dedup();
+        // (privilege, column: '' for the table, '*' for any column)
+        let mut needs: Vec<(&str, &str)> = read.iter().map(|c| ("SELECT", *c)).collect();
+        if deletes {
+            needs.push(("DELETE", ""));
+        }
+        if let Some(c) = stamped.filter(|c| self.info.columns.contains_key(c.as_str())) {
+            needs.push(("UPDATE", c.as_str()));
+        }
+        needs.push(("UPDATE", "*"));
+        let (role, usage, privileges, columns): (String, bool, Vec<String>, Vec<String>) =
+            sqlx::query_as(
+                "select current_user::text, has_schema_privilege($2, 'USAGE'),
+                        coalesce(array_agg(n.p order by n.i), '{}'),
+                        coalesce(array_agg(n.c order by n.i), '{}')
+                   from unnest($3::text[], $4::text[]) with ordinality n(p, c, i)
+                  where not case n.c
+                            when '' then has_table_privilege(to_regclass($1), n.p)
+                            when '*' then has_any_column_privilege(to_regclass($1), n.p)
+                            else has_column_privilege(to_regclass($1), n.c, n.p)
+                        end",
+            )
+            .bind(t.table.quoted())
+            .bind(t.table.schema.as_str())
+            .bind(needs.iter().map(|n| n.0).collect::<Vec<_>>())
+            .bind(needs.iter().map(|n| n.1).collect::<Vec<_>>())
+            .fetch_one(self.pool)
+            .await?;
+        let table = &t.table;
+        if !usage {
             self.say(
                 Level::Error,
                 format!(
-                    "target.table: the database role lacks {} on {} (a command that meets a row \
-                     another transaction holds deletes the others with SELECT ... FOR UPDATE SKIP \
-                     LOCKED, which needs UPDATE; grant {} to it)",
-                    missing.join(", "),
-                    t.table,
-                    missing.join(", ")
+                    "privileges: role {role} lacks USAGE on schema {}: grant usage on schema {} to {role}",
+                    table.schema.as_str(),
+                    table.schema.as_str()
                 ),
             );
         }
-        Ok(())
+        let readable = usage && !privileges.iter().any(|p| p == "SELECT");
+        for (privilege, column) in privileges.into_iter().zip(columns) {
+            let message = match (privilege.as_str(), column.as_str()) {
+                ("DELETE", _) => format!(
+                    "privileges: role {role} lacks DELETE on {table}, which the policy deletes \
+                     from: grant delete on {table} to {role}"
+                ),
+                ("UPDATE", "*") => format!(
+                    "privileges: role {role} lacks UPDATE on every column of {table}: a command \
+                     that meets a row another transaction holds, or whose item fails alone, \
+                     locks the rows it acts on (SELECT … FOR UPDATE SKIP LOCKED), which \
+                     PostgreSQL allows only with UPDATE on at least one column: grant update ({}) \
+                     on {table} to {role}",
+                    t.timestamp.as_str()
+                ),
+                ("UPDATE", c) => format!(
+                    "privileges: role {role} lacks UPDATE on column {c} of {table}, which the \
+                     action stamps: grant update ({c}) on {table} to {role}"
+                ),
+                (p, c) => format!(
+                    "privileges: role {role} lacks {p} on column {c} of {table}, which the \
+                     policy reads: grant {} ({c}) on {table} to {role}",
+                    p.to_lowercase()
+                ),
+            };
+            self.say(Level::Error, message);
+        }
+        Ok(readable)
     }
 
     /// The key: its columns' types, the unique index that makes it, NULLs.

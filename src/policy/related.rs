@@ -313,11 +313,22 @@ pub(super) async fn check(
         ));
         return Ok((out, vec![]));
     };
-    let readable: bool =
-        sqlx::query_scalar("select has_table_privilege(to_regclass($1), 'SELECT')")
-            .bind(r.table.quoted())
-            .fetch_one(pool)
-            .await?;
+    // SELECT on the columns it reads is enough (a column grant, as deploy/roles.sql advises).
+    let read: Vec<&str> =
+        r.on.iter()
+            .map(|p| p.related.as_str())
+            .chain(r.where_.iter().map(|w| w.column.as_str()))
+            .filter(|c| info.columns.contains_key(*c))
+            .collect();
+    let unreadable: Vec<String> = sqlx::query_scalar(
+        "select c from unnest($2::text[]) c
+          where not has_column_privilege(to_regclass($1), c, 'SELECT')",
+    )
+    .bind(r.table.quoted())
+    .bind(&read)
+    .fetch_all(pool)
+    .await?;
+    let readable = unreadable.is_empty();
     if info.row_security {
         out.push((
             Level::Error,
@@ -328,7 +339,12 @@ pub(super) async fn check(
         out.push((
             Level::Error,
             format!(
-                "{path}.table: the database role lacks SELECT on {} (grant SELECT on it)",
+                "{path}.table: the database role lacks SELECT on column{} {} of {}: grant \
+                 select ({}) on {} to it",
+                if unreadable.len() == 1 { "" } else { "s" },
+                unreadable.join(", "),
+                r.table,
+                unreadable.join(", "),
                 r.table
             ),
         ));

@@ -36,7 +36,9 @@ async fn a_crash_after_the_digest_call_repeats_it_once_with_the_same_key() {
     let db = TestDb::create().await;
     let pool = PgPool::connect(&db.url).await.unwrap();
     sqlx::raw_sql(SETUP).execute(&pool).await.unwrap();
-    sweeper::ledger::MIGRATOR.run(&pool).await.unwrap();
+    sweeper::ledger::migrations::migrate(&mut pool.acquire().await.unwrap())
+        .await
+        .unwrap();
     set_clock(&pool, at(NOW)).await;
     let text = config_toml(&db.url, 1, "", &policies(&api_standin.url()));
     let mut crashing = Server::launch(

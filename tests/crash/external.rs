@@ -20,7 +20,9 @@ async fn prepare() -> (TestDb, PgPool) {
     sqlx::raw_sql(EXT).execute(&pool).await.unwrap();
     // The schema must exist before the servers start (they check policies against it); the
     // ledger clock needs the ledger, so migrate first.
-    sweeper::ledger::MIGRATOR.run(&pool).await.unwrap();
+    sweeper::ledger::migrations::migrate(&mut pool.acquire().await.unwrap())
+        .await
+        .unwrap();
     set_clock(&pool, at(NOW)).await;
     (db, pool)
 }

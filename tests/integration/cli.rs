@@ -431,8 +431,10 @@ async fn the_deploy_configurations_pass_check_config() {
     }
 }
 
-/// A database role that may read and delete but not lock rows (`FOR UPDATE` needs UPDATE) would
-/// pass every other check and quarantine every command on its first try: check-config says so.
+/// check-config names each privilege the role lacks on the target, one line each: SELECT on a
+/// column the policy reads, DELETE, and UPDATE on some column (a role that may read and delete
+/// but not lock rows, since `FOR UPDATE` needs UPDATE, would pass every other check and hold
+/// every command that meets a locked row). Column grants, as deploy/roles.sql advises, suffice.
 #[tokio::test]
 async fn check_config_names_the_table_privileges_the_database_role_lacks() {
     let db = TestDb::create().await;
@@ -448,7 +450,7 @@ async fn check_config_names_the_table_privileges_the_database_role_lacks() {
          create index on support.tickets (closed_at, id);
          create role {role} login;
          grant usage on schema support to {role};
-         grant select, delete on support.tickets to {role}"
+         grant select (id, status) on support.tickets to {role}"
     ))
     .execute(&pool)
     .await
@@ -474,14 +476,42 @@ async fn check_config_names_the_table_privileges_the_database_role_lacks() {
     };
     let (ok, stdout) = check();
     assert!(!ok, "{stdout}");
-    assert!(
-        stdout.contains("the database role lacks UPDATE on support.tickets"),
+    let lacks: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.contains(&format!("privileges: role {role} lacks")))
+        .collect();
+    let p = "error: policy[ticket-retention]: privileges";
+    assert_eq!(
+        lacks,
+        [
+            format!(
+                "{p}: role {role} lacks SELECT on column closed_at of support.tickets, which the \
+                 policy reads: grant select (closed_at) on support.tickets to {role}"
+            ),
+            format!(
+                "{p}: role {role} lacks SELECT on column legal_hold of support.tickets, which the \
+                 policy reads: grant select (legal_hold) on support.tickets to {role}"
+            ),
+            format!(
+                "{p}: role {role} lacks DELETE on support.tickets, which the policy deletes from: \
+                 grant delete on support.tickets to {role}"
+            ),
+            format!(
+                "{p}: role {role} lacks UPDATE on every column of support.tickets: a command that \
+                 meets a row another transaction holds, or whose item fails alone, locks the rows \
+                 it acts on (SELECT … FOR UPDATE SKIP LOCKED), which PostgreSQL allows only with \
+                 UPDATE on at least one column: grant update (closed_at) on support.tickets to {role}"
+            ),
+        ],
         "{stdout}"
     );
-    sqlx::query(&format!("grant update on support.tickets to {role}"))
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::raw_sql(&format!(
+        "grant select (closed_at, legal_hold), delete on support.tickets to {role};
+         grant update (closed_at) on support.tickets to {role}"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
     let (ok, stdout) = check();
     assert!(ok, "{stdout}");
     // The governor's signals: this role cannot read standby replay lag, and is told how to fix it.

@@ -19,6 +19,7 @@ mod jwks;
 #[path = "../kit/mod.rs"]
 mod kit;
 mod leases;
+mod least_privilege;
 mod locked_rows;
 mod on_call;
 mod partition_sweep;

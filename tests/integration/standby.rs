@@ -24,7 +24,9 @@ async fn exec(url: &str, sql: &str) {
 /// Migrates `url`'s database, moves its ledger clock to [`NOW`] and seeds `n` eligible tickets.
 async fn prepare(url: &str, n: i64) {
     let pool = PgPool::connect(url).await.unwrap();
-    sweeper::ledger::MIGRATOR.run(&pool).await.unwrap();
+    sweeper::ledger::migrations::migrate(&mut pool.acquire().await.unwrap())
+        .await
+        .unwrap();
     set_clock(&pool, at(NOW)).await;
     for stmt in TICKETS.split(';').map(str::trim).filter(|s| !s.is_empty()) {
         sqlx::query(stmt).execute(&pool).await.unwrap();

@@ -6,7 +6,7 @@ use crate::common::*;
 /// A migration a later release applied: unknown to this binary.
 const NEWER_MIGRATION: &str = "
     create table sweeper.from_a_newer_release (id bigint primary key);
-    insert into _sqlx_migrations (version, description, success, checksum, execution_time)
+    insert into sweeper._sqlx_migrations (version, description, success, checksum, execution_time)
     values (99991231000001, 'from a newer release', true, '\\x00', 1)";
 
 #[tokio::test]
@@ -34,7 +34,7 @@ async fn a_replica_starts_ready_and_completes_a_run_against_a_schema_newer_than_
     assert_eq!(done["status"], "completed", "{done}");
     // The newer migration is still recorded, and no migration of ours was applied twice.
     let versions: Vec<i64> =
-        sqlx::query_scalar("select version from _sqlx_migrations order by version")
+        sqlx::query_scalar("select version from sweeper._sqlx_migrations order by version")
             .fetch_all(&app.pool)
             .await
             .unwrap();

@@ -54,7 +54,9 @@ pub async fn create_migrated(name: &str) -> PgPool {
         .await
         .unwrap();
     let pool = PgPool::connect(&database_url(name)).await.unwrap();
-    sweeper::ledger::MIGRATOR.run(&pool).await.unwrap();
+    sweeper::ledger::migrations::migrate(&mut pool.acquire().await.unwrap())
+        .await
+        .unwrap();
     pool
 }
 

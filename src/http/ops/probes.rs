@@ -108,10 +108,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
         .map(|m| m.version)
         .max()
         .unwrap_or(0);
-    let applied: Result<Option<i64>, _> =
-        sqlx::query_scalar("select max(version) from _sqlx_migrations where success")
-            .fetch_one(&state.pool)
-            .await;
+    let applied = ledger::migrations::applied_version(&state.pool).await;
     match applied {
         Ok(Some(v)) if v >= latest => {
             (StatusCode::OK, Json(json!({"status": "ready"}))).into_response()
