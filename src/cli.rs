@@ -1,4 +1,4 @@
-//! The command line: `serve`, `migrate`, `check-config`, `token`, `quickstart`.
+//! The command line: `serve`, `migrate`, `check-config`, `token`, `schedules`, `quickstart`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -71,6 +71,22 @@ pub enum Command {
         #[arg(long)]
         issuer: Option<String>,
     },
+    /// Print the external scheduler's definitions (Cloud Scheduler, Kubernetes, QStash, cron,
+    /// systemd) for every policy, from the policies' own schedules; needs no database or secret.
+    /// Exit 2 on an invalid configuration or URL, 1 when a policy's cron cannot be expressed for
+    /// the format (then nothing is printed on stdout and each refusal is said on stderr).
+    Schedules {
+        /// Configuration file (TOML).
+        #[arg(long, env = "SWEEPER_CONFIG", default_value = "sweeper.toml")]
+        config: PathBuf,
+        /// Which scheduler's definitions.
+        #[arg(long, value_enum)]
+        format: crate::schedules::Format,
+        /// The base URL the triggers call (`<url>/trigger/<policy>`); default: `[qstash]
+        /// public_url`, else required.
+        #[arg(long)]
+        url: Option<String>,
+    },
     /// Create a demo database (200,000 support tickets, or with `--scenario digest` customers
     /// and digest data), start the server, trigger runs over HTTP as a cron would, wait for them
     /// and print a report.
@@ -109,7 +125,7 @@ pub fn run(cli: Cli) -> ExitCode {
     let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
     let quiet = matches!(
         cli.command,
-        Command::Quickstart { .. } | Command::Token { .. }
+        Command::Quickstart { .. } | Command::Token { .. } | Command::Schedules { .. }
     );
     init_tracing(if quiet { "warn" } else { "info" });
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -166,6 +182,60 @@ fn warn_overridden_url(config: &Config, path: &std::path::Path) {
             "database_url: {var} in the environment overrides the one in {}",
             path.display()
         );
+    }
+}
+
+/// `sweeper schedules`: reads only the policies and `[qstash] public_url` (no database, no
+/// secret), so it runs where deploy scripts run, before any secret exists.
+fn schedules(
+    path: &std::path::Path,
+    format: crate::schedules::Format,
+    url: Option<&str>,
+) -> ExitCode {
+    if let Some(why) = missing(path) {
+        eprintln!("{why}");
+        return ExitCode::from(2);
+    }
+    let source = match crate::schedules::read(path) {
+        Ok(s) => s,
+        Err(errors) => {
+            for e in errors {
+                eprintln!("{}: {e}", path.display());
+            }
+            return ExitCode::from(2);
+        }
+    };
+    let Some(raw) = url.or(source.public_url.as_deref()) else {
+        eprintln!(
+            "--url is required: {} has no [qstash] public_url to default to, and the definitions \
+             need the base URL the scheduler calls (<url>/trigger/<policy>)",
+            path.display()
+        );
+        return ExitCode::from(2);
+    };
+    let base = match crate::schedules::base_url(raw) {
+        Ok(b) => b,
+        Err(why) => {
+            eprintln!("{why}");
+            return ExitCode::from(2);
+        }
+    };
+    match crate::schedules::render(format, &source, &base, path) {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(refusals) => {
+            for r in &refusals {
+                eprintln!("{r}");
+            }
+            eprintln!(
+                "{}: {} policy schedule(s) refused; nothing printed",
+                path.display(),
+                refusals.len()
+            );
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -329,6 +399,11 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
+        Command::Schedules {
+            config,
+            format,
+            url,
+        } => Ok(schedules(&config, format, url.as_deref())),
         Command::Quickstart {
             scenario,
             exit,

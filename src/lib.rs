@@ -22,6 +22,7 @@ pub mod policy;
 pub mod quickstart;
 pub mod retire;
 pub mod retry;
+pub mod schedules;
 pub mod settings;
 pub mod state;
 pub mod strict_json;
