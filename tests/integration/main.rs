@@ -34,6 +34,7 @@ mod related_holds;
 mod runbook;
 mod safety;
 mod scenarios;
+mod schedules;
 mod schema_blip;
 mod selection;
 mod stages;
