@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # deploy/check.sh: static checks of the deployment files, for .ci/run. Exits non-zero on any
-# failure and prints what it checked. Needs bash, python3 (3.11+, for tomllib) with PyYAML, and
-# the shellcheck binary (installed with apt-get when missing and running as root).
+# failure and prints what it checked. Needs bash, python3 (3.11+, for tomllib) with PyYAML, jq,
+# the shellcheck binary (installed with apt-get when missing and running as root), and a built
+# sweeper binary: SWEEPER_BIN, default ${CARGO_TARGET_DIR:-target}/debug/sweeper (`cargo build`).
 #
 #   * shellcheck on every deploy/**/*.sh;
 #   * DRY_RUN=1 runs of deploy/cloudrun/setup.sh and deploy/qstash/schedules.sh, with stubs in
 #     front of gcloud, curl, openssl, podman and docker that fail the check if either script calls
-#     them;
+#     them (both take their schedules from `sweeper schedules`, run from SWEEPER_BIN);
+#   * deploy/kubernetes/cronjob.yaml is exactly what `sweeper schedules --format kubernetes` writes
+#     for deploy/sweeper.example.toml, and every deploy configuration's schedules can be written
+#     in every format (systemd's calendar events checked with systemd-analyze when installed);
 #   * every deploy/kubernetes/*.yaml and deploy/monitoring/*.yaml parses, and each document has
 #     apiVersion, kind, metadata.name;
 #   * every deploy/**/*.toml parses;
@@ -30,6 +34,36 @@ mapfile -t scripts < <(find deploy -type f -name '*.sh' | sort)
 shellcheck "${scripts[@]}" || { echo "FAIL: shellcheck found problems (above)" >&2; exit 1; }
 printf 'ok: shellcheck %s\n' "${scripts[@]}"
 
+echo "== sweeper schedules"
+SWEEPER_BIN="${SWEEPER_BIN:-${CARGO_TARGET_DIR:-target}/debug/sweeper}"
+[[ "$SWEEPER_BIN" == /* ]] || SWEEPER_BIN="$PWD/$SWEEPER_BIN"
+[[ -x "$SWEEPER_BIN" ]] ||
+  { echo "FAIL: no sweeper binary at $SWEEPER_BIN: run cargo build --locked, or set SWEEPER_BIN" >&2; exit 1; }
+command -v jq >/dev/null 2>&1 || { echo "FAIL: jq is not installed (apt-get install jq)" >&2; exit 1; }
+CRONJOB_URL="http://sweeper:8080"
+if ! diff -u deploy/kubernetes/cronjob.yaml <("$SWEEPER_BIN" schedules --config deploy/sweeper.example.toml \
+  --format kubernetes --url "$CRONJOB_URL"); then
+  echo "FAIL: deploy/kubernetes/cronjob.yaml differs from sweeper's output (above); regenerate it:" >&2
+  echo "  sweeper schedules --config deploy/sweeper.example.toml --format kubernetes --url $CRONJOB_URL > deploy/kubernetes/cronjob.yaml" >&2
+  exit 1
+fi
+echo "ok: deploy/kubernetes/cronjob.yaml = sweeper schedules --format kubernetes for deploy/sweeper.example.toml"
+for config in deploy/sweeper.example.toml deploy/cloudrun/sweeper.toml deploy/qstash/sweeper.toml; do
+  for format in cloud-scheduler kubernetes qstash crontab systemd; do
+    if ! out="$("$SWEEPER_BIN" schedules --config "$config" --format "$format" --url https://sweeper.example.com)"; then
+      echo "FAIL: sweeper schedules --format $format refused $config (above)" >&2
+      exit 1
+    fi
+    if [[ "$format" == systemd ]] && command -v systemd-analyze >/dev/null 2>&1; then
+      while IFS= read -r calendar; do
+        systemd-analyze calendar "$calendar" >/dev/null ||
+          { echo "FAIL: systemd-analyze refuses OnCalendar=$calendar ($config)" >&2; exit 1; }
+      done < <(sed -n 's/^OnCalendar=//p' <<<"$out")
+    fi
+  done
+  echo "ok: sweeper schedules writes every format for $config"
+done
+
 echo "== dry runs"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
@@ -41,7 +75,7 @@ done
 dry_run() { # dry_run OUTPUT SCRIPT [VAR=value...]: the script with default settings and DRY_RUN=1
   local out="$1" script="$2"
   shift 2
-  if ! env -i PATH="$tmp/bin:$PATH" HOME="$tmp" DRY_RUN=1 "$@" bash "$script" >"$out" 2>&1; then
+  if ! env -i PATH="$tmp/bin:$PATH" HOME="$tmp" DRY_RUN=1 SWEEPER_BIN="$SWEEPER_BIN" "$@" bash "$script" >"$out" 2>&1; then
     cat "$out" >&2
     echo "FAIL: DRY_RUN=1 ${*:+$* }$script failed" >&2
     exit 1
@@ -103,16 +137,6 @@ def flags(cmd):
     return out
 
 
-def script_policies(path):
-    """The name|cron|zone lines of a script's POLICIES=( ... ) array."""
-    text = open(path).read()
-    body = re.search(r"^POLICIES=\(\n(.*?)^\)", text, re.S | re.M)
-    if not body:
-        return {}
-    rows = re.findall(r'^\s*"([^"|]+)\|([^"|]+)\|([^"|]+)"\s*$', body[1], re.M)
-    return {n: (c, z) for n, c, z in rows}
-
-
 def script_default(path, var):
     m = re.search(rf'^{var}="\$\{{{var}:-(.*)\}}"$', open(path).read(), re.M)
     return m[1] if m else None
@@ -160,7 +184,6 @@ if check(cr is not None, f"{CR} exists and parses"):
     subs = [flags(c) for c in cmds if c[:4] == ["gcloud", "pubsub", "subscriptions", "create"]]
     jobs = [(c[5], flags(c)) for c in cmds if c[:5] == ["gcloud", "scheduler", "jobs", "create", "http"]]
     policies = {p["name"]: p for p in cr.get("policy", [])}
-    listed = script_policies(SETUP)
     google = [i for i in cr.get("auth", {}).get("jwks_issuer", []) if i.get("google")]
     check(len(google) == 1, f"{CR} has one google = true [[auth.jwks_issuer]]")
     issuer = google[0] if google else {}
@@ -204,8 +227,6 @@ if check(cr is not None, f"{CR} exists and parses"):
 
     # (a) one trigger scope and one Scheduler job per policy, on the policy's schedule
     check(bool(policies), f"{CR} defines policies: {sorted(policies)}")
-    check(set(listed) == set(policies),
-          f"{SETUP}'s POLICIES list {sorted(listed)} = the policies of {CR}")
     by_uri = {}
     for name, j in jobs:
         uri = j.get("--uri", [""])[0]
@@ -217,8 +238,6 @@ if check(cr is not None, f"{CR} exists and parses"):
         cron, tz = p.get("schedule", {}).get("cron"), zone(p)
         check(f"trigger:{name}" in sched_scopes,
               f"policy {name}: the scheduler SA has trigger:{name} (it has {sched_scopes})")
-        check(listed.get(name) == (cron, tz),
-              f"policy {name}: {SETUP} lists cron/zone {listed.get(name)} = ({cron!r}, {tz!r})")
         job = by_uri.get(name)
         check(job is not None
               and job[1].get("--schedule") == [cron] and job[1].get("--time-zone") == [tz],
@@ -290,10 +309,6 @@ if check(qs is not None and "qstash" in qs, f"{QS} exists, parses and has [qstas
     qpol = {p["name"]: p for p in qs.get("policy", []) if p.get("transport") == "qstash"}
     check(bool(qpol), f"{QS} has qstash policies: {sorted(qpol)}")
     check("consume" in scopes, f"[qstash] scopes {scopes} include consume")
-    check(script_default(SCHED, "PUBLIC_URL") == public,
-          f"{SCHED}'s PUBLIC_URL default = [qstash] public_url {public!r}")
-    listed = script_policies(SCHED)
-    check(set(listed) == set(qpol), f"{SCHED}'s POLICIES list {sorted(listed)} = qstash policies")
     made = {}
     for c in commands(f"{tmp}/schedules.out"):
         url = c[-1]
@@ -313,7 +328,7 @@ if check(qs is not None and "qstash" in qs, f"{QS} exists, parses and has [qstas
         s = made.get(name)
         if check(s is not None, f"qstash policy {name}: {SCHED} creates its schedule"):
             dest, hdr = s
-            want = cron if tz in ("UTC", "Etc/UTC") else f"CRON_TZ={tz} {cron}"
+            want = f"CRON_TZ={tz} {cron}"
             check(dest == public, f"schedule {name} calls {dest}/trigger/{name} (public_url {public})")
             check(hdr.get("upstash-cron") == want, f"schedule {name}: Upstash-Cron {hdr.get('upstash-cron')!r} = {want!r}")
             check(hdr.get("upstash-method") == "POST" and hdr.get("upstash-schedule-id") == f"sweeper-{name}"

@@ -21,8 +21,10 @@
 #      deadline above consume.command_deadline, a retry policy, and dead-lettering after more
 #      delivery attempts than any policy's retry.max_attempts; the Pub/Sub service agent's rights
 #      on the dead-letter topic and the subscription;
-#   7. one Cloud Scheduler job per policy (POLICIES below) calling /trigger/<policy> with an OIDC
-#      token of sweeper-scheduler for $AUDIENCE, on the policy's cron and time zone.
+#   7. one Cloud Scheduler job per policy of CONFIG calling /trigger/<policy> with an OIDC token of
+#      sweeper-scheduler for $AUDIENCE, on the policy's cron and time zone: the jobs are the ones
+#      `sweeper schedules --format cloud-scheduler` writes from CONFIG, so the schedules are
+#      written once, in the configuration.
 #
 # Running it again is meant to be harmless: existing service accounts, repositories, secrets and
 # topics are kept (the configuration secret gets a new version), IAM bindings are added again
@@ -39,6 +41,9 @@
 #   BUILD_IMAGE [0]        1 = create the Artifact Registry repository, build and push IMAGE
 #   CONTAINER_CLI [podman] docker works the same way
 #   CONFIG [deploy/cloudrun/sweeper.toml]
+#   SWEEPER_BIN [sweeper]  the sweeper binary (e.g. target/debug/sweeper after `cargo build`);
+#                          it writes the Scheduler jobs from CONFIG's policies (no database or
+#                          secret needed), and refuses a cron Cloud Scheduler cannot express
 #   SWEEPER_DATABASE_URL   required when the secret sweeper-database-url does not exist yet;
 #                          when set and the secret exists, a new version is added
 #   HS256_KID [2026-06]    the on-call key's kid: secret sweeper-hs256-<kid>, variable
@@ -57,7 +62,7 @@
 # Whoever runs it needs rights to create all of the above and iam.serviceAccounts.actAs on the
 # three service accounts. The configuration must match these settings: the script refuses to
 # deploy a CONFIG that does not list $AUDIENCE, the two service accounts' emails, the project and
-# a trigger:<policy> scope for every policy below.
+# a trigger:<policy> scope for every policy.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -69,6 +74,7 @@ IMAGE="${IMAGE:-${REGION}-docker.pkg.dev/${PROJECT}/sweeper/sweeper:0.1.0}"
 BUILD_IMAGE="${BUILD_IMAGE:-0}"
 CONTAINER_CLI="${CONTAINER_CLI:-podman}"
 CONFIG="${CONFIG:-${REPO_ROOT}/deploy/cloudrun/sweeper.toml}"
+SWEEPER_BIN="${SWEEPER_BIN:-sweeper}"
 HS256_KID="${HS256_KID:-2026-06}"
 LEGACY_PUBSUB_AGENT="${LEGACY_PUBSUB_AGENT:-0}"
 DRY_RUN="${DRY_RUN:-0}"
@@ -94,14 +100,11 @@ MAX_DELIVERY_ATTEMPTS="${MAX_DELIVERY_ATTEMPTS:-20}"
 SCHEDULER_ATTEMPT_DEADLINE="${SCHEDULER_ATTEMPT_DEADLINE:-60s}"
 SCHEDULER_RETRIES="${SCHEDULER_RETRIES:-5}"
 
-# One line per policy: name|cron|time zone. They must mirror the [[policy]] schedules in CONFIG
-# (deploy/check.sh compares them): a run's window is a tick of the policy's schedule.
-POLICIES=(
-  "ticket-retention|0 3 * * *|Europe/Berlin"
-)
-
 RUN_SA="sweeper-run@${PROJECT}.iam.gserviceaccount.com"
 SCHED_SA="sweeper-scheduler@${PROJECT}.iam.gserviceaccount.com"
+# The name `sweeper schedules --format cloud-scheduler` gives the scheduler's service account
+# (read by the generated lines, through job_words).
+export SCHEDULER_SA="$SCHED_SA"
 PUSH_SA="sweeper-push@${PROJECT}.iam.gserviceaccount.com"
 
 HS256_SECRET="sweeper-hs256-${HS256_KID}"
@@ -164,12 +167,30 @@ absent() {
   ! "$@" >/dev/null 2>&1
 }
 
+# scheduler_jobs URL: the `gcloud scheduler jobs create http` lines sweeper writes from CONFIG's
+# policies for the base URL URL, one per policy; fails (with sweeper's reasons on stderr) when a
+# policy's cron cannot be expressed for Cloud Scheduler.
+scheduler_jobs() {
+  "$SWEEPER_BIN" schedules --config "$CONFIG" --format cloud-scheduler --url "$1" |
+    grep '^gcloud scheduler jobs create http '
+}
+
+# job_words LINE: sets the array `job` to LINE's words, as bash reads them. LINE is one of
+# sweeper's generated command lines: every value is quoted, and the only expansions are
+# "$REGION", "$SCHEDULER_SA" and "$AUDIENCE".
+job=()
+job_words() {
+  eval "job=($1)"
+}
+
 database_url() { printf '%s' "$SWEEPER_DATABASE_URL"; }
 new_hs256_key() { openssl rand -hex 32 | tr -d '\n'; }
 
 # --- checks before anything is changed ---------------------------------------------------------
 
 [[ -f "$CONFIG" ]] || die "configuration $CONFIG not found"
+command -v "$SWEEPER_BIN" >/dev/null 2>&1 ||
+  die "the sweeper binary ${SWEEPER_BIN} not found: set SWEEPER_BIN (e.g. target/debug/sweeper after cargo build)"
 if [[ "$DRY_RUN" != 1 ]]; then
   command -v gcloud >/dev/null 2>&1 || die "gcloud not found (DRY_RUN=1 prints the commands without it)"
   command -v openssl >/dev/null 2>&1 || die "openssl not found"
@@ -188,10 +209,16 @@ must_mention "\"${PUSH_SA}\"" "the push service account must be a principal with
 must_mention "project = \"${PROJECT}\"" "[pubsub] project must be PROJECT"
 must_mention "topic = \"${TOPIC}\"" "[pubsub] topic must be ${TOPIC}"
 must_mention "secret_env = \"${HS256_ENV}\"" "the on-call issuer's key variable"
-for entry in "${POLICIES[@]}"; do
-  must_mention "\"trigger:${entry%%|*}\"" "the scheduler service account's scope for the policy"
-  must_mention "name = \"${entry%%|*}\"" "the policy itself"
-done
+# The policies, and whether Cloud Scheduler can express their schedules, before anything changes
+# (the URL here only fills the lines; step 7 writes them again with the service's URL).
+jobs_checked="$(scheduler_jobs "${SERVICE_URL:-https://SERVICE-URL.invalid}")" ||
+  die "sweeper schedules refused CONFIG's schedules for Cloud Scheduler (reasons above)"
+[[ -n "$jobs_checked" ]] || die "sweeper schedules wrote no Cloud Scheduler job for $CONFIG"
+while IFS= read -r line; do
+  job_words "$line"
+  policy="${job[5]#sweeper-}"
+  must_mention "\"trigger:${policy}\"" "the scheduler service account's scope for the policy"
+done <<<"$jobs_checked"
 
 echo "# project ${PROJECT}, region ${REGION}, audience ${AUDIENCE}, image ${IMAGE}"
 if [[ "$DRY_RUN" == 1 ]]; then
@@ -346,29 +373,28 @@ fi
 
 # --- 7. Cloud Scheduler ------------------------------------------------------------------------
 
-# Without --oidc-token-audience the token's audience would be the full URI, which sweeper does
-# not list. Cloud Scheduler sends X-CloudScheduler-ScheduleTime, which names the tick.
-step "Cloud Scheduler jobs, one per policy"
-for entry in "${POLICIES[@]}"; do
-  IFS='|' read -r policy cron tz <<<"$entry"
-  job="sweeper-${policy}"
-  job_flags=(
-    --location="$REGION"
-    --schedule="$cron"
-    --time-zone="$tz"
-    --uri="${URL}/trigger/${policy}"
-    --http-method=POST
-    --oidc-service-account-email="$SCHED_SA"
-    --oidc-token-audience="$AUDIENCE"
+# The jobs as `sweeper schedules --format cloud-scheduler` writes them from CONFIG's policies
+# (schedule, time zone, URI, POST, an OIDC token of $SCHEDULER_SA for $AUDIENCE: without
+# --oidc-token-audience the token's audience would be the full URI, which sweeper does not list),
+# with this script's project, attempt deadline and retries. Cloud Scheduler sends
+# X-CloudScheduler-ScheduleTime, which names the tick.
+step "Cloud Scheduler jobs, one per policy (from sweeper schedules --format cloud-scheduler)"
+jobs_text="$(scheduler_jobs "$URL")" ||
+  die "sweeper schedules refused CONFIG's schedules for Cloud Scheduler (reasons above)"
+while IFS= read -r line; do
+  job_words "$line"
+  name="${job[5]}"
+  extra_flags=(
+    --project="$PROJECT"
     --attempt-deadline="$SCHEDULER_ATTEMPT_DEADLINE"
     --max-retry-attempts="$SCHEDULER_RETRIES"
   )
-  if absent gcloud scheduler jobs describe "$job" --project="$PROJECT" --location="$REGION"; then
-    run gcloud scheduler jobs create http "$job" --project="$PROJECT" "${job_flags[@]}"
+  if absent gcloud scheduler jobs describe "$name" --project="$PROJECT" --location="$REGION"; then
+    run "${job[@]}" "${extra_flags[@]}"
   else
-    run gcloud scheduler jobs update http "$job" --project="$PROJECT" "${job_flags[@]}"
+    run gcloud scheduler jobs update http "${job[@]:5}" "${extra_flags[@]}"
   fi
-done
+done <<<"$jobs_text"
 
 step "done"
 echo "# Next: the first Scheduler run should answer 202 (200 for an existing run); follow it with"

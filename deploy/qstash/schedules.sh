@@ -5,46 +5,43 @@
 # is developed on. It has only been run with DRY_RUN=1, which prints the requests instead of
 # sending them.
 #
-# For each policy below it sends
-#   POST $QSTASH_API_URL/v2/schedules/$PUBLIC_URL/trigger/<policy>
+# For each policy of CONFIG it sends, with the values `sweeper schedules --format qstash` writes
+# from the policy's own schedule (so the schedule is written once, in the configuration):
+#   POST $QSTASH_API_URL/v2/schedules/<public_url>/trigger/<policy>
 #   Authorization: Bearer $QSTASH_TOKEN
-#   Upstash-Cron: <the policy's 5-field cron>
+#   Upstash-Cron: CRON_TZ=<the policy's zone> <the policy's 5-field cron>
 #   Upstash-Method: POST
 #   Upstash-Schedule-Id: sweeper-<policy>     (a second run overwrites the schedule of that id)
 #   Upstash-Retries: $RETRIES
 # Each fire is a signed QStash message; sweeper accepts it when [qstash] scopes include
 # trigger:<policy> and the signature's `sub` is public_url + /trigger/<policy>. A new schedule may
-# take up to a minute to start firing. A policy removed from the list keeps its schedule until
-# you delete it: curl -X DELETE -H "Authorization: Bearer $QSTASH_TOKEN" \
+# take up to a minute to start firing. A policy removed from CONFIG keeps its schedule until you
+# delete it: curl -X DELETE -H "Authorization: Bearer $QSTASH_TOKEN" \
 #   "$QSTASH_API_URL/v2/schedules/sweeper-<policy>"
 #
-# Time zones: QStash evaluates Upstash-Cron in UTC. A policy's schedule must therefore be in UTC
-# (as in deploy/qstash/sweeper.toml), or its cron must be translated to UTC by hand, which only
-# works for zones without daylight-saving time. Newer material reports a `CRON_TZ=<zone> ` prefix
-# on the cron; that is UNCONFIRMED here, so this script refuses a non-UTC policy unless
-# ALLOW_CRON_TZ=1, which sends "CRON_TZ=<zone> <cron>". Check the schedule's next fire time in the
-# Upstash console if you use it.
+# Time zones: QStash evaluates Upstash-Cron in UTC unless it starts with `CRON_TZ=<zone> ` (its
+# create-schedule reference gives "CRON_TZ=America/New_York 0 4 * * *"); sweeper always sends the
+# prefix, UTC included. sweeper refuses a cron QStash cannot express (L, W, #, croner's `+`) and
+# notes a schedule with ticks in a daylight-saving gap or fold (printed as `# note:` lines).
 #
 # Settings (environment; defaults in brackets):
-#   PUBLIC_URL [https://sweeper.example.com]   must equal [qstash] public_url in the configuration
+#   CONFIG [deploy/qstash/sweeper.toml]       the configuration whose policies are scheduled
+#   SWEEPER_BIN [sweeper]                      the sweeper binary (e.g. target/debug/sweeper)
+#   PUBLIC_URL [the configuration's [qstash] public_url]   the base URL QStash calls
 #   QSTASH_API_URL [https://qstash.upstash.io]
 #   QSTASH_TOKEN                               required (not printed, not passed in argv)
 #   RETRIES [3]                                Upstash-Retries of each fire
-#   ALLOW_CRON_TZ [0]                          see "Time zones" above
 #   DRY_RUN [0]                                1 = print the requests, send none, need no token
+# Needs jq to read sweeper's JSON.
 set -euo pipefail
 
-PUBLIC_URL="${PUBLIC_URL:-https://sweeper.example.com}"
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+CONFIG="${CONFIG:-${REPO_ROOT}/deploy/qstash/sweeper.toml}"
+SWEEPER_BIN="${SWEEPER_BIN:-sweeper}"
+PUBLIC_URL="${PUBLIC_URL:-}"
 QSTASH_API_URL="${QSTASH_API_URL:-https://qstash.upstash.io}"
 RETRIES="${RETRIES:-3}"
-ALLOW_CRON_TZ="${ALLOW_CRON_TZ:-0}"
 DRY_RUN="${DRY_RUN:-0}"
-
-# One line per policy: name|cron|time zone. They must mirror the [[policy]] schedules of the
-# configuration (deploy/check.sh compares them with deploy/qstash/sweeper.toml).
-POLICIES=(
-  "ticket-retention|0 2 * * *|UTC"
-)
 
 die() { echo "schedules.sh: $*" >&2; exit 1; }
 
@@ -73,32 +70,35 @@ if [[ "$DRY_RUN" != 1 ]]; then
   [[ -n "${QSTASH_TOKEN:-}" ]] || die "set QSTASH_TOKEN (DRY_RUN=1 prints the requests without it)"
   command -v curl >/dev/null 2>&1 || die "curl not found"
 fi
-[[ "$PUBLIC_URL" == https://* ]] || die "PUBLIC_URL must be an https URL"
-PUBLIC_URL="${PUBLIC_URL%/}"
+[[ -f "$CONFIG" ]] || die "configuration $CONFIG not found"
+command -v "$SWEEPER_BIN" >/dev/null 2>&1 ||
+  die "the sweeper binary ${SWEEPER_BIN} not found: set SWEEPER_BIN (e.g. target/debug/sweeper after cargo build)"
+command -v jq >/dev/null 2>&1 || die "jq not found (it reads sweeper's JSON)"
 QSTASH_API_URL="${QSTASH_API_URL%/}"
 
-echo "# QStash ${QSTASH_API_URL}, sweeper at ${PUBLIC_URL}"
+url_flags=()
+if [[ -n "$PUBLIC_URL" ]]; then
+  url_flags=(--url "$PUBLIC_URL")
+fi
+# The schedules, from the policies' own `schedule` (sweeper refuses what QStash cannot express).
+schedules_json="$("$SWEEPER_BIN" schedules --config "$CONFIG" --format qstash ${url_flags[@]+"${url_flags[@]}"})" ||
+  die "sweeper schedules refused the schedules of $CONFIG (reasons above)"
+
+echo "# QStash ${QSTASH_API_URL}, schedules of ${CONFIG}"
 if [[ "$DRY_RUN" == 1 ]]; then
   echo "# DRY_RUN=1: printing requests, sending none"
 fi
 
-for entry in "${POLICIES[@]}"; do
-  IFS='|' read -r policy cron tz <<<"$entry"
-  case "$tz" in
-    UTC | Etc/UTC) qstash_cron="$cron" ;;
-    *)
-      [[ "$ALLOW_CRON_TZ" == 1 ]] ||
-        die "policy ${policy} is scheduled in ${tz}, QStash evaluates cron in UTC: put the policy in UTC, or set ALLOW_CRON_TZ=1 to send the unconfirmed CRON_TZ prefix"
-      qstash_cron="CRON_TZ=${tz} ${cron}"
-      ;;
-  esac
+while IFS=$'\t' read -r policy schedule_id destination cron method; do
+  [[ "$destination" == https://* ]] || die "policy ${policy}: QStash must call an https URL, not ${destination}"
+  jq -r --arg p "$policy" '.[] | select(.policy == $p) | .notes[] | "# note: " + .' <<<"$schedules_json"
   cmd=(curl --fail-with-body --silent --show-error --max-time 30 --request POST
     --header @-
-    --header "Upstash-Cron: ${qstash_cron}"
-    --header "Upstash-Method: POST"
-    --header "Upstash-Schedule-Id: sweeper-${policy}"
+    --header "Upstash-Cron: ${cron}"
+    --header "Upstash-Method: ${method}"
+    --header "Upstash-Schedule-Id: ${schedule_id}"
     --header "Upstash-Retries: ${RETRIES}"
-    "${QSTASH_API_URL}/v2/schedules/${PUBLIC_URL}/trigger/${policy}")
+    "${QSTASH_API_URL}/v2/schedules/${destination}")
   print_cmd "${cmd[@]}"
   echo "#   stdin: Authorization: Bearer \$QSTASH_TOKEN"
   if [[ "$DRY_RUN" != 1 ]]; then
@@ -106,4 +106,4 @@ for entry in "${POLICIES[@]}"; do
     auth_header | "${cmd[@]}"
     echo
   fi
-done
+done < <(jq -r '.[] | [.policy, .scheduleId, .destination, .cron, .method] | @tsv' <<<"$schedules_json")
