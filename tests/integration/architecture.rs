@@ -100,7 +100,7 @@ const LAYERS: &[&[&str]] = &[
     &["completion"],
     &["holds"],
     &["state"],
-    &["settings"],
+    &["settings", "schedules"],
     &["transport", "dependency"],
     &["auth"],
     &["policy"],
