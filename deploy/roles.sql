@@ -24,7 +24,9 @@
 --
 -- An existing installation (tables made by another role, sqlx's table in `public`) is taken
 -- over: everything in schema `sweeper` is given to sweeper_owner and `public._sqlx_migrations`
--- is moved into `sweeper`, leaving a view in its place for replicas of the previous release.
+-- is moved into `sweeper`, leaving a view in its place for replicas of the previous release
+-- (drop it once no replica of a release before this one runs). Giving objects away needs their
+-- owner's rights: run it as a superuser, or as a member of the role that owns them today.
 
 do $$
 begin
@@ -78,7 +80,7 @@ $$;
 
 -- sqlx's migration table of a release before this one moves into schema `sweeper`; the view left
 -- in `public` keeps an older replica reading the same table during a rolling upgrade (its
--- migrator's `create table if not exists` then skips). The next release drops the view.
+-- migrator's `create table if not exists` then skips).
 do $$
 begin
     if to_regclass('sweeper._sqlx_migrations') is null
@@ -86,8 +88,9 @@ begin
                     where oid = to_regclass('public._sqlx_migrations') and relkind = 'r') then
         alter table public._sqlx_migrations set schema sweeper;
         alter table sweeper._sqlx_migrations owner to sweeper_owner;
+        -- Owned by whoever runs this file: in PostgreSQL 15 only the database owner (schema
+        -- public's owner) may create in public, and sweeper_owner may not.
         create view public._sqlx_migrations as select * from sweeper._sqlx_migrations;
-        alter view public._sqlx_migrations owner to sweeper_owner;
         grant select on public._sqlx_migrations to sweeper_runtime;
     end if;
 end

@@ -1,4 +1,4 @@
--- Least privilege (docs/design.md §16): the runtime role need not own the audit's tables.
+-- Least privilege (docs/design.md §7): the runtime role need not own the audit's tables.
 --
 -- What the runtime does that needs ownership of them goes through functions that run as their
 -- owner (the role that applies this migration, deploy/roles.sql's migration owner): making the

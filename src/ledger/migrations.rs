@@ -1,13 +1,13 @@
 //! Applying the ledger's migrations, with sqlx's bookkeeping table in schema `sweeper`
-//! (docs/design.md §16).
+//! (docs/design.md §7).
 //!
 //! sqlx names its table `_sqlx_migrations` without a schema, so it lands in the first schema of
 //! the connection's `search_path`: `public` for releases before this one, which made running
 //! sweeper need `CREATE` on `public`. This release migrates with `search_path = sweeper`. A
 //! database an earlier release migrated has its table moved, and a view
-//! `public._sqlx_migrations` over the moved table is left for one release, so an older replica
-//! still running during the rollout reads (and its migrator skips creating) the same table
-//! instead of creating an empty one in `public` and applying every migration again.
+//! `public._sqlx_migrations` over the moved table is left until the operator drops it, so an
+//! older replica still running during the rollout reads (and its migrator skips creating) the
+//! same table instead of creating an empty one in `public` and applying every migration again.
 
 use sqlx::{Acquire, PgConnection, PgPool};
 
@@ -119,7 +119,7 @@ async fn prepare(conn: &mut PgConnection) -> Result<(), MigrateError> {
         "create view public._sqlx_migrations as select * from sweeper._sqlx_migrations",
         "comment on view public._sqlx_migrations is
              'sweeper: for replicas of a release before the move of this table to schema sweeper; \
-              the next release drops it'",
+              drop it once no replica of an earlier release runs'",
     ] {
         sqlx::query(statement)
             .execute(&mut *tx)

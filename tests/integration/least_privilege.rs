@@ -1,4 +1,4 @@
-//! Least privilege (docs/design.md §16): deploy/roles.sql's migration owner migrates, and its
+//! Least privilege (docs/design.md §7): deploy/roles.sql's migration owner migrates, and its
 //! runtime role — no CREATE anywhere, column grants on the target — serves a run (including the
 //! row-lock fallback), a housekeeping round and an audit retention pass. And sqlx's migration
 //! table moves from `public` into `sweeper` with a view left for the previous release.
