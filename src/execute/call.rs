@@ -15,8 +15,9 @@ use crate::retry::{Failure, parse_reset, parse_retry_after};
 /// How one call ended.
 #[derive(Debug)]
 pub enum CallResult {
-    /// The effect happened (or the target was already absent, per the not-found signature).
-    Done(Outcome),
+    /// The effect happened (or the target was already absent, per the not-found signature), with
+    /// the answer's recorded fields (see [`recorded_fields`]) when the action names any.
+    Done(Outcome, Option<String>),
     /// This item cannot be done (a 4xx other than 404/410/429, a bad value): it becomes an item
     /// dead letter; its neighbours go on.
     ItemFailed(String),
@@ -250,7 +251,25 @@ async fn classify_answer(rt: &Runtime, action: &HttpAction, resp: reqwest::Respo
     let headers = resp.headers().clone();
     let name = &rt.spec.name;
     if action.done.contains(&status) {
-        return CallResult::Done(done_outcome(action));
+        if action.record.is_empty() {
+            return CallResult::Done(done_outcome(action), None);
+        }
+        return match read_bounded(resp, RECORD_BODY_LIMIT + 1).await {
+            Ok(body) if body.len() > RECORD_BODY_LIMIT => CallResult::ItemFailed(format!(
+                "dependency {name} answered {status} with a body over {} KiB: the fields the \
+                 action records were not read",
+                RECORD_BODY_LIMIT / 1024
+            )),
+            Ok(body) => match recorded_fields(&action.record, &body) {
+                Ok(recorded) => CallResult::Done(done_outcome(action), Some(recorded)),
+                Err(why) => {
+                    CallResult::ItemFailed(format!("dependency {name} answered {status} {why}"))
+                }
+            },
+            Err(_) => CallResult::Failed(Failure::transient(format!(
+                "dependency {name} answered {status} but its body could not be read"
+            ))),
+        };
     }
     if status == 429 || (status == 503 && headers.contains_key(reqwest::header::RETRY_AFTER)) {
         return CallResult::Throttled {
@@ -278,7 +297,7 @@ async fn classify_answer(rt: &Runtime, action: &HttpAction, resp: reqwest::Respo
                     .is_some_and(|v| sig.header_contains.as_deref().is_none_or(|p| v.contains(p)))
             })
         {
-            return CallResult::Done(Outcome::AlreadyAbsent);
+            return CallResult::Done(Outcome::AlreadyAbsent, None);
         }
         return CallResult::Failed(Failure::permanent(format!(
             "dependency {name} answered {status} without its not-found signature: a wrong \
@@ -303,6 +322,52 @@ async fn classify_answer(rt: &Runtime, action: &HttpAction, resp: reqwest::Respo
     CallResult::ItemFailed(format!("dependency {name} answered {status}"))
 }
 
+/// The most of a `done` answer's body read to record its fields.
+const RECORD_BODY_LIMIT: usize = 1024 * 1024;
+
+/// The most the recorded fields' text takes before the rest are marked truncated.
+pub const RECORDED_LIMIT: usize = 1024;
+
+/// The fields of a `done` answer's JSON `body` at `pointers`, as compact JSON text: an object of
+/// each pointer and its value, in the action's order (`{"/status":"match","/amount":1250}`). Once
+/// the text would pass [`RECORDED_LIMIT`], the value of that field and of every one after it is
+/// `{"truncated":true}` (the markers may take the text a little past the limit). `Err`: why the item fails instead (the body is not JSON, or lacks a
+/// pointer), worded to follow "dependency D answered S ".
+pub(super) fn recorded_fields(pointers: &[String], body: &str) -> Result<String, String> {
+    let answer: serde_json::Value = serde_json::from_str(body).map_err(|e| {
+        format!(
+            "with a body that is not JSON ({e}): the action records {}",
+            pointers.join(", ")
+        )
+    })?;
+    let mut out = String::from("{");
+    let mut truncated = false;
+    for (i, p) in pointers.iter().enumerate() {
+        let value = answer
+            .pointer(p)
+            .ok_or_else(|| format!("without the field {p}, which the action records"))?;
+        let key = serde_json::to_string(p).expect("a string serializes");
+        let mut text = serde_json::to_string(value).expect("a JSON value serializes");
+        // The closing brace counts, and so does the comma before a later field.
+        if !truncated
+            && out.len() + key.len() + 1 + text.len() + 1 + usize::from(i > 0) > RECORDED_LIMIT
+        {
+            truncated = true;
+        }
+        if truncated {
+            text = r#"{"truncated":true}"#.to_string();
+        }
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(&key);
+        out.push(':');
+        out.push_str(&text);
+    }
+    out.push('}');
+    Ok(out)
+}
+
 async fn read_bounded(mut resp: reqwest::Response, limit: usize) -> reqwest::Result<String> {
     let mut buf = Vec::new();
     while buf.len() < limit {
@@ -317,6 +382,45 @@ async fn read_bounded(mut resp: reqwest::Response, limit: usize) -> reqwest::Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn recorded_fields_keep_the_actions_order_and_mark_what_does_not_fit() {
+        let pointers = ["/status".to_string(), "/amount".into(), "/ref/id".into()];
+        let body = r#"{"amount": 1250, "status": "match", "ref": {"id": "pi_1"}, "x": 1}"#;
+        assert_eq!(
+            recorded_fields(&pointers, body).unwrap(),
+            r#"{"/status":"match","/amount":1250,"/ref/id":"pi_1"}"#
+        );
+        let long = format!(
+            r#"{{"status": "{}", "amount": 1, "ref": {{"id": "x"}}}}"#,
+            "a".repeat(2000)
+        );
+        let recorded = recorded_fields(&pointers, &long).unwrap();
+        assert_eq!(
+            recorded,
+            r#"{"/status":{"truncated":true},"/amount":{"truncated":true},"/ref/id":{"truncated":true}}"#
+        );
+        let near = format!(
+            r#"{{"status": "{}", "amount": 1, "ref": {{"id": "x"}}}}"#,
+            "a".repeat(990)
+        );
+        let recorded = recorded_fields(&pointers, &near).unwrap();
+        assert!(recorded.contains(&"a".repeat(990)));
+        assert!(
+            recorded.ends_with(r#""/ref/id":{"truncated":true}}"#),
+            "{recorded}"
+        );
+        serde_json::from_str::<serde_json::Value>(&recorded).unwrap();
+        assert!(
+            recorded_fields(&pointers, "<html>")
+                .unwrap_err()
+                .starts_with("with a body that is not JSON")
+        );
+        assert_eq!(
+            recorded_fields(&pointers, r#"{"status": "match"}"#).unwrap_err(),
+            "without the field /amount, which the action records"
+        );
+    }
 
     #[test]
     fn templates_name_their_columns_and_fill_safely() {

@@ -23,8 +23,11 @@ pub(super) enum Closed {
     Stale,
 }
 
-/// One item's final outcome: (item key, outcome, reason).
-type Final = (String, Outcome, Option<String>);
+/// One item's final outcome: (item key, outcome, reason, the answer's recorded fields).
+pub(super) type Final = (String, Outcome, Option<String>, Option<String>);
+
+/// One item whose call succeeded: (item key, outcome, the answer's recorded fields).
+pub(super) type Called = (String, Outcome, Option<String>);
 
 fn db(e: sqlx::Error) -> Failure {
     Failure::from_db(&e)
@@ -37,7 +40,7 @@ pub(super) async fn close(
     state: &AppState,
     l: &Loaded,
     command_id: &str,
-    called: &[(String, Outcome)],
+    called: &[Called],
     finals: &[Final],
     complete: bool,
     actor: &str,
@@ -75,6 +78,7 @@ pub(super) async fn close(
         keys: &columns.keys,
         outcomes: &columns.outcomes,
         reasons: &columns.reasons,
+        recorded: &columns.recorded,
     };
     if complete {
         l.command.succeed_with_audit(&mut tx, &audited).await
@@ -121,10 +125,10 @@ pub(super) async fn close(
 async fn apply_called(
     tx: &mut Transaction<'_, Postgres>,
     l: &Loaded,
-    called: &[(String, Outcome)],
+    called: &[Called],
 ) -> Result<Vec<Final>, Failure> {
     let r = &l.rules;
-    let keys: Vec<String> = called.iter().map(|(k, _)| k.clone()).collect();
+    let keys: Vec<String> = called.iter().map(|(k, ..)| k.clone()).collect();
     let mut q: QueryBuilder<Postgres> = QueryBuilder::new(format!(
         "select {} as item_key, {} as row_digest from {} where ",
         r.key_text_sql(),
@@ -174,7 +178,7 @@ async fn apply_called(
         r.push_key_in(&mut q, change);
         q.build().execute(&mut **tx).await.map_err(db)?;
     }
-    let outcome_names: Vec<&str> = called.iter().map(|(_, o)| o.as_str()).collect();
+    let outcome_names: Vec<&str> = called.iter().map(|(_, o, _)| o.as_str()).collect();
     crate::ledger::effects::close(
         tx,
         &l.policy,
@@ -192,18 +196,18 @@ async fn apply_called(
 /// its row is changed; changed → `failed` (`row_changed_during_call`), its row kept. Returns
 /// the outcomes and the keys whose rows change.
 fn compare_rows(
-    called: &[(String, Outcome)],
+    called: &[Called],
     now: &HashMap<String, String>,
     before: &HashMap<String, Option<String>>,
 ) -> (Vec<Final>, Vec<String>) {
     let mut outcomes = Vec::with_capacity(called.len());
     let mut change = Vec::new();
-    for (key, outcome) in called {
+    for (key, outcome, recorded) in called {
         match (now.get(key), before.get(key)) {
-            (None, _) => outcomes.push((key.clone(), *outcome, None)),
+            (None, _) => outcomes.push((key.clone(), *outcome, None, recorded.clone())),
             (Some(d), Some(Some(b))) if d == b => {
                 change.push(key.clone());
-                outcomes.push((key.clone(), *outcome, None));
+                outcomes.push((key.clone(), *outcome, None, recorded.clone()));
             }
             _ => outcomes.push((
                 key.clone(),
@@ -212,6 +216,7 @@ fn compare_rows(
                     "row_changed_during_call: the {} effect was done, the row was kept",
                     outcome.as_str()
                 )),
+                recorded.clone(),
             )),
         }
     }
@@ -225,6 +230,7 @@ struct AuditColumns<'a> {
     keys: Vec<String>,
     outcomes: Vec<&'a str>,
     reasons: Vec<Option<String>>,
+    recorded: Vec<Option<String>>,
     failed: Vec<(String, String)>,
 }
 
@@ -235,13 +241,15 @@ impl AuditColumns<'_> {
             keys: Vec::with_capacity(finals.len()),
             outcomes: Vec::with_capacity(finals.len()),
             reasons: Vec::with_capacity(finals.len()),
+            recorded: Vec::with_capacity(finals.len()),
             failed: Vec::new(),
         };
-        for (k, o, reason) in finals {
+        for (k, o, reason, recorded) in finals {
             c.counts.add(*o);
             c.keys.push(k.clone());
             c.outcomes.push(o.as_str());
             c.reasons.push(reason.clone());
+            c.recorded.push(recorded.clone());
             if *o == Outcome::Failed {
                 c.failed
                     .push((k.clone(), reason.clone().unwrap_or_default()));
@@ -258,9 +266,13 @@ mod tests {
     #[test]
     fn a_row_changed_during_its_call_is_kept_and_its_item_fails() {
         let called = vec![
-            ("1".to_string(), Outcome::Reconciled),
-            ("2".to_string(), Outcome::Reconciled),
-            ("3".to_string(), Outcome::Reconciled),
+            ("1".to_string(), Outcome::Reconciled, None),
+            (
+                "2".to_string(),
+                Outcome::Reconciled,
+                Some(r#"{"/s":"ok"}"#.to_string()),
+            ),
+            ("3".to_string(), Outcome::Reconciled, None),
         ];
         let now: HashMap<String, String> = [("1", "a"), ("2", "b2")]
             .map(|(k, d)| (k.into(), d.into()))
@@ -270,8 +282,13 @@ mod tests {
             .into();
         let (outcomes, change) = compare_rows(&called, &now, &before);
         assert_eq!(change, ["1"], "only the unchanged row is changed");
-        assert_eq!(outcomes[0], ("1".into(), Outcome::Reconciled, None));
+        assert_eq!(outcomes[0], ("1".into(), Outcome::Reconciled, None, None));
         assert_eq!(outcomes[1].1, Outcome::Failed);
+        assert_eq!(
+            outcomes[1].3.as_deref(),
+            Some(r#"{"/s":"ok"}"#),
+            "the call's answer is kept"
+        );
         assert!(
             outcomes[1]
                 .2
@@ -281,7 +298,7 @@ mod tests {
         );
         assert_eq!(
             outcomes[2],
-            ("3".into(), Outcome::Reconciled, None),
+            ("3".into(), Outcome::Reconciled, None, None),
             "gone: nothing to change"
         );
         let columns = AuditColumns::of(&outcomes);

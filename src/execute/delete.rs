@@ -221,6 +221,7 @@ impl Run<'_> {
                     keys: &decided.keys,
                     outcomes: &decided.outcomes,
                     reasons: &decided.reasons,
+                    recorded: &[],
                 },
             )
             .await?;
@@ -467,6 +468,7 @@ impl Run<'_> {
                     keys: &keys,
                     outcomes: &outcomes,
                     reasons: &reasons,
+                    recorded: &[],
                 },
             )
             .await?;

@@ -22,7 +22,7 @@ use std::time::Instant;
 use sqlx::Row;
 
 use super::call::CallResult;
-use super::close::{Closed, close};
+use super::close::{Called, Closed, Final, close};
 use crate::execute::{ConsumeOutcome, Ended, Loaded, Outcome, Overtaken, record_failure};
 use crate::ledger::outcome::Judgement;
 use crate::policy::ActionSpec;
@@ -33,8 +33,9 @@ use crate::state::AppState;
 enum Decision {
     /// Call, as effect number `n`, with the row's columns.
     Call { n: i32, fields: serde_json::Value },
-    /// The call already happened (effect `called` by this run): only the row change is left.
-    Called(Outcome),
+    /// The call already happened (effect `called` by this run, with the answer's recorded
+    /// fields): only the row change is left.
+    Called(Outcome, Option<String>),
     /// Final without a call.
     Final(Outcome, Option<String>),
     /// The item's effect is open in this run but the row no longer qualifies: a call may have
@@ -81,9 +82,10 @@ async fn begin(
         prior_state.as_deref() == Some(s) && prior_run.as_deref() == Some(l.run_id.as_str())
     };
     if own_open("called") {
-        return Ok(Decision::Called(parse_outcome(
-            row.get::<Option<String>, _>("prior_outcome").as_deref(),
-        )));
+        return Ok(Decision::Called(
+            parse_outcome(row.get::<Option<String>, _>("prior_outcome").as_deref()),
+            row.get("prior_recorded"),
+        ));
     }
     let judged = Judgement::of(
         found,
@@ -94,7 +96,7 @@ async fn begin(
     match judged {
         // Gone: the desired end state. An effect of ours left `calling` is closed with it.
         Judgement::Absent if own_open("calling") => {
-            return Ok(Decision::Called(Outcome::AlreadyAbsent));
+            return Ok(Decision::Called(Outcome::AlreadyAbsent, None));
         }
         Judgement::Excluded(_) | Judgement::NotEligible(_) if own_open("calling") => {
             let now = match &judged {
@@ -152,8 +154,8 @@ pub(crate) async fn run(
         .map(|p| p.retry)
         .unwrap_or_default();
 
-    let mut finals: Vec<(String, Outcome, Option<String>)> = Vec::new();
-    let mut called: Vec<(String, Outcome)> = Vec::new();
+    let mut finals: Vec<Final> = Vec::new();
+    let mut called: Vec<Called> = Vec::new();
     let mut transient: Option<Failure> = None;
     let mut stop: Option<Failure> = None;
     let work = async {
@@ -166,16 +168,16 @@ pub(crate) async fn run(
                 }
             };
             let (effect_n, fields) = match decision {
-                Decision::Called(o) => {
-                    called.push((key.clone(), o));
+                Decision::Called(o, recorded) => {
+                    called.push((key.clone(), o, recorded));
                     continue;
                 }
                 Decision::Final(o, reason) => {
-                    finals.push((key.clone(), o, reason));
+                    finals.push((key.clone(), o, reason, None));
                     continue;
                 }
                 Decision::FailedOpen(reason) => {
-                    finals.push((key.clone(), Outcome::Failed, Some(reason)));
+                    finals.push((key.clone(), Outcome::Failed, Some(reason), None));
                     continue;
                 }
                 Decision::Call { n, fields } => (n, fields),
@@ -189,9 +191,9 @@ pub(crate) async fn run(
                 attempt: n,
             };
             match call.item(key, effect_n, &fields).await {
-                ItemStep::Called(o) => called.push((key.clone(), o)),
+                ItemStep::Called(o, recorded) => called.push((key.clone(), o, recorded)),
                 ItemStep::Failed(reason) => {
-                    finals.push((key.clone(), Outcome::Failed, Some(reason)))
+                    finals.push((key.clone(), Outcome::Failed, Some(reason), None))
                 }
                 ItemStep::Transient(f) => transient = Some(f),
                 ItemStep::Stop(f) => {
@@ -241,8 +243,8 @@ pub(crate) async fn run(
 
 /// What one item's call came to.
 enum ItemStep {
-    /// The call succeeded and its effect is marked `called`.
-    Called(Outcome),
+    /// The call succeeded and its effect is marked `called` (with the answer's recorded fields).
+    Called(Outcome, Option<String>),
     /// The dependency refused this item for good (an item dead letter; its neighbours go on).
     Failed(String),
     /// This item is retried later; its neighbours go on.
@@ -309,7 +311,7 @@ impl Call<'_> {
             break result;
         };
         match result {
-            CallResult::Done(outcome) => {
+            CallResult::Done(outcome, recorded) => {
                 crate::metrics::dependency_call(
                     dep,
                     if outcome == Outcome::AlreadyAbsent {
@@ -326,6 +328,7 @@ impl Call<'_> {
                     key,
                     &l.run_id,
                     outcome.as_str(),
+                    recorded.as_deref(),
                 )
                 .await;
                 if let Err(e) = marked {
@@ -333,7 +336,7 @@ impl Call<'_> {
                     return ItemStep::Stop(db(e));
                 }
                 crate::crash_point!("effect_after_called");
-                ItemStep::Called(outcome)
+                ItemStep::Called(outcome, recorded)
             }
             CallResult::ItemFailed(reason) => {
                 crate::metrics::dependency_call(dep, "permanent");

@@ -205,7 +205,7 @@ pub async fn delete_object(
     };
     let absent = |store: std::sync::Arc<dyn object_store::ObjectStore>| async move {
         match confirm_bucket(rt, store.as_ref()).await {
-            Ok(()) => CallResult::Done(Outcome::AlreadyAbsent),
+            Ok(()) => CallResult::Done(Outcome::AlreadyAbsent, None),
             Err(f) => CallResult::Failed(f),
         }
     };
@@ -217,7 +217,7 @@ pub async fn delete_object(
         Err(e) => return CallResult::Failed(classify_store_error(rt, e, false)),
     }
     match store.delete(&path).await {
-        Ok(()) => CallResult::Done(Outcome::Deleted),
+        Ok(()) => CallResult::Done(Outcome::Deleted, None),
         Err(object_store::Error::NotFound { .. }) => absent(store).await,
         Err(e) => CallResult::Failed(classify_store_error(rt, e, false)),
     }

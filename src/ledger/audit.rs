@@ -38,6 +38,26 @@ pub struct AuditRow {
     pub actor: String,
     /// Whether the run was a dry run.
     pub dry_run: bool,
+    /// The fields of the call's answer the action records (`record`: each pointer and its
+    /// value, in the action's order), as written; left out when it records none.
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "ser_raw_json"
+    )]
+    pub recorded: Option<String>,
+}
+
+/// Writes JSON text kept by the ledger as the JSON it is (its fields in their order).
+fn ser_raw_json<S: serde::Serializer>(v: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
+    use serde::Serialize;
+    match v
+        .as_deref()
+        .map(|t| serde_json::value::RawValue::from_string(t.to_string()))
+    {
+        Some(Ok(raw)) => raw.serialize(s),
+        Some(Err(_)) => v.serialize(s),
+        None => s.serialize_none(),
+    }
 }
 
 fn ser_window<S: serde::Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Error> {
@@ -73,7 +93,8 @@ pub async fn ensure_partitions(pool: &PgPool) -> sqlx::Result<i32> {
 /// The columns of an [`AuditRow`], as `sweeper.audit_trail` (the one reader of both shapes of
 /// the audit, migration 20261204000022) names them.
 pub(crate) const AUDIT_ROW: &str = "audit_id, execution_id, recorded_at, policy, policy_version, \
-     run_id, window_at, cutoff, command_id, item_key, outcome, reason, actor, dry_run";
+     run_id, window_at, cutoff, command_id, item_key, outcome, reason, actor, dry_run, \
+     recorded::text as recorded";
 
 /// A page of a run's audit rows, execution by execution in the order they were written and each
 /// execution's items in order, after `after` (an `(execution_id, audit_id)`, exclusive), at most
@@ -270,8 +291,8 @@ pub async fn first_shape_page(
     sqlx::query_as(&format!(
         "select audit_id, audit_id as execution_id, recorded_at, policy, policy_version, run_id,
                 window_at, cutoff, command_id, item_key, outcome, reason, actor, dry_run,
-                null::integer as attempt, null::timestamptz as pinned_cutoff,
-                null::text as current_version
+                recorded::text as recorded, null::integer as attempt,
+                null::timestamptz as pinned_cutoff, null::text as current_version
            from {} where audit_id > $1 order by audit_id limit $2",
         p.table("audit")
     ))
@@ -309,7 +330,8 @@ pub async fn lean_rows(
     sqlx::query_as(&format!(
         "select i.audit_id, i.execution_id, i.recorded_at, e.policy, e.policy_version, e.run_id,
                 e.window_at, e.cutoff, e.command_id, i.item_key, i.outcome, i.reason, e.actor,
-                e.dry_run, e.attempt, e.pinned_cutoff, e.current_version
+                e.dry_run, i.recorded::text as recorded, e.attempt, e.pinned_cutoff,
+                e.current_version
            from {e} e join {i} i on i.execution_id = e.execution_id and i.recorded_at = e.recorded_at
           where e.execution_id = any($1)
           order by i.execution_id, i.audit_id"

@@ -18,13 +18,15 @@ const RECORDED_AT: &str = "(select sweeper.now())";
 /// Pushes `items as (…)`: the audited items as [`CommandTry::push_audit`] reads them, one row per
 /// key with its place in the command (`ord`), outcome and reason.
 fn push_items(q: &mut QueryBuilder<'_, Postgres>, a: &Audited<'_>) {
-    q.push("items as (select u.ord, u.item_key, u.outcome, u.reason from unnest(");
+    q.push("items as (select u.ord, u.item_key, u.outcome, u.reason, u.recorded::json as recorded from unnest(");
     q.push_bind(a.keys.to_vec());
     q.push("::text[], ");
     q.push_bind(a.outcomes.iter().map(|o| o.to_string()).collect::<Vec<_>>());
     q.push("::text[], ");
     q.push_bind(a.reasons.to_vec());
-    q.push("::text[]) with ordinality as u(item_key, outcome, reason, ord))");
+    q.push("::text[], ");
+    q.push_bind(a.recorded.to_vec());
+    q.push("::text[]) with ordinality as u(item_key, outcome, reason, recorded, ord))");
 }
 
 /// The command row columns every state change that leaves `pending`/`leased` resets.
@@ -133,6 +135,9 @@ pub struct Audited<'a> {
     pub outcomes: &'a [&'a str],
     /// Their reasons.
     pub reasons: &'a [Option<String>],
+    /// The recorded fields of their calls' answers (JSON text), where the action records any;
+    /// shorter than `keys` (or empty) when the last items have none.
+    pub recorded: &'a [Option<String>],
 }
 
 /// What closing a delete-rows command after its delete records (see
@@ -432,8 +437,9 @@ impl CommandTry {
                   where {when} and exists (select 1 from items where outcome is not null)
               returning execution_id, recorded_at),
              audit_rows as (
-                 insert into sweeper.audit_items (execution_id, recorded_at, item_key, outcome, reason)
-                 select x.execution_id, x.recorded_at, i.item_key, i.outcome, i.reason
+                 insert into sweeper.audit_items
+                     (execution_id, recorded_at, item_key, outcome, reason, recorded)
+                 select x.execution_id, x.recorded_at, i.item_key, i.outcome, i.reason, i.recorded
                    from audit_ex x cross join items i
                   where i.outcome is not null
                   order by i.ord)"
@@ -481,7 +487,8 @@ impl CommandTry {
         let (outcome, reason) = Judgement::after_delete_sql("d.item_key is not null");
         q.push(format!(
             "), items as (
-                 select u.ord, u.item_key, {outcome} as outcome, {reason} as reason
+                 select u.ord, u.item_key, {outcome} as outcome, {reason} as reason,
+                        null::json as recorded
                    from unnest("
         ));
         q.push_bind(keys.to_vec());
@@ -567,10 +574,11 @@ impl CommandTry {
         sqlx::query(&format!(
             "insert into sweeper.audit
                      (policy, policy_version, run_id, window_at, cutoff, command_id, item_key,
-                      outcome, reason, actor, dry_run, recorded_at)
+                      outcome, reason, actor, dry_run, recorded_at, recorded)
                  select $1, $2, $3, $4, $5, $6, u.item_key, u.outcome, u.reason, $7, $8,
-                        {RECORDED_AT}
-                   from unnest($9::text[], $10::text[], $11::text[]) as u(item_key, outcome, reason)"
+                        {RECORDED_AT}, u.recorded::json
+                   from unnest($9::text[], $10::text[], $11::text[], $12::text[])
+                        as u(item_key, outcome, reason, recorded)"
         ))
         .bind(a.execution.policy)
         .bind(a.execution.policy_version)
@@ -583,6 +591,7 @@ impl CommandTry {
         .bind(a.keys)
         .bind(a.outcomes)
         .bind(a.reasons)
+        .bind(a.recorded)
         .execute(conn)
         .await?;
         Ok(())

@@ -35,11 +35,12 @@ pub struct Opening<'a> {
 /// [`ItemQuery`] reads it, the effect's prior state, and — when the row qualifies and no effect
 /// of this run was already `called` — the effect `calling` (a new one, a closed one reopened with
 /// the next `n`, or this run's own `calling` one again). Returns the row `found, old_enough,
-/// reason, not_eligible_reason, fields, prior_state, prior_run, prior_outcome, opened_n`.
+/// reason, not_eligible_reason, fields, prior_state, prior_run, prior_outcome, prior_recorded,
+/// opened_n`.
 pub async fn open(pool: &PgPool, item: &impl ItemQuery, o: &Opening<'_>) -> sqlx::Result<PgRow> {
     let mut q: QueryBuilder<Postgres> = QueryBuilder::new("with item as (");
     item.push_item(&mut q, o.item_key);
-    q.push("), prior as (select state, n, run_id, outcome from sweeper.effects where policy = ");
+    q.push("), prior as (select state, n, run_id, outcome, recorded from sweeper.effects where policy = ");
     q.push_bind(o.policy.to_string());
     q.push(" and item_key = ");
     q.push_bind(o.item_key.to_string());
@@ -72,7 +73,7 @@ pub async fn open(pool: &PgPool, item: &impl ItemQuery, o: &Opening<'_>) -> sqlx
                set n = case when sweeper.effects.state = 'closed' then sweeper.effects.n + 1
                             else sweeper.effects.n end,
                    state = 'calling', run_id = excluded.run_id, command_id = excluded.command_id,
-                   row_digest = excluded.row_digest, outcome = null,
+                   row_digest = excluded.row_digest, outcome = null, recorded = null,
                    started_at = sweeper.now(), called_at = null, closed_at = null
              where sweeper.effects.state = 'closed'
                 or (sweeper.effects.state = 'calling' and sweeper.effects.run_id = excluded.run_id)
@@ -80,13 +81,16 @@ pub async fn open(pool: &PgPool, item: &impl ItemQuery, o: &Opening<'_>) -> sqlx
          select exists (select 1 from item) as found, item.old_enough, item.reason,
                 item.not_eligible_reason, item.fields,
                 prior.state as prior_state, prior.run_id as prior_run,
-                prior.outcome as prior_outcome, (select n from opened) as opened_n
+                prior.outcome as prior_outcome, prior.recorded::text as prior_recorded,
+                (select n from opened) as opened_n
            from (select 1) one left join item on true left join prior on true",
     );
     q.build().fetch_one(pool).await
 }
 
-/// Marks the effect of `item_key` `called` with `outcome` once its call returned (autocommit).
+/// Marks the effect of `item_key` `called` with `outcome` and the answer's `recorded` fields
+/// once its call returned (autocommit): a later attempt that finds it `called` audits them.
+#[allow(clippy::too_many_arguments)]
 pub async fn mark_called(
     pool: &PgPool,
     policy: &str,
@@ -94,10 +98,11 @@ pub async fn mark_called(
     item_key: &str,
     run_id: &str,
     outcome: &str,
+    recorded: Option<&str>,
 ) -> sqlx::Result<()> {
     sqlx::query(
         "update sweeper.effects
-            set state = 'called', called_at = sweeper.now(), outcome = $4
+            set state = 'called', called_at = sweeper.now(), outcome = $4, recorded = $6::json
           where policy = $1 and scope = $5 and item_key = $2 and run_id = $3
             and state = 'calling'",
     )
@@ -106,6 +111,7 @@ pub async fn mark_called(
     .bind(run_id)
     .bind(outcome)
     .bind(scope)
+    .bind(recorded)
     .execute(pool)
     .await?;
     Ok(())

@@ -81,7 +81,15 @@ pub struct HttpAction {
     /// version's JSON when `item`, so actions written before it keep their version.
     #[serde(default, skip_serializing_if = "OncePer::is_item")]
     pub once_per: OncePer,
+    /// JSON pointers (RFC 6901) into a `done` answer's JSON body whose values are recorded with
+    /// the item's audit row, in this order (at most [`MAX_RECORDED_FIELDS`]). Left out of the
+    /// version's JSON when empty, so actions written before it keep their version.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub record: Vec<String>,
 }
+
+/// At most this many response fields are recorded per item.
+pub const MAX_RECORDED_FIELDS: usize = 8;
 
 /// How often an external action's effect happens for one item.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -196,6 +204,9 @@ pub struct ActionConfig {
     /// `http`: `"item"` (default) or `"window"`.
     #[serde(default)]
     pub once_per: Option<String>,
+    /// `http`: JSON pointers of the answer's fields to record, e.g. `["/status", "/amount"]`.
+    #[serde(default)]
+    pub record: Option<Vec<String>>,
 }
 
 /// Validates an `action = { ... }`; errors are `field: message`.
@@ -256,6 +267,7 @@ pub fn from_config(a: &ActionConfig) -> Result<crate::policy::ActionSpec, Vec<St
         ("retry", a.retry.is_some()),
         ("not_found", a.not_found.is_some()),
         ("once_per", a.once_per.is_some()),
+        ("record", a.record.is_some()),
     ];
     let spec = match a.kind.as_str() {
         "delete_rows" => {
@@ -451,6 +463,23 @@ fn http_from_config(
              every later run"
         ));
     }
+    let record = a.record.clone().unwrap_or_default();
+    if record.len() > MAX_RECORDED_FIELDS {
+        errors.push(format!(
+            "record: {} fields; at most {MAX_RECORDED_FIELDS} response fields are recorded",
+            record.len()
+        ));
+    }
+    for (i, p) in record.iter().enumerate() {
+        if !p.starts_with('/') {
+            errors.push(format!(
+                "record[{i}]: `{p}` is not a JSON pointer into the answer (RFC 6901: it starts \
+                 with `/`, e.g. \"/status\")"
+            ));
+        } else if record[..i].contains(p) {
+            errors.push(format!("record[{i}]: `{p}` is named twice"));
+        }
+    }
     Some(HttpAction {
         dependency,
         method,
@@ -464,5 +493,6 @@ fn http_from_config(
         then: then?,
         columns,
         once_per,
+        record,
     })
 }

@@ -170,6 +170,7 @@ async fn a_success_of_an_overtaken_try_writes_no_audit_row_and_a_lease_counts_th
         keys: &keys,
         outcomes: &["would_delete"],
         reasons: &[None],
+        recorded: &[],
     };
     let audit_sql = "select count(*) from sweeper.audit_trail where command_id = $1";
     let stale_claim = sweeper::app::worker::claim(&app.state, 1).await.unwrap();

@@ -29,6 +29,7 @@ mod planning_paths;
 mod pubsub;
 mod push_bodies;
 mod qstash;
+mod recorded;
 mod refusals;
 mod related_holds;
 mod runbook;
