@@ -91,9 +91,10 @@ pub enum Command {
     /// and digest data), start the server, trigger runs over HTTP as a cron would, wait for them
     /// and print a report.
     Quickstart {
-        /// Which job: `retention` (200,000 support tickets, `ticket-retention`) or `digest`
+        /// Which job: `retention` (200,000 support tickets, `ticket-retention`), `digest`
         /// (the weekly support digest to active customers, then its cleanup stage, with a
-        /// worker restart mid-digest).
+        /// worker restart mid-digest) or `uploads` (expired uploads: their files deleted from a
+        /// local directory as the bucket, then their rows, with a worker restart mid-run).
         #[arg(long, value_enum, default_value_t = crate::quickstart::Scenario::Retention)]
         scenario: crate::quickstart::Scenario,
         /// Stop after the report; the last stdout line is a JSON summary.

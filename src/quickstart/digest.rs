@@ -77,11 +77,7 @@ batch_size = 500
 // restart, wait, report), each step a few lines that share its locals.
 pub async fn run(opts: Options) -> anyhow::Result<()> {
     println!("== sweeper quickstart: the weekly support digest ==");
-    let schedule = crate::window::Schedule::new(CRON, "UTC").map_err(anyhow::Error::msg)?;
-    let window = schedule
-        .latest_tick_at_or_before(Utc::now())
-        .context("no tick yet")?;
-    let window_s = crate::window::format(window);
+    let (window, window_s) = super::latest_window(CRON)?;
     println!(
         "creating database {DIGEST_DATABASE}: {CUSTOMERS} customers, six weeks of digest data ..."
     );
@@ -106,9 +102,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
 
     // A crash in the middle of the digest: the server is aborted with calls in flight.
     let sent = |api: &DigestApi| api.with(|b| b.recorded.len() as i64);
-    while sent(&api) < active / 3 && started.elapsed() < Duration::from_secs(120) {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    super::wait_until(Duration::from_secs(120), async || sent(&api) >= active / 3).await;
     let at_abort = sent(&api);
     demo.restart().await?;
     println!(
@@ -145,12 +139,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     println!("run {digest_id}: {}", s(&digest, "status"));
     println!("  active customers    {active}");
     println!("  called              {}", n(&digest, "called"));
-    println!(
-        "  held (on hold)      {}",
-        digest["held_at_planning"]
-            .as_object()
-            .map_or(0, |h| h.values().filter_map(|v| v.as_i64()).sum::<i64>())
-    );
+    println!("  held (on hold)      {}", super::held_total(&digest));
     println!("  remaining eligible  {}", n(&digest, "remaining_eligible"));
     println!(
         "digest API: {calls} calls, {failures} answered 503/429, {replays} repeated keys answered from the stored result"
@@ -170,8 +159,6 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     println!("missed windows        {missed}");
     println!("seconds               {seconds:.1}");
 
-    let mut safe_url = demo_url.clone();
-    let _ = safe_url.set_password(None);
     let summary = json!({
         "scenario": "digest",
         "window": window_s,
@@ -193,7 +180,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         "digest_remaining_eligible": digest["remaining_eligible"],
         "missed_windows": missed,
         "seconds": (seconds * 10.0).round() / 10.0,
-        "database_url": safe_url.as_str(),
+        "database_url": super::without_password(&demo_url),
     });
     let q = "-H \"Authorization: Bearer $SWEEPER_TOKEN\"";
     let hints = [

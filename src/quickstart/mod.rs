@@ -7,11 +7,18 @@
 //! - `retention` ([`retention`], the default): `ticket-retention` over `demo.tickets` in
 //!   `sweeper_quickstart`;
 //! - `digest` ([`digest`]): the weekly support digest and its cleanup stage in
-//!   `sweeper_quickstart_digest`, against a local digest API over real HTTP.
+//!   `sweeper_quickstart_digest`, against a local digest API over real HTTP;
+//! - `uploads` ([`uploads`]): `upload-retention` over `app.uploads` in
+//!   `sweeper_quickstart_uploads`, deleting each expired upload's file from a local directory
+//!   (the `local` object store) and then its row.
+//!
+//! The digest and uploads scenarios abort their server mid-run as a crash would
+//! ([`Demo::restart`]) and let a new one finish.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
 use tokio::task::JoinHandle;
@@ -23,6 +30,7 @@ use crate::settings::Config;
 pub mod digest;
 mod digest_api;
 pub mod retention;
+pub mod uploads;
 
 pub use retention::DEMO_DATABASE;
 
@@ -38,6 +46,9 @@ pub enum Scenario {
     /// The weekly support digest: one call per active customer and week, then the cleanup of
     /// the digest data, a worker restart in the middle.
     Digest,
+    /// Expired uploads: delete each one's file from the bucket (a local directory), then its
+    /// row; legal hold and uploads in progress kept, a worker restart in the middle.
+    Uploads,
 }
 
 /// Options of `sweeper quickstart`.
@@ -58,7 +69,51 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     match opts.scenario {
         Scenario::Retention => retention::run(opts).await,
         Scenario::Digest => digest::run(opts).await,
+        Scenario::Uploads => uploads::run(opts).await,
     }
+}
+
+/// The latest tick of `cron` (UTC) at or before now, and the same as `?window=` text.
+fn latest_window(cron: &str) -> anyhow::Result<(DateTime<Utc>, String)> {
+    let schedule = crate::window::Schedule::new(cron, "UTC").map_err(anyhow::Error::msg)?;
+    let window = schedule
+        .latest_tick_at_or_before(Utc::now())
+        .context("no tick yet")?;
+    Ok((window, crate::window::format(window)))
+}
+
+/// Polls `reached` every 10 ms until it says so or `limit` has passed (where a scenario aborts
+/// its server).
+async fn wait_until(limit: Duration, mut reached: impl AsyncFnMut() -> bool) {
+    let started = Instant::now();
+    while !reached().await && started.elapsed() < limit {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// `url` without its password, for a report.
+fn without_password(url: &url::Url) -> String {
+    let mut safe = url.clone();
+    let _ = safe.set_password(None);
+    safe.to_string()
+}
+
+/// The items a run (`GET /runs/{id}`) held at planning, every reason summed.
+fn held_total(run: &Value) -> i64 {
+    run["held_at_planning"]
+        .as_object()
+        .map_or(0, |h| h.values().filter_map(Value::as_i64).sum())
+}
+
+/// Items of `run_id` audited with `outcome` (`deleted`, `already_absent`, ...).
+async fn audited(conn: &mut PgConnection, run_id: &str, outcome: &str) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(
+        "select count(*) from sweeper.audit_trail where run_id = $1 and outcome = $2",
+    )
+    .bind(run_id)
+    .bind(outcome)
+    .fetch_one(conn)
+    .await?)
 }
 
 /// The server URL from `DATABASE_URL` and the URL of the scenario's own `database` on it.

@@ -52,24 +52,14 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         &format!("[queue]\nworkers = 2\n{POLICY}"),
     )
     .await?;
-    let schedule = crate::window::Schedule::new("0 2 * * *", "UTC").map_err(anyhow::Error::msg)?;
-    let window = schedule
-        .latest_tick_at_or_before(chrono::Utc::now())
-        .context("no tick yet")?;
+    let (_, window) = super::latest_window("0 2 * * *")?;
     let started = Instant::now();
-    let run = demo
-        .trigger("ticket-retention", &crate::window::format(window))
-        .await?;
+    let run = demo.trigger("ticket-retention", &window).await?;
     let run_id = run["run_id"].as_str().context("no run_id")?.to_string();
     let run = demo.wait_terminal(&run_id).await?;
 
     let after = counts(&mut conn).await?;
-    let audit_deleted: i64 = sqlx::query_scalar(
-        "select count(*) from sweeper.audit_trail where run_id = $1 and outcome = 'deleted'",
-    )
-    .bind(&run_id)
-    .fetch_one(&mut conn)
-    .await?;
+    let audit_deleted = super::audited(&mut conn, &run_id, "deleted").await?;
     let audit_bytes = crate::ledger::audit::size_bytes(&mut conn).await?;
     let n = |k: &str| run[k].as_i64().unwrap_or(0);
     let held: BTreeMap<String, i64> =
@@ -129,8 +119,6 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         audit_bytes as f64 / audit_deleted.max(1) as f64
     );
 
-    let mut safe_url = demo_url.clone();
-    let _ = safe_url.set_password(None);
     let summary = json!({
         "run_id": run_id,
         "status": run["status"],
@@ -152,7 +140,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         "legal_hold_after": after.1,
         "audit_deleted_rows": audit_deleted,
         "audit_bytes": audit_bytes,
-        "database_url": safe_url.as_str(),
+        "database_url": super::without_password(&demo_url),
     });
 
     let q = "-H \"Authorization: Bearer $SWEEPER_TOKEN\"";
