@@ -819,6 +819,123 @@ async fn the_digest_quick_start_sends_each_digest_once_and_a_second_run_reports_
     }
 }
 
+/// The uploads quick start, as the README runs it: across the server's abort and restart every
+/// eligible upload loses its object and then its row, held and in-progress uploads keep theirs
+/// byte for byte, the objects already missing are audited `already_absent`; its JSON agrees
+/// with the database and the directory, checked here on their own; a second run in a row
+/// reports the same.
+#[tokio::test]
+async fn the_uploads_quick_start_deletes_objects_then_rows_and_agrees_with_the_bucket() {
+    let mut reports = Vec::new();
+    for _ in 0..2 {
+        let out = sweeper(&["quickstart", "--scenario", "uploads", "--exit"])
+            .env("DATABASE_URL", crate::kit::db::server_url())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let last = stdout.lines().last().unwrap_or("");
+        let r: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"));
+        let n = |k: &str| r[k].as_i64().unwrap_or_else(|| panic!("{k}: {r}"));
+        assert_eq!(r["status"], "completed", "{r}");
+        assert!(n("rows_before") >= 3_000, "{r}");
+        for k in [
+            "kept_rows_missing_object",
+            "deleted_rows_with_object",
+            "kept_objects_changed",
+            "objects_without_row",
+            "remaining_eligible",
+            "remaining_eligible_rows",
+            "failed",
+        ] {
+            assert_eq!(n(k), 0, "{k}: {r}");
+        }
+        assert_eq!(n("rows_deleted"), n("rows_before") - n("rows_after"), "{r}");
+        assert_eq!(n("rows_deleted"), n("eligible"), "{r}");
+        assert_eq!(n("rows_deleted"), n("deleted") + n("already_absent"), "{r}");
+        assert_eq!(n("deleted"), n("audit_deleted_rows"), "{r}");
+        assert_eq!(n("objects_deleted"), n("deleted"), "{r}");
+        assert_eq!(
+            n("objects_before"),
+            n("rows_before") - n("seeded_missing"),
+            "{r}"
+        );
+        assert_eq!(n("objects_after"), n("rows_after"), "{r}");
+        // Every seeded missing object is audited already_absent; an object the aborted server
+        // deleted before it recorded the call may be too.
+        assert!(n("seeded_missing") > 0, "{r}");
+        assert!(n("already_absent") >= n("seeded_missing"), "{r}");
+        assert!(
+            n("held_rows") > 0 && n("held_rows_intact") == n("held_rows"),
+            "{r}"
+        );
+        assert!(n("uploading_rows") > 0 && n("uploading_rows_intact") == n("uploading_rows"));
+        let at_abort = n("objects_at_abort");
+        assert!(at_abort > 0 && at_abort < n("objects_deleted"), "{r}");
+
+        // The database and the directory, read here: the kept rows are exactly the files left.
+        let pool =
+            sqlx::PgPool::connect(&crate::kit::db::database_url("sweeper_quickstart_uploads"))
+                .await
+                .unwrap();
+        let (rows, held): (i64, i64) =
+            sqlx::query_as("select count(*), count(*) filter (where legal_hold) from app.uploads")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!((rows, held), (n("rows_after"), n("held_rows")), "{r}");
+        let mut keys: Vec<String> = sqlx::query_scalar("select object_key from app.uploads")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        let absent: i64 = sqlx::query_scalar(
+            "select count(*) from sweeper.audit_trail where run_id = $1 and outcome = 'already_absent'",
+        )
+        .bind(r["run_id"].as_str().unwrap())
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(absent, n("already_absent"), "{r}");
+        pool.close().await;
+        let root = std::path::PathBuf::from(r["bucket"].as_str().unwrap());
+        let mut files = Vec::new();
+        let mut dirs = vec![root.clone()];
+        while let Some(d) = dirs.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    dirs.push(p);
+                } else {
+                    files.push(p.strip_prefix(&root).unwrap().to_str().unwrap().to_string());
+                }
+            }
+        }
+        keys.sort();
+        files.sort();
+        assert_eq!(files.len() as i64, n("objects_after"), "{r}");
+        assert!(keys == files, "the kept rows and the files differ: {r}");
+        reports.push(r);
+    }
+    for k in [
+        "window",
+        "cutoff",
+        "rows_before",
+        "rows_after",
+        "rows_deleted",
+        "objects_before",
+        "objects_after",
+        "seeded_missing",
+        "held_rows",
+        "uploading_rows",
+    ] {
+        assert_eq!(reports[0][k], reports[1][k], "{k}: {reports:?}");
+    }
+}
+
 #[test]
 fn a_missing_configuration_file_is_named_with_where_it_was_looked_for() {
     let dir = std::env::temp_dir().join(format!("sweeper-no-config-{}", std::process::id()));
