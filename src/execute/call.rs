@@ -251,25 +251,7 @@ async fn classify_answer(rt: &Runtime, action: &HttpAction, resp: reqwest::Respo
     let headers = resp.headers().clone();
     let name = &rt.spec.name;
     if action.done.contains(&status) {
-        if action.record.is_empty() {
-            return CallResult::Done(done_outcome(action), None);
-        }
-        return match read_bounded(resp, RECORD_BODY_LIMIT + 1).await {
-            Ok(body) if body.len() > RECORD_BODY_LIMIT => CallResult::ItemFailed(format!(
-                "dependency {name} answered {status} with a body over {} KiB: the fields the \
-                 action records were not read",
-                RECORD_BODY_LIMIT / 1024
-            )),
-            Ok(body) => match recorded_fields(&action.record, &body) {
-                Ok(recorded) => CallResult::Done(done_outcome(action), Some(recorded)),
-                Err(why) => {
-                    CallResult::ItemFailed(format!("dependency {name} answered {status} {why}"))
-                }
-            },
-            Err(_) => CallResult::Failed(Failure::transient(format!(
-                "dependency {name} answered {status} but its body could not be read"
-            ))),
-        };
+        return done(action, name, status, resp).await;
     }
     if status == 429 || (status == 503 && headers.contains_key(reqwest::header::RETRY_AFTER)) {
         return CallResult::Throttled {
@@ -331,9 +313,13 @@ pub const RECORDED_LIMIT: usize = 1024;
 /// The fields of a `done` answer's JSON `body` at `pointers`, as compact JSON text: an object of
 /// each pointer and its value, in the action's order (`{"/status":"match","/amount":1250}`). Once
 /// the text would pass [`RECORDED_LIMIT`], the value of that field and of every one after it is
-/// `{"truncated":true}` (the markers may take the text a little past the limit). `Err`: why the item fails instead (the body is not JSON, or lacks a
+/// `{"truncated":true}` (the markers may take the text a little past the limit). With the parsed
+/// answer, for the mismatch rule. `Err`: why the item fails instead (the body is not JSON, or lacks a
 /// pointer), worded to follow "dependency D answered S ".
-pub(super) fn recorded_fields(pointers: &[String], body: &str) -> Result<String, String> {
+pub(super) fn recorded_fields(
+    pointers: &[String],
+    body: &str,
+) -> Result<(String, serde_json::Value), String> {
     let answer: serde_json::Value = serde_json::from_str(body).map_err(|e| {
         format!(
             "with a body that is not JSON ({e}): the action records {}",
@@ -365,7 +351,48 @@ pub(super) fn recorded_fields(pointers: &[String], body: &str) -> Result<String,
         out.push_str(&text);
     }
     out.push('}');
-    Ok(out)
+    Ok((out, answer))
+}
+
+/// A `done` answer: the action's outcome, or `mismatched` when its mismatch rule matches, with
+/// the answer's recorded fields. An answer whose fields cannot be read fails its item (the effect
+/// stays open: a redrive asks again with the same idempotency key).
+async fn done(action: &HttpAction, name: &str, status: u16, resp: reqwest::Response) -> CallResult {
+    let pointers = action.recorded_pointers();
+    if pointers.is_empty() {
+        return CallResult::Done(done_outcome(action), None);
+    }
+    let body = match read_bounded(resp, RECORD_BODY_LIMIT + 1).await {
+        Ok(body) if body.len() > RECORD_BODY_LIMIT => {
+            return CallResult::ItemFailed(format!(
+                "dependency {name} answered {status} with a body over {} KiB: the fields the \
+                 action records were not read",
+                RECORD_BODY_LIMIT / 1024
+            ));
+        }
+        Ok(body) => body,
+        Err(_) => {
+            return CallResult::Failed(Failure::transient(format!(
+                "dependency {name} answered {status} but its body could not be read"
+            )));
+        }
+    };
+    match recorded_fields(&pointers, &body) {
+        Ok((recorded, answer)) => {
+            let mismatched = action.mismatch.as_ref().is_some_and(|m| {
+                answer
+                    .pointer(&m.pointer)
+                    .is_some_and(|v| m.values.contains(v))
+            });
+            let outcome = if mismatched {
+                Outcome::Mismatched
+            } else {
+                done_outcome(action)
+            };
+            CallResult::Done(outcome, Some(recorded))
+        }
+        Err(why) => CallResult::ItemFailed(format!("dependency {name} answered {status} {why}")),
+    }
 }
 
 async fn read_bounded(mut resp: reqwest::Response, limit: usize) -> reqwest::Result<String> {
@@ -388,14 +415,14 @@ mod tests {
         let pointers = ["/status".to_string(), "/amount".into(), "/ref/id".into()];
         let body = r#"{"amount": 1250, "status": "match", "ref": {"id": "pi_1"}, "x": 1}"#;
         assert_eq!(
-            recorded_fields(&pointers, body).unwrap(),
+            recorded_fields(&pointers, body).unwrap().0,
             r#"{"/status":"match","/amount":1250,"/ref/id":"pi_1"}"#
         );
         let long = format!(
             r#"{{"status": "{}", "amount": 1, "ref": {{"id": "x"}}}}"#,
             "a".repeat(2000)
         );
-        let recorded = recorded_fields(&pointers, &long).unwrap();
+        let recorded = recorded_fields(&pointers, &long).unwrap().0;
         assert_eq!(
             recorded,
             r#"{"/status":{"truncated":true},"/amount":{"truncated":true},"/ref/id":{"truncated":true}}"#
@@ -404,7 +431,7 @@ mod tests {
             r#"{{"status": "{}", "amount": 1, "ref": {{"id": "x"}}}}"#,
             "a".repeat(990)
         );
-        let recorded = recorded_fields(&pointers, &near).unwrap();
+        let recorded = recorded_fields(&pointers, &near).unwrap().0;
         assert!(recorded.contains(&"a".repeat(990)));
         assert!(
             recorded.ends_with(r#""/ref/id":{"truncated":true}}"#),

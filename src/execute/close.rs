@@ -10,6 +10,7 @@ use sqlx::{Postgres, QueryBuilder, Row, Transaction};
 use tracing::warn;
 
 use super::{Counts, Loaded, Outcome, complete_after, finish_in_run, record_item_dead_letters};
+use crate::ledger::dead_letter::ItemDeadLetter;
 use crate::policy::ActionSpec;
 use crate::policy::action::Then;
 use crate::retry::Failure;
@@ -93,7 +94,7 @@ pub(super) async fn close(
         command_id,
         &columns.counts,
         false,
-        complete && l.redrive_of.is_some(),
+        if complete { l.redriven } else { None },
     )
     .await
     .map_err(db)?;
@@ -193,8 +194,9 @@ async fn apply_called(
 }
 
 /// For each called item: gone → its outcome; unchanged since before its call → its outcome and
-/// its row is changed; changed → `failed` (`row_changed_during_call`), its row kept. Returns
-/// the outcomes and the keys whose rows change.
+/// its row is changed (a `mismatched` one is kept as it is); changed → `failed`
+/// (`row_changed_during_call`), its row kept. Returns the outcomes and the keys whose rows
+/// change.
 fn compare_rows(
     called: &[Called],
     now: &HashMap<String, String>,
@@ -205,8 +207,11 @@ fn compare_rows(
     for (key, outcome, recorded) in called {
         match (now.get(key), before.get(key)) {
             (None, _) => outcomes.push((key.clone(), *outcome, None, recorded.clone())),
+            // A mismatch keeps its row as it is: nothing to change.
             (Some(d), Some(Some(b))) if d == b => {
-                change.push(key.clone());
+                if *outcome != Outcome::Mismatched {
+                    change.push(key.clone());
+                }
                 outcomes.push((key.clone(), *outcome, None, recorded.clone()));
             }
             _ => outcomes.push((
@@ -223,15 +228,15 @@ fn compare_rows(
     (outcomes, change)
 }
 
-/// The audit statement's columns for a set of final outcomes, their counts, and the failed items
-/// (key, reason) that become dead letters.
+/// The audit statement's columns for a set of final outcomes, their counts, and the failed and
+/// mismatched items that become dead letters.
 struct AuditColumns<'a> {
     counts: Counts,
     keys: Vec<String>,
     outcomes: Vec<&'a str>,
     reasons: Vec<Option<String>>,
     recorded: Vec<Option<String>>,
-    failed: Vec<(String, String)>,
+    failed: Vec<ItemDeadLetter>,
 }
 
 impl AuditColumns<'_> {
@@ -250,13 +255,28 @@ impl AuditColumns<'_> {
             c.outcomes.push(o.as_str());
             c.reasons.push(reason.clone());
             c.recorded.push(recorded.clone());
-            if *o == Outcome::Failed {
-                c.failed
-                    .push((k.clone(), reason.clone().unwrap_or_default()));
+            match o {
+                Outcome::Failed | Outcome::Mismatched => c.failed.push(ItemDeadLetter {
+                    item_key: k.clone(),
+                    reason: reason.clone().unwrap_or_else(|| mismatch_reason(recorded)),
+                    outcome: *o,
+                    recorded: recorded.clone(),
+                }),
+                _ => {}
             }
         }
         c
     }
+}
+
+/// A mismatch's dead letter reason: what the answer said.
+fn mismatch_reason(recorded: &Option<String>) -> String {
+    format!(
+        "mismatched: the answer says the provider's record differs from ours ({}); the row was \
+         kept: correct it and redrive (the call is made again with the next idempotency key), \
+         or abandon with a reason",
+        recorded.as_deref().unwrap_or("no fields recorded")
+    )
 }
 
 #[cfg(test)]

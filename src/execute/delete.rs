@@ -210,7 +210,8 @@ impl Run<'_> {
             Err(e) => return Err(e.into()),
         };
         if !decided.failed.is_empty() {
-            record_item_dead_letters(&mut tx, l, self.command_id, &decided.failed).await?;
+            record_item_dead_letters(&mut tx, l, self.command_id, &dead_letters(&decided.failed))
+                .await?;
         }
         l.command
             .append_audit(
@@ -232,7 +233,7 @@ impl Run<'_> {
             self.command_id,
             &decided.counts,
             false,
-            false,
+            None,
         )
         .await?;
         crate::crash_point!("consume_before_commit");
@@ -455,7 +456,7 @@ impl Run<'_> {
             failed,
         } = audit_rows(&self.keys, outcomes);
         if !failed.is_empty() {
-            record_item_dead_letters(&mut tx, l, self.command_id, &failed).await?;
+            record_item_dead_letters(&mut tx, l, self.command_id, &dead_letters(&failed)).await?;
         }
         // One statement: the audit rows, the command done, its attempt recorded, a redriven
         // dead letter resolved; its counts recorded next.
@@ -479,7 +480,7 @@ impl Run<'_> {
             self.command_id,
             &counts,
             false,
-            l.redrive_of.is_some(),
+            l.redriven,
         )
         .await?;
         crate::crash_point!("consume_before_commit");
@@ -515,6 +516,14 @@ fn moved_to_another_partition(e: &sqlx::Error) -> bool {
 const DEADLOCK_DETECTED: &str = "40P01";
 /// SQLSTATE 23503: a row the delete removed is still referenced.
 const FOREIGN_KEY_VIOLATION: &str = "23503";
+
+/// The item dead letters of failed items `(key, reason)`.
+fn dead_letters(failed: &[(String, String)]) -> Vec<ledger::dead_letter::ItemDeadLetter> {
+    failed
+        .iter()
+        .map(|(k, r)| ledger::dead_letter::ItemDeadLetter::failed(k, r))
+        .collect()
+}
 
 /// A failed statement of the bulk path: a permanent error (in the delete, or a deferred
 /// constraint — a DEFERRABLE foreign key or constraint trigger — at the commit) redoes the

@@ -49,7 +49,9 @@ fn db(e: sqlx::Error) -> Failure {
 
 fn parse_outcome(s: Option<&str>) -> Outcome {
     match s.and_then(Outcome::parse) {
-        Some(o @ (Outcome::Deleted | Outcome::Reconciled | Outcome::Called)) => o,
+        Some(
+            o @ (Outcome::Deleted | Outcome::Reconciled | Outcome::Called | Outcome::Mismatched),
+        ) => o,
         _ => Outcome::AlreadyAbsent,
     }
 }

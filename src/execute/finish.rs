@@ -8,8 +8,8 @@ use super::*;
 /// counts on its own row (no run-row lock, so workers of one run do not queue on one row), and
 /// what decides whether the run may be complete after the commit ([`complete_after`]).
 ///
-/// `item_redrive`: the command re-executed one item whose earlier outcome was `failed`, so that
-/// outcome is superseded.
+/// `redriven`: the command re-executed one item whose earlier outcome (`failed` or
+/// `mismatched`) is superseded.
 pub(crate) async fn finish_in_run(
     tx: &mut Transaction<'_, Postgres>,
     state: &AppState,
@@ -17,14 +17,14 @@ pub(crate) async fn finish_in_run(
     command_id: &str,
     counts: &Counts,
     quarantined: bool,
-    item_redrive: bool,
+    redriven: Option<Outcome>,
 ) -> sqlx::Result<ledger::runs::Recorded> {
     ledger::runs::record_command(
         tx,
         &ledger::runs::CommandDone {
             command_id,
             quarantined,
-            item_redrive,
+            redriven,
             counts,
             others_cap: others_cap(state, policy),
         },
@@ -77,10 +77,10 @@ pub(crate) async fn record_item_dead_letters(
     tx: &mut Transaction<'_, Postgres>,
     loaded: &Loaded,
     command_id: &str,
-    failed: &[(String, String)],
+    failed: &[ledger::dead_letter::ItemDeadLetter],
 ) -> sqlx::Result<()> {
     match loaded.redrive_of {
-        Some(dl) => ledger::dead_letter::reopen_item(tx, dl, command_id, &failed[0].1).await,
+        Some(dl) => ledger::dead_letter::reopen_item(tx, dl, command_id, &failed[0]).await,
         None => {
             ledger::dead_letter::record_items(
                 tx,
@@ -300,7 +300,7 @@ async fn quarantine_command(
         c.command.command_id(),
         &Counts::default(),
         true,
-        false,
+        None,
     )
     .await
     .map_err(db)?;

@@ -63,6 +63,10 @@ pub(super) async fn load(
         keys: c.item_keys,
         rules,
         redrive_of: c.redrive_of,
+        redriven: c
+            .redrive_outcome
+            .as_deref()
+            .map(|o| Outcome::parse(o).unwrap_or(Outcome::Failed)),
         command,
         lease_left: c.lease_left,
         finished,

@@ -161,6 +161,9 @@ pub(crate) struct Loaded {
     pub(crate) keys: Vec<String>,
     pub(crate) rules: RuleSet,
     pub(crate) redrive_of: Option<i64>,
+    /// For a redrive, the outcome of the item it re-executes (`failed` or `mismatched`), which
+    /// its new outcome supersedes in the run's counts.
+    pub(crate) redriven: Option<Outcome>,
     /// The try, as the ledger counts it: its methods are the command's state changes.
     pub(crate) command: ledger::commands::CommandTry,
     /// Another execution holds the command's lease, for this many more seconds (0: none).

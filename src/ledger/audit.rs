@@ -48,7 +48,10 @@ pub struct AuditRow {
 }
 
 /// Writes JSON text kept by the ledger as the JSON it is (its fields in their order).
-fn ser_raw_json<S: serde::Serializer>(v: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn ser_raw_json<S: serde::Serializer>(
+    v: &Option<String>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
     use serde::Serialize;
     match v
         .as_deref()

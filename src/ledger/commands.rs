@@ -762,6 +762,9 @@ pub struct Locked {
     pub due_in_seconds: f64,
     /// The dead letter it re-executes, if any.
     pub redrive_of: Option<i64>,
+    /// The outcome that opened that dead letter (`failed` or `mismatched`): the outcome the
+    /// redrive supersedes.
+    pub redrive_outcome: Option<String>,
     /// The run's policy.
     pub policy: String,
     /// The version the run is pinned to.
@@ -797,8 +800,8 @@ pub struct Locked {
 
 /// The keys of `command_id` an earlier attempt already audited (a command whose rows were locked,
 /// or an action with external calls, finishes its items over several attempts; no item gains a
-/// second outcome). `item_redrive`: the command re-executes an item whose `failed` outcome it
-/// supersedes, so a `failed` row does not finish it. Read in its own statement once the gate holds
+/// second outcome). `item_redrive`: the command re-executes an item whose `failed` or
+/// `mismatched` outcome it supersedes, so such a row does not finish it. Read in its own statement once the gate holds
 /// the command row: a statement that waited for that lock still reads other tables in the
 /// snapshot it started with, which misses what the previous holder committed.
 pub async fn finished_keys(
@@ -808,7 +811,7 @@ pub async fn finished_keys(
 ) -> sqlx::Result<Vec<String>> {
     sqlx::query_scalar(
         "select distinct item_key from sweeper.audit_trail
-          where command_id = $1 and not ($2 and outcome = 'failed')",
+          where command_id = $1 and not ($2 and outcome in ('failed', 'mismatched'))",
     )
     .bind(command_id)
     .bind(item_redrive)
@@ -870,7 +873,10 @@ pub async fn lock(
         "select c.state, c.item_keys, c.attempts, c.run_id, c.held_kind, c.held_reason,
                 greatest(0, extract(epoch from c.next_attempt_at - (select sweeper.now())))::float8
                     as due_in_seconds,
-                c.redrive_of, r.policy, r.policy_version, r.window_at, r.cutoff, r.dry_run,
+                c.redrive_of,
+                (select coalesce(d.outcome, 'failed') from sweeper.dead_letters d
+                  where d.dead_letter_id = c.redrive_of) as redrive_outcome,
+                r.policy, r.policy_version, r.window_at, r.cutoff, r.dry_run,
                 case when c.state = 'leased' and c.lease_until > sweeper.now()
                      then extract(epoch from c.lease_until - sweeper.now())::float8
                      else 0 end as lease_left,
@@ -881,7 +887,7 @@ pub async fn lock(
                   order by v.seq desc limit 1) as current_version,
                 c.last_error_class,
                 (c.deleted + c.already_absent + c.excluded + c.not_eligible + c.failed
-                   + c.reconciled + c.called) > 0 as has_outcomes,
+                   + c.reconciled + c.called + c.mismatched) > 0 as has_outcomes,
                 set_config('lock_timeout', $2, true) is not null as timeouts_set,
                 set_config('statement_timeout', $3, true) is not null as timeouts_set2,
                 exists (select 1

@@ -6,7 +6,7 @@ use serde::Serialize;
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
 mod items;
-pub use items::{record_items, reopen_item};
+pub use items::{ItemDeadLetter, record_items, reopen_item};
 
 /// A dead letter as `GET /dead-letters/{id}` shows it.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -53,13 +53,25 @@ pub struct DeadLetter {
     pub created_at: DateTime<Utc>,
     /// Seconds since it was created.
     pub age_seconds: f64,
+    /// For an item: the outcome that opened it, `failed` or `mismatched` (an answer that said
+    /// the provider's record differs from ours).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<String>,
+    /// For an item whose call was answered: the answer's recorded fields, as written.
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "super::audit::ser_raw_json"
+    )]
+    pub recorded: Option<String>,
 }
 
 pub(crate) const COLUMNS: &str =
     "dead_letter_id, kind, run_id, policy, command_id, item_key, reason, class,
     attempts, raw_body, raw_sha256, raw_size, first_failure_at, last_failure_at, failures, status,
     resolved_at, resolved_by, resolution_reason, created_at,
-    extract(epoch from sweeper.now() - created_at)::float8 as age_seconds";
+    extract(epoch from sweeper.now() - created_at)::float8 as age_seconds,
+    case when kind = 'item' then coalesce(outcome, 'failed') end as outcome,
+    recorded::text as recorded";
 
 /// Filters of `GET /dead-letters`.
 #[derive(Debug, Default)]

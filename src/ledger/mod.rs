@@ -167,8 +167,8 @@ pub fn is_terminal_run_status(status: &str) -> bool {
 const RUN_COLUMNS: &str = "run_id, policy, policy_version, window_at, cutoff, dry_run, status,
     planning_done, pending_commands, commands_total, quarantined_commands, eligible_planned,
     held_at_planning, deleted, already_absent, excluded, not_eligible, failed, would_delete,
-    reconciled, called, would_call, remaining_eligible, remaining_eligible_cap, triggered_by,
-    created_at, planned_at, completed_at";
+    reconciled, called, would_call, mismatched, remaining_eligible, remaining_eligible_cap,
+    triggered_by, created_at, planned_at, completed_at";
 
 /// Loads one run.
 pub async fn get_run(conn: &mut PgConnection, run_id: &str) -> sqlx::Result<Option<Run>> {
@@ -331,11 +331,12 @@ pub async fn purge_terminal_commands(
         "with d as (delete from sweeper.commands where command_id = any($1)
                     returning run_id, quarantined_commands, deleted, already_absent, excluded,
                               not_eligible, failed, would_delete, reconciled, called,
-                              would_call),
+                              would_call, mismatched),
               s as (select run_id, count(*) as n, sum(quarantined_commands) as q,
                            sum(deleted) as de, sum(already_absent) as aa, sum(excluded) as ex,
                            sum(not_eligible) as ne, sum(failed) as fa, sum(would_delete) as wd,
-                           sum(reconciled) as re, sum(called) as ca, sum(would_call) as wc
+                           sum(reconciled) as re, sum(called) as ca, sum(would_call) as wc,
+                           sum(mismatched) as mi
                       from d group by run_id),
               u as (update sweeper.runs r
                        set quarantined_commands = r.quarantined_commands + s.q,
@@ -343,7 +344,7 @@ pub async fn purge_terminal_commands(
                            excluded = r.excluded + s.ex, not_eligible = r.not_eligible + s.ne,
                            failed = r.failed + s.fa, would_delete = r.would_delete + s.wd,
                            reconciled = r.reconciled + s.re, called = r.called + s.ca,
-                           would_call = r.would_call + s.wc
+                           would_call = r.would_call + s.wc, mismatched = r.mismatched + s.mi
                       from s where r.run_id = s.run_id)
          select coalesce(sum(n), 0)::int8 from s",
     )

@@ -25,11 +25,14 @@ pub enum Outcome {
     Called,
     /// A dry run would have made that call.
     WouldCall,
+    /// An external call's answer said the provider's record differs from ours (the action's
+    /// `mismatch` rule): the row was kept as it is and an item dead letter opened.
+    Mismatched,
 }
 
 impl Outcome {
     /// Every outcome, in the audit's order.
-    pub const ALL: [Outcome; 9] = [
+    pub const ALL: [Outcome; 10] = [
         Outcome::Deleted,
         Outcome::AlreadyAbsent,
         Outcome::Excluded,
@@ -39,6 +42,7 @@ impl Outcome {
         Outcome::Reconciled,
         Outcome::Called,
         Outcome::WouldCall,
+        Outcome::Mismatched,
     ];
 
     /// The name stored in `sweeper.audit.outcome`.
@@ -53,6 +57,7 @@ impl Outcome {
             Outcome::Reconciled => "reconciled",
             Outcome::Called => "called",
             Outcome::WouldCall => "would_call",
+            Outcome::Mismatched => "mismatched",
         }
     }
 
@@ -83,6 +88,8 @@ pub struct Counts {
     pub called: i64,
     /// Items a dry run would call.
     pub would_call: i64,
+    /// Items whose call's answer was a mismatch.
+    pub mismatched: i64,
 }
 
 impl Counts {
@@ -98,6 +105,7 @@ impl Counts {
             Outcome::Reconciled => self.reconciled,
             Outcome::Called => self.called,
             Outcome::WouldCall => self.would_call,
+            Outcome::Mismatched => self.mismatched,
         }
     }
 
@@ -113,6 +121,7 @@ impl Counts {
             Outcome::Reconciled => self.reconciled += 1,
             Outcome::Called => self.called += 1,
             Outcome::WouldCall => self.would_call += 1,
+            Outcome::Mismatched => self.mismatched += 1,
         }
     }
 }

@@ -129,8 +129,8 @@ pub struct CommandDone<'a> {
     pub command_id: &'a str,
     /// It was quarantined.
     pub quarantined: bool,
-    /// It re-executed one item whose earlier outcome was `failed` (that outcome is superseded).
-    pub item_redrive: bool,
+    /// It re-executed one item whose earlier outcome (`failed` or `mismatched`) is superseded.
+    pub redriven: Option<super::Outcome>,
     /// Its items' outcomes.
     pub counts: &'a super::Counts,
     /// Count the run's other pending commands up to this many (see [`Recorded`]).
@@ -163,7 +163,7 @@ pub async fn record_command(
                     excluded = excluded + $5, not_eligible = not_eligible + $6,
                     failed = failed + $7 - $9, would_delete = would_delete + $8,
                     reconciled = reconciled + $10, called = called + $12,
-                    would_call = would_call + $13
+                    would_call = would_call + $13, mismatched = mismatched + $14 - $15
               where command_id = $1
           returning run_id)
          select r.status,
@@ -181,11 +181,13 @@ pub async fn record_command(
     .bind(d.counts.not_eligible)
     .bind(d.counts.failed)
     .bind(d.counts.would_delete)
-    .bind(d.item_redrive as i64)
+    .bind((d.redriven == Some(super::Outcome::Failed)) as i64)
     .bind(d.counts.reconciled)
     .bind(d.others_cap)
     .bind(d.counts.called)
     .bind(d.counts.would_call)
+    .bind(d.counts.mismatched)
+    .bind((d.redriven == Some(super::Outcome::Mismatched)) as i64)
     .fetch_one(conn)
     .await?;
     Ok(Recorded {

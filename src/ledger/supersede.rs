@@ -10,7 +10,7 @@ use sqlx::PgConnection;
 fn executed_nothing(r: &str) -> String {
     format!(
         "{r}.deleted + {r}.already_absent + {r}.excluded + {r}.not_eligible + {r}.failed
-            + {r}.reconciled + {r}.called = 0
+            + {r}.reconciled + {r}.called + {r}.mismatched = 0
          and not exists (select 1 from sweeper.effects f where f.run_id = {r}.run_id)
          and not exists (select 1 from sweeper.partition_retirements p
                           where p.run_id = {r}.run_id

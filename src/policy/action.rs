@@ -86,6 +86,35 @@ pub struct HttpAction {
     /// version's JSON when empty, so actions written before it keep their version.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub record: Vec<String>,
+    /// When a `done` answer's field says the provider's record differs from ours: the item is
+    /// `mismatched` instead of done. Left out of the version's JSON when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mismatch: Option<Mismatch>,
+}
+
+/// `mismatch = { pointer = "/status", in = ["mismatch", "unknown"] }`: a `done` answer whose
+/// value at `pointer` equals one of `values` (JSON equality: `1` is not `"1"`) is a mismatch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mismatch {
+    /// A JSON pointer into the answer.
+    pub pointer: String,
+    /// The values that mean a mismatch.
+    #[serde(rename = "in")]
+    pub values: Vec<serde_json::Value>,
+}
+
+impl HttpAction {
+    /// The answer's fields kept as evidence: `record`, then the mismatch rule's field when
+    /// `record` does not name it (a mismatch's dead letter always shows what decided it).
+    pub fn recorded_pointers(&self) -> Vec<String> {
+        let mut pointers = self.record.clone();
+        if let Some(m) = &self.mismatch
+            && !pointers.contains(&m.pointer)
+        {
+            pointers.push(m.pointer.clone());
+        }
+        pointers
+    }
 }
 
 /// At most this many response fields are recorded per item.
@@ -207,6 +236,20 @@ pub struct ActionConfig {
     /// `http`: JSON pointers of the answer's fields to record, e.g. `["/status", "/amount"]`.
     #[serde(default)]
     pub record: Option<Vec<String>>,
+    /// `http`: `{ pointer = "/status", in = ["mismatch", "unknown"] }`.
+    #[serde(default)]
+    pub mismatch: Option<MismatchConfig>,
+}
+
+/// `mismatch = { pointer = "/status", in = ["mismatch"] }` as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MismatchConfig {
+    /// A JSON pointer into the answer.
+    pub pointer: String,
+    /// The values meaning a mismatch.
+    #[serde(rename = "in")]
+    pub values: Vec<serde_json::Value>,
 }
 
 /// Validates an `action = { ... }`; errors are `field: message`.
@@ -268,6 +311,7 @@ pub fn from_config(a: &ActionConfig) -> Result<crate::policy::ActionSpec, Vec<St
         ("not_found", a.not_found.is_some()),
         ("once_per", a.once_per.is_some()),
         ("record", a.record.is_some()),
+        ("mismatch", a.mismatch.is_some()),
     ];
     let spec = match a.kind.as_str() {
         "delete_rows" => {
@@ -480,6 +524,33 @@ fn http_from_config(
             errors.push(format!("record[{i}]: `{p}` is named twice"));
         }
     }
+    let mismatch = a.mismatch.as_ref().map(|m| {
+        if !m.pointer.starts_with('/') {
+            errors.push(format!(
+                "mismatch.pointer: `{}` is not a JSON pointer into the answer (RFC 6901: it \
+                 starts with `/`, e.g. \"/status\")",
+                m.pointer
+            ));
+        }
+        if m.values.is_empty() {
+            errors.push("mismatch.in: list the values that mean a mismatch".into());
+        }
+        Mismatch {
+            pointer: m.pointer.clone(),
+            values: m.values.clone(),
+        }
+    });
+    if let Some(m) = &mismatch
+        && !record.contains(&m.pointer)
+        && record.len() >= MAX_RECORDED_FIELDS
+    {
+        errors.push(format!(
+            "record: the mismatch rule's field {} is recorded too, so `record` may name at \
+                 most {} others",
+            m.pointer,
+            MAX_RECORDED_FIELDS - 1
+        ));
+    }
     Some(HttpAction {
         dependency,
         method,
@@ -494,5 +565,6 @@ fn http_from_config(
         columns,
         once_per,
         record,
+        mismatch,
     })
 }

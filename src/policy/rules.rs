@@ -249,7 +249,9 @@ impl RuleSet {
     }
 
     /// For an action with external calls: also hold every item whose effect is open in another
-    /// run of `policy` (reason `effect_open`, docs/design.md §2.4). Planning and execution both apply it.
+    /// run of `policy` (reason `effect_open`, docs/design.md §2.4), and, for an action with a
+    /// mismatch rule, every item with an open `mismatched` dead letter (`dead_letter_open`).
+    /// Planning and execution both apply it.
     pub fn with_effects(mut self, policy: &str, run_id: &str) -> Self {
         if self.action.dependency().is_some() {
             self.effects = Some((policy.to_string(), run_id.to_string()));
@@ -396,6 +398,19 @@ impl RuleSet {
             ));
             q.push_bind(run_id.clone());
             q.push(") then 'effect_open'");
+            // An answer that was a mismatch holds its item until an operator redrives or
+            // abandons its dead letter: later runs do not call again.
+            if let crate::policy::ActionSpec::Http(h) = &self.action
+                && h.mismatch.is_some()
+            {
+                q.push(" when exists (select 1 from sweeper.dead_letters d where d.policy = ");
+                q.push_bind(policy.clone());
+                q.push(format!(
+                    " and d.kind = 'item' and d.status = 'open' and d.outcome = 'mismatched' \
+                     and d.item_key = {}) then 'dead_letter_open'",
+                    self.key.text_sql(&format!("{}.", self.table_sql()))
+                ));
+            }
         }
         let table = self.table_sql();
         for e in &self.exclude {

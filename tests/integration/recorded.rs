@@ -186,3 +186,148 @@ fn record_names_json_pointers_at_most_eight_and_only_on_http_actions() {
     .to_string();
     assert!(e.contains("record: not a field of delete_rows"), "{e}");
 }
+
+/// A mismatch (`mismatch = { pointer, in }`): its own outcome, counted on the run; the row is not
+/// stamped; the effect is closed; an item dead letter carries the recorded fields; later runs
+/// hold the item (`dead_letter_open`) and call nothing for it; a redrive after the data is
+/// corrected calls again with the next idempotency key and supersedes the mismatch in the counts.
+#[tokio::test]
+async fn a_mismatch_keeps_its_row_opens_a_dead_letter_and_holds_the_item_until_redriven() {
+    // Item 3: the provider's amount differs until the second key; item 4: unknown to it.
+    let provider = StandIn::start(Duration::ZERO, |c: &Call, _: &[Call]| -> Reply {
+        let id = item_of(c);
+        let key = c.idempotency_key.clone().unwrap_or_default();
+        let body = match id {
+            3 if key.ends_with(":1") => {
+                r#"{"status": "mismatch", "provider_amount": 999, "provider_ref": "pi_3"}"#
+                    .to_string()
+            }
+            4 => r#"{"status": "unknown", "provider_amount": null, "provider_ref": null}"#
+                .to_string(),
+            _ => format!(
+                r#"{{"status": "match", "provider_amount": {}, "provider_ref": "pi_{id}"}}"#,
+                id * 100
+            ),
+        };
+        (200, vec![], body)
+    })
+    .await;
+    let mismatch = r#"{ pointer = "/status", in = ["mismatch", "unknown"] }"#;
+    let config = dependency("payments", &provider.url(), "")
+        + &payments_policy(
+            "reconcile",
+            "payments",
+            100,
+            &format!("{RECORD}, mismatch = {mismatch}"),
+            "",
+        );
+    let app = TestApp::spawn(Spawn {
+        setup_sql: EXT,
+        policies: config,
+        workers: 1,
+        now: Some(at(NOW)),
+        extra_toml: String::new(),
+    })
+    .await;
+    seed_payments(&app, 6).await;
+    let (status, run) = app.trigger("reconcile", "?window=2026-09-01").await;
+    assert_eq!(status, 202, "{run}");
+    let first = run["run_id"].as_str().unwrap().to_string();
+    let done = app.wait_terminal(&first).await;
+    assert_eq!(done["status"], "completed_with_dead_letters", "{done}");
+    assert_eq!(
+        (done["reconciled"].as_i64(), done["mismatched"].as_i64()),
+        (Some(4), Some(2)),
+        "{done}"
+    );
+    assert_eq!(
+        recorded(&app, "3").await,
+        [(
+            "mismatched".to_string(),
+            None,
+            Some(r#"{"/status":"mismatch","/provider_amount":999,"/provider_ref":"pi_3"}"#.into())
+        )]
+    );
+    let unstamped: Vec<i64> =
+        sqlx::query_scalar("select id from ext.payments where reconciled_at is null order by id")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(unstamped, [3, 4]);
+    let effect: (String, i32) = sqlx::query_as(
+        "select state, n from sweeper.effects where policy = 'reconcile' and item_key = '3'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(effect, ("closed".to_string(), 1));
+    let dead = app.get_json("/dead-letters?status=open").await;
+    let letters = dead["dead_letters"].as_array().unwrap();
+    assert_eq!(letters.len(), 2, "{dead}");
+    let three = letters.iter().find(|d| d["item_key"] == "3").unwrap();
+    assert_eq!(three["outcome"], "mismatched", "{three}");
+    assert_eq!(three["recorded"]["/provider_amount"], 999, "{three}");
+    assert!(
+        three["reason"].as_str().unwrap().starts_with("mismatched:"),
+        "{three}"
+    );
+    let history = app.get_json("/policies/reconcile/items/3").await;
+    assert_eq!(history["audit"][0]["outcome"], "mismatched", "{history}");
+    assert_eq!(
+        history["dead_letters"][0]["outcome"], "mismatched",
+        "{history}"
+    );
+
+    // The next night: both held at planning, nothing called for them.
+    let calls_before = provider.calls().len();
+    let (status, run) = app.trigger("reconcile", "?window=2026-09-02").await;
+    assert_eq!(status, 202, "{run}");
+    let second = run["run_id"].as_str().unwrap().to_string();
+    let done = app.wait_terminal(&second).await;
+    assert_eq!(done["held_at_planning"]["dead_letter_open"], 2, "{done}");
+    assert_eq!(
+        provider.calls().len(),
+        calls_before,
+        "no call for a held item"
+    );
+
+    // The data is corrected: a redrive calls again with the next key and reconciles.
+    let id = three["dead_letter_id"].as_i64().unwrap();
+    app.api
+        .redrive(id, "amount corrected with the provider")
+        .await;
+    let mut waited = 0;
+    loop {
+        let status: String =
+            sqlx::query_scalar("select status from sweeper.dead_letters where dead_letter_id = $1")
+                .bind(id)
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+        if status == "resolved" {
+            break;
+        }
+        waited += 1;
+        assert!(waited < 100, "the redrive did not resolve: {status}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let keys: Vec<String> = provider
+        .calls()
+        .iter()
+        .filter(|c| item_of(c) == 3)
+        .map(|c| c.idempotency_key.clone().unwrap())
+        .collect();
+    assert_eq!(keys, ["reconcile:3:1", "reconcile:3:2"]);
+    let stamped: bool =
+        sqlx::query_scalar("select reconciled_at is not null from ext.payments where id = 3")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert!(stamped);
+    let run = app.get_json(&format!("/runs/{first}")).await;
+    assert_eq!(
+        (run["reconciled"].as_i64(), run["mismatched"].as_i64()),
+        (Some(5), Some(1)),
+        "{run}"
+    );
+}
