@@ -46,8 +46,10 @@ $$;
 create schema if not exists sweeper authorization sweeper_owner;
 alter schema sweeper owner to sweeper_owner;
 
--- Everything already in schema `sweeper` belongs to sweeper_owner (a sequence that belongs to a
--- column follows its table; a partition is altered like any table).
+-- Everything already in schema `sweeper` belongs to sweeper_owner. Every table, partitioned
+-- table, partition, view and materialized view is altered (a partition depends on its parent and
+-- a partitioned table on its own objects in pg_depend, which says nothing about their owner); only
+-- a sequence that belongs to a column is left out, as it follows its table.
 do $$
 declare
     r record;
@@ -58,9 +60,11 @@ begin
          where c.relnamespace = 'sweeper'::regnamespace
            and c.relkind in ('r', 'p', 'v', 'm', 'S')
            and c.relowner <> 'sweeper_owner'::regrole
-           and not exists (select from pg_depend d
-                            where d.classid = 'pg_class'::regclass and d.objid = c.oid
-                              and d.deptype in ('a', 'i'))
+           and not (c.relkind = 'S'
+                    and exists (select from pg_depend d
+                                 where d.classid = 'pg_class'::regclass and d.objid = c.oid
+                                   and d.refclassid = 'pg_class'::regclass
+                                   and d.deptype in ('a', 'i')))
     loop
         execute format('alter %s %s owner to sweeper_owner',
                        case r.relkind when 'S' then 'sequence' when 'v' then 'view'

@@ -36,6 +36,54 @@ async fn empty_database() -> TestDb {
     }
 }
 
+/// A login role of its own, for a previous release's deployment (the caller drops it after the
+/// database).
+async fn previous_role() -> String {
+    let name = format!(
+        "sweeper_lp_old_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    sqlx::query(&format!("create role {name} login"))
+        .execute(&mut admin().await)
+        .await
+        .unwrap();
+    name
+}
+
+async fn drop_role(name: &str) {
+    sqlx::query(&format!("drop role if exists {name}"))
+        .execute(&mut admin().await)
+        .await
+        .unwrap();
+}
+
+/// The previous release's migrator: this binary's migrations before least privilege
+/// (20261205000025), which it applied with the connection's default search_path.
+fn previous_release() -> sqlx::migrate::Migrator {
+    let mut m = sweeper::ledger::migrator();
+    m.migrations = m
+        .migrations
+        .iter()
+        .filter(|m| m.version < 20261205000025)
+        .cloned()
+        .collect::<Vec<_>>()
+        .into();
+    m
+}
+
+/// `db` owned by `role`, migrated by the previous release connected as it: the layout of a
+/// deployment before least privilege (every object in schema `sweeper` and sqlx's table in
+/// `public` owned by the one role sweeper ran as).
+async fn previous_layout(db: &TestDb, role: &str) {
+    sqlx::query(&format!("alter database {} owner to {role}", db.name))
+        .execute(&mut admin().await)
+        .await
+        .unwrap();
+    let pool = PgPool::connect(&as_user(&db.url, role)).await.unwrap();
+    previous_release().run(&pool).await.unwrap();
+    pool.close().await;
+}
+
 async fn scalar_bool(pool: &PgPool, sql: &str) -> bool {
     sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
 }
@@ -255,6 +303,9 @@ async fn the_migration_table_moves_to_schema_sweeper_and_the_previous_release_re
 
     // The previous release's replica, started again during the rollout.
     sweeper::ledger::migrator().run(&pool).await.unwrap();
+    let old = previous_role().await;
+    // The previous release: sqlx's migrator with the default search_path, as its own role.
+    previous_layout(&db, &old).await;
     let after: i64 = sqlx::query_scalar("select count(*) from sweeper._sqlx_migrations")
         .fetch_one(&pool)
         .await
@@ -280,3 +331,67 @@ async fn the_migration_table_moves_to_schema_sweeper_and_the_previous_release_re
     pool.close().await;
     drop(db);
 }
+    drop_role(&old).await;
+}
+
+/// roles.sql takes over a previous release's layout whole: the audit's partitioned tables and
+/// their partitions too, so the owner's functions make the audit's months for the runtime role.
+#[tokio::test]
+async fn roles_sql_takes_over_every_table_of_a_previous_release_partitions_included() {
+    let db = empty_database().await;
+    let old = previous_role().await;
+    previous_layout(&db, &old).await;
+    let admin_pool = PgPool::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(ROLES_SQL).execute(&admin_pool).await.unwrap();
+    let mut owner = PgConnection::connect(&as_user(&db.url, "sweeper_owner"))
+        .await
+        .unwrap();
+    sweeper::ledger::migrations::migrate(&mut owner)
+        .await
+        .unwrap();
+    owner.close().await.unwrap();
+    sqlx::raw_sql(ROLES_SQL).execute(&admin_pool).await.unwrap();
+    let others: Vec<String> = sqlx::query_scalar(
+        "select c.oid::regclass::text || ' ' || pg_get_userbyid(c.relowner) from pg_class c
+          where c.relnamespace = 'sweeper'::regnamespace
+            and c.relkind in ('r', 'p', 'v', 'm', 'S')
+            and c.relowner <> 'sweeper_owner'::regrole
+          order by 1",
+    )
+    .fetch_all(&admin_pool)
+    .await
+    .unwrap();
+    assert!(others.is_empty(), "{others:?}");
+
+    sqlx::raw_sql(&format!(
+        "{TICKETS};
+         grant usage on schema demo to sweeper_runtime;
+         grant select (id, status, legal_hold, closed_at), delete on demo.tickets to sweeper_runtime;
+         grant update (closed_at) on demo.tickets to sweeper_runtime"
+    ))
+    .execute(&admin_pool)
+    .await
+    .unwrap();
+    let runtime_db = TestDb {
+        name: db.name.clone(),
+        url: as_user(&db.url, "sweeper_runtime"),
+    };
+    let app = TestApp::start(runtime_db, admin_pool.clone(), 0, "", &ticket_policy(10)).await;
+    // Months past every one made so far: the runtime role has them made by the owner.
+    set_clock(&admin_pool, at("2031-06-15T00:00:00Z")).await;
+    let made = sweeper::ledger::audit::ensure_partitions(&app.state.pool)
+        .await
+        .unwrap();
+    assert!(made > 0, "{made}");
+    assert!(
+        scalar_bool(
+            &admin_pool,
+            "select pg_get_userbyid(relowner) = 'sweeper_owner' from pg_class
+              where oid = 'sweeper.audit_items_2031_08'::regclass"
+        )
+        .await
+    );
+    let (db, _) = app.stop().await;
+    admin_pool.close().await;
+    drop(db);
+    drop_role(&old).await;
