@@ -95,7 +95,9 @@ begin
         -- Owned by whoever runs this file: in PostgreSQL 15 only the database owner (schema
         -- public's owner) may create in public, and sweeper_owner may not.
         create view public._sqlx_migrations as select * from sweeper._sqlx_migrations;
-        grant select on public._sqlx_migrations to sweeper_runtime;
+        -- Read by the runtime role and by the previous release's replicas, whichever role they
+        -- connect as (migration versions are not secret).
+        grant select on public._sqlx_migrations to public;
     end if;
 end
 $$;

@@ -85,3 +85,24 @@ end
 $$;
 revoke execute on function sweeper.detach_audit_month(text) from public;
 revoke execute on function sweeper.drop_audit_month(text) from public;
+
+-- SECURITY DEFINER runs as the function's owner, which is whoever applied this migration: a
+-- superuser who migrates by hand would otherwise own them (and be what they run as), and a
+-- runtime role that owns the audit (every deployment before this release) would lack EXECUTE,
+-- taken from PUBLIC above. They belong to the owner of the audit's tables, as their statements
+-- need (deploy/roles.sql's migration owner, when it has run).
+do $$
+declare
+    owner text := (select pg_get_userbyid(relowner) from pg_class
+                    where oid = 'sweeper.audit'::regclass);
+    f text;
+begin
+    foreach f in array array['sweeper.ensure_audit_partitions(integer)',
+                             'sweeper.make_audit_month(text[], text, timestamptz, timestamptz)',
+                             'sweeper.audit_month_tables(text)',
+                             'sweeper.detach_audit_month(text)',
+                             'sweeper.drop_audit_month(text)'] loop
+        execute format('alter function %s owner to %I', f, owner);
+    end loop;
+end
+$$;

@@ -448,14 +448,26 @@ async fn owns_audit(pool: &PgPool) -> sqlx::Result<bool> {
     .await
 }
 
-/// Drops the month's detached tables and records the month dropped, in one transaction.
+/// Drops the month's detached tables and records the month dropped, in one transaction: itself
+/// when the role owns the audit (as [`detach`] does), through `sweeper.drop_audit_month` when not.
 pub async fn drop_partition(pool: &PgPool, p: &Partition) -> sqlx::Result<()> {
+    let owner = owns_audit(pool).await?;
     let mut tx = pool.begin().await?;
-    // As the tables' owner (migration 20261205000025): the runtime role need not own them.
-    sqlx::query("select sweeper.drop_audit_month($1)")
-        .bind(&p.partition)
-        .execute(&mut *tx)
-        .await?;
+    if owner {
+        // A role that owns the audit (every deployment before deploy/roles.sql) drops them
+        // itself: the owner's functions are for a runtime role that does not.
+        for parent in PARENTS {
+            sqlx::query(&format!("drop table if exists {}", p.table(parent)))
+                .execute(&mut *tx)
+                .await?;
+        }
+    } else {
+        // As the tables' owner (migration 20261205000025): the runtime role need not own them.
+        sqlx::query("select sweeper.drop_audit_month($1)")
+            .bind(&p.partition)
+            .execute(&mut *tx)
+            .await?;
+    }
     sqlx::query("delete from sweeper.audit_partitions where partition = $1")
         .bind(&p.partition)
         .execute(&mut *tx)

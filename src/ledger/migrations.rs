@@ -120,6 +120,10 @@ async fn prepare(conn: &mut PgConnection) -> Result<(), MigrateError> {
         "comment on view public._sqlx_migrations is
              'sweeper: for replicas of a release before the move of this table to schema sweeper; \
               drop it once no replica of an earlier release runs'",
+        // The view is owned by whoever migrates (a superuser, say), and the earlier release's
+        // replicas connect as another role; migration versions are not secret. The moved table
+        // keeps its owner, who still reads it directly.
+        "grant select on public._sqlx_migrations to public",
     ] {
         sqlx::query(statement)
             .execute(&mut *tx)

@@ -260,15 +260,15 @@ async fn a_run_housekeeping_and_audit_retention_pass_under_the_runtime_role_of_r
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A database an earlier release migrated (sqlx's table in `public`): this release moves the
-/// table into `sweeper` and leaves a view in `public`, through which the earlier release's
-/// migrator (default search_path) finds every migration applied and creates nothing.
+/// A database an earlier release migrated (sqlx's table in `public`), as the role it ran as: this
+/// release, migrated by a superuser, moves the table into `sweeper` and leaves a view in `public`,
+/// through which the earlier release's migrator (default search_path, its own role) finds every
+/// migration applied and creates nothing. The owner's functions are the audit owner's, and that
+/// role (a runtime that owns the audit) makes, detaches and drops months.
 #[tokio::test]
 async fn the_migration_table_moves_to_schema_sweeper_and_the_previous_release_reads_it() {
     let db = empty_database().await;
     let pool = PgPool::connect(&db.url).await.unwrap();
-    // The previous release: sqlx's migrator with the default search_path.
-    sweeper::ledger::migrator().run(&pool).await.unwrap();
     assert!(
         scalar_bool(
             &pool,
@@ -277,10 +277,6 @@ async fn the_migration_table_moves_to_schema_sweeper_and_the_previous_release_re
         )
         .await
     );
-    let before: i64 = sqlx::query_scalar("select count(*) from public._sqlx_migrations")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
 
     sweeper::ledger::migrations::migrate(&mut pool.acquire().await.unwrap())
         .await
@@ -301,28 +297,80 @@ async fn the_migration_table_moves_to_schema_sweeper_and_the_previous_release_re
         ]
     );
 
-    // The previous release's replica, started again during the rollout.
-    sweeper::ledger::migrator().run(&pool).await.unwrap();
     let old = previous_role().await;
     // The previous release: sqlx's migrator with the default search_path, as its own role.
     previous_layout(&db, &old).await;
+    // The previous release's replica, started again during the rollout, as its role.
+    let previous = PgPool::connect(&as_user(&db.url, &old)).await.unwrap();
+    previous_release().run(&previous).await.unwrap();
     let after: i64 = sqlx::query_scalar("select count(*) from sweeper._sqlx_migrations")
-        .fetch_one(&pool)
+        .fetch_one(&previous)
         .await
         .unwrap();
-    assert_eq!(after, before);
+    assert_eq!(after as usize, sweeper::ledger::MIGRATOR.iter().count());
+    let through_view: i64 = sqlx::query_scalar("select count(*) from public._sqlx_migrations")
+        .fetch_one(&previous)
+        .await
+        .unwrap();
+    assert_eq!(through_view, after);
     assert!(
         scalar_bool(
             &pool,
             "select relkind = 'v' from pg_class where oid = 'public._sqlx_migrations'::regclass"
         )
         .await
+    // This release, migrated by a superuser.
     );
-    assert_eq!(
-        sweeper::ledger::migrations::applied_version(&pool)
-            .await
-            .unwrap(),
-        sweeper::ledger::MIGRATOR.iter().map(|m| m.version).max()
+    let newest = sweeper::ledger::MIGRATOR.iter().map(|m| m.version).max();
+    for p in [&pool, &previous] {
+        assert_eq!(
+            sweeper::ledger::migrations::applied_version(p)
+                .await
+                .unwrap(),
+            newest
+        );
+    }
+
+    // This release running as that role (it owns the audit): months made, one detached and
+    // dropped.
+    set_clock(&pool, at("2031-06-15T00:00:00Z")).await;
+    let made = sweeper::ledger::audit::ensure_partitions(&previous)
+        .await
+        .unwrap();
+    assert!(made > 0, "{made}");
+    let (partition, from_at, to_at) = sqlx::query_as(
+        "select partition, from_at, to_at from sweeper.audit_partitions order by to_at limit 1",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let month = sweeper::ledger::audit::Partition {
+        partition,
+        from_at,
+        to_at,
+    };
+    sqlx::query(
+        "insert into sweeper.audit_exports (partition, from_at, to_at, state, rows, sha256, location)
+         values ($1, $2, $3, 'exported', 0, '', 'test')",
+    )
+    .bind(&month.partition)
+    .bind(month.from_at)
+    .bind(month.to_at)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sweeper::ledger::audit::detach(&previous, &month)
+        .await
+        .unwrap();
+    sweeper::ledger::audit::drop_partition(&previous, &month)
+        .await
+        .unwrap();
+    assert!(
+        scalar_bool(
+            &pool,
+            &format!("select to_regclass('sweeper.{}') is null", month.partition)
+        )
+        .await
     );
     // And this release again: nothing to do.
     sweeper::ledger::migrations::migrate(&mut pool.acquire().await.unwrap())
@@ -332,9 +380,18 @@ async fn the_migration_table_moves_to_schema_sweeper_and_the_previous_release_re
     drop(db);
 }
     drop_role(&old).await;
-}
 
 /// roles.sql takes over a previous release's layout whole: the audit's partitioned tables and
+    let owners: Vec<String> = sqlx::query_scalar(
+        "select distinct pg_get_userbyid(proowner)::text from pg_proc
+          where pronamespace = 'sweeper'::regnamespace
+            and proname in ('ensure_audit_partitions', 'make_audit_month', 'audit_month_tables',
+                            'detach_audit_month', 'drop_audit_month')",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(owners, [old.clone()]);
 /// their partitions too, so the owner's functions make the audit's months for the runtime role.
 #[tokio::test]
 async fn roles_sql_takes_over_every_table_of_a_previous_release_partitions_included() {
@@ -359,10 +416,12 @@ async fn roles_sql_takes_over_every_table_of_a_previous_release_partitions_inclu
           order by 1",
     )
     .fetch_all(&admin_pool)
+
     .await
     .unwrap();
     assert!(others.is_empty(), "{others:?}");
 
+    previous.close().await;
     sqlx::raw_sql(&format!(
         "{TICKETS};
          grant usage on schema demo to sweeper_runtime;
@@ -395,3 +454,4 @@ async fn roles_sql_takes_over_every_table_of_a_previous_release_partitions_inclu
     admin_pool.close().await;
     drop(db);
     drop_role(&old).await;
+}
