@@ -25,8 +25,10 @@
 -- An existing installation (tables made by another role, sqlx's table in `public`) is taken
 -- over: everything in schema `sweeper` is given to sweeper_owner and `public._sqlx_migrations`
 -- is moved into `sweeper`, leaving a view in its place for replicas of the previous release
--- (drop it once no replica of a release before this one runs). Giving objects away needs their
--- owner's rights: run it as a superuser, or as a member of the role that owns them today.
+-- (drop it once no replica of a release before this one runs). The role that owned the schema
+-- becomes a member of sweeper_owner so its replicas keep working: `revoke sweeper_owner from
+-- <that role>` once every replica uses the two roles. Giving objects away needs their owner's
+-- rights: run it as a superuser, or as a member of the role that owns them today.
 
 do $$
 begin
@@ -44,6 +46,26 @@ end
 $$;
 
 create schema if not exists sweeper authorization sweeper_owner;
+-- The role that owns schema `sweeper` today (an installation before this file: the one role
+-- sweeper runs as) would lose its way into the schema when it is given away, stopping the
+-- replicas that run as it. It becomes a member of sweeper_owner instead, until every replica
+-- migrates as sweeper_owner and serves as sweeper_runtime; then revoke it, as the notice says.
+do $$
+declare
+    previous name := (select pg_get_userbyid(nspowner) from pg_namespace
+                       where nspname = 'sweeper');
+begin
+    if previous is not null and previous <> 'sweeper_owner'
+       and not (select rolsuper from pg_roles where rolname = previous) then
+        execute format('grant sweeper_owner to %I', previous);
+        raise notice 'role % owned schema sweeper and is now a member of sweeper_owner, so the '
+                     'replicas that connect as it keep working; once every replica migrates as '
+                     'sweeper_owner and serves as sweeper_runtime, run: revoke sweeper_owner from %',
+                     previous, quote_ident(previous);
+    end if;
+end
+$$;
+
 alter schema sweeper owner to sweeper_owner;
 
 -- Everything already in schema `sweeper` belongs to sweeper_owner. Every table, partitioned

@@ -420,7 +420,13 @@ async fn roles_sql_takes_over_every_table_of_a_previous_release_partitions_inclu
     .await
     .unwrap();
     assert!(others.is_empty(), "{others:?}");
-
+    // The role that ran sweeper until now is a member of sweeper_owner: its replicas still work.
+    let previous = PgPool::connect(&as_user(&db.url, &old)).await.unwrap();
+    let months: i64 = sqlx::query_scalar("select count(*) from sweeper.audit_partitions")
+        .fetch_one(&previous)
+        .await
+        .unwrap();
+    assert!(months > 0);
     previous.close().await;
     sqlx::raw_sql(&format!(
         "{TICKETS};
