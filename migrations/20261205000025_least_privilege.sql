@@ -7,8 +7,42 @@
 -- EXECUTE is taken from PUBLIC; roles.sql grants it to the runtime role. A runtime role that owns
 -- the tables (every deployment before this release) keeps working: an owner may always execute.
 
-alter function sweeper.ensure_audit_partitions(integer)
-    security definer set search_path = pg_catalog, pg_temp;
+-- As migration 20261204000022 made it, now running as its owner and refusing more than 24 months
+-- ahead (sweeper asks for 2; a caller with EXECUTE must not make the owner create tables without
+-- bound).
+create or replace function sweeper.ensure_audit_partitions(months_ahead integer) returns integer
+language plpgsql security definer set search_path = pg_catalog, pg_temp as $$
+declare
+    upto timestamp;
+    lo timestamp;
+    made integer := 0;
+begin
+    if months_ahead is null or months_ahead > 24 then
+        raise exception 'ensure_audit_partitions makes at most 24 months ahead, not %', months_ahead
+            using errcode = 'invalid_parameter_value';
+    end if;
+    upto := date_trunc('month', sweeper.now() at time zone 'UTC')
+            + make_interval(months => months_ahead + 1);
+    perform pg_advisory_xact_lock(hashtext('sweeper:audit_partitions'));
+    -- Any month that lacks one of its tables gets it (a no-op once each has all four).
+    perform sweeper.make_audit_month(
+                array['audit_executions', 'audit_items', 'audit_manifests'],
+                substr(partition, length('audit_') + 1), from_at, to_at)
+       from sweeper.audit_partitions;
+    select max(to_at) at time zone 'UTC' into lo from sweeper.audit_partitions;
+    while lo < upto loop
+        perform sweeper.make_audit_month(
+            array['audit', 'audit_executions', 'audit_items', 'audit_manifests'],
+            to_char(lo, 'YYYY_MM'), lo at time zone 'UTC', (lo + interval '1 month') at time zone 'UTC');
+        insert into sweeper.audit_partitions (partition, from_at, to_at)
+        values ('audit_' || to_char(lo, 'YYYY_MM'), lo at time zone 'UTC',
+                (lo + interval '1 month') at time zone 'UTC');
+        lo := lo + interval '1 month';
+        made := made + 1;
+    end loop;
+    return made;
+end
+$$;
 alter function sweeper.make_audit_month(text[], text, timestamptz, timestamptz)
     set search_path = pg_catalog, pg_temp;
 revoke execute on function sweeper.ensure_audit_partitions(integer) from public;
@@ -26,7 +60,7 @@ language sql immutable set search_path = pg_catalog, pg_temp as $$
     end
 $$;
 
--- Detaches a month whose export is recorded, for a runtime role that does not own the audit.
+-- Detaches a month that has ended and whose export is recorded, for a runtime role that does not own the audit.
 -- Plain DETACH (not CONCURRENTLY, which cannot run in a function): it takes ACCESS EXCLUSIVE on
 -- each parent for a moment, waiting at most lock_timeout; the next retention pass tries again.
 create function sweeper.detach_audit_month(month text) returns void
@@ -45,6 +79,11 @@ begin
         raise exception 'audit month % has no recorded export: it is not detached', month
             using errcode = 'object_not_in_prerequisite_state';
     end if;
+    if exists (select from sweeper.audit_partitions p
+                where p.partition = month and p.to_at > sweeper.now()) then
+        raise exception 'audit month % has not ended: it is not detached', month
+            using errcode = 'object_not_in_prerequisite_state';
+    end if;
     for i in 1 .. 4 loop
         if exists (select from pg_inherits
                     where inhparent = format('sweeper.%I', parents[i])::regclass
@@ -56,7 +95,7 @@ begin
 end
 $$;
 
--- Drops a detached month whose export is recorded (the caller deletes its audit_partitions row
+-- Drops a detached month that has ended and whose export is recorded (the caller deletes its audit_partitions row
 -- and records the drop in the same transaction). A table still attached is refused.
 create function sweeper.drop_audit_month(month text) returns void
 language plpgsql security definer set search_path = pg_catalog, pg_temp as $$
@@ -71,6 +110,11 @@ begin
     if not exists (select from sweeper.audit_exports e
                     where e.partition = month and e.state in ('exported', 'detach_pending')) then
         raise exception 'audit month % has no recorded export: it is not dropped', month
+            using errcode = 'object_not_in_prerequisite_state';
+    end if;
+    if exists (select from sweeper.audit_partitions p
+                where p.partition = month and p.to_at > sweeper.now()) then
+        raise exception 'audit month % has not ended: it is not dropped', month
             using errcode = 'object_not_in_prerequisite_state';
     end if;
     foreach t in array tables loop

@@ -255,6 +255,41 @@ async fn a_run_housekeeping_and_audit_retention_pass_under_the_runtime_role_of_r
         refused.to_string().contains("has no recorded export"),
         "{refused}"
     );
+    // Nor a month that has not ended, export or not, and nor more than 24 months ahead.
+    sqlx::query(
+        "insert into sweeper.audit_exports (partition, from_at, to_at, state, rows, sha256, location)
+         select partition, from_at, to_at, 'exported', 0, '', 'test'
+           from sweeper.audit_partitions where partition = 'audit_2027_07'",
+    )
+    .execute(&admin_pool)
+    .await
+    .unwrap();
+    for f in ["detach_audit_month", "drop_audit_month"] {
+        let refused = sqlx::query(&format!("select sweeper.{f}('audit_2027_07')"))
+            .execute(&app.state.pool)
+            .await
+            .unwrap_err();
+        assert!(
+            refused.to_string().contains("has not ended"),
+            "{f}: {refused}"
+        );
+    }
+    let refused = sqlx::query("select sweeper.ensure_audit_partitions(25)")
+        .execute(&app.state.pool)
+        .await
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains("at most 24 months"),
+        "{refused}"
+    );
+    assert!(
+        scalar_bool(
+            &admin_pool,
+            "select to_regclass('sweeper.audit_2027_07') is not null
+                and to_regclass('sweeper.audit_2029_07') is null"
+        )
+        .await
+    );
     let (db, _) = app.stop().await;
     drop(db);
     std::fs::remove_dir_all(&dir).unwrap();
@@ -268,6 +303,9 @@ async fn a_run_housekeeping_and_audit_retention_pass_under_the_runtime_role_of_r
 #[tokio::test]
 async fn the_migration_table_moves_to_schema_sweeper_and_the_previous_release_reads_it() {
     let db = empty_database().await;
+    let old = previous_role().await;
+    // The previous release: sqlx's migrator with the default search_path, as its own role.
+    previous_layout(&db, &old).await;
     let pool = PgPool::connect(&db.url).await.unwrap();
     assert!(
         scalar_bool(
@@ -278,6 +316,7 @@ async fn the_migration_table_moves_to_schema_sweeper_and_the_previous_release_re
         .await
     );
 
+    // This release, migrated by a superuser.
     sweeper::ledger::migrations::migrate(&mut pool.acquire().await.unwrap())
         .await
         .unwrap();
@@ -296,10 +335,17 @@ async fn the_migration_table_moves_to_schema_sweeper_and_the_previous_release_re
             ("sweeper".into(), "r".into())
         ]
     );
+    let owners: Vec<String> = sqlx::query_scalar(
+        "select distinct pg_get_userbyid(proowner)::text from pg_proc
+          where pronamespace = 'sweeper'::regnamespace
+            and proname in ('ensure_audit_partitions', 'make_audit_month', 'audit_month_tables',
+                            'detach_audit_month', 'drop_audit_month')",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(owners, [old.clone()]);
 
-    let old = previous_role().await;
-    // The previous release: sqlx's migrator with the default search_path, as its own role.
-    previous_layout(&db, &old).await;
     // The previous release's replica, started again during the rollout, as its role.
     let previous = PgPool::connect(&as_user(&db.url, &old)).await.unwrap();
     previous_release().run(&previous).await.unwrap();
@@ -319,7 +365,6 @@ async fn the_migration_table_moves_to_schema_sweeper_and_the_previous_release_re
             "select relkind = 'v' from pg_class where oid = 'public._sqlx_migrations'::regclass"
         )
         .await
-    // This release, migrated by a superuser.
     );
     let newest = sweeper::ledger::MIGRATOR.iter().map(|m| m.version).max();
     for p in [&pool, &previous] {
@@ -372,26 +417,18 @@ async fn the_migration_table_moves_to_schema_sweeper_and_the_previous_release_re
         )
         .await
     );
+
     // And this release again: nothing to do.
     sweeper::ledger::migrations::migrate(&mut pool.acquire().await.unwrap())
         .await
         .unwrap();
+    previous.close().await;
     pool.close().await;
     drop(db);
-}
     drop_role(&old).await;
+}
 
 /// roles.sql takes over a previous release's layout whole: the audit's partitioned tables and
-    let owners: Vec<String> = sqlx::query_scalar(
-        "select distinct pg_get_userbyid(proowner)::text from pg_proc
-          where pronamespace = 'sweeper'::regnamespace
-            and proname in ('ensure_audit_partitions', 'make_audit_month', 'audit_month_tables',
-                            'detach_audit_month', 'drop_audit_month')",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
-    assert_eq!(owners, [old.clone()]);
 /// their partitions too, so the owner's functions make the audit's months for the runtime role.
 #[tokio::test]
 async fn roles_sql_takes_over_every_table_of_a_previous_release_partitions_included() {
@@ -416,7 +453,6 @@ async fn roles_sql_takes_over_every_table_of_a_previous_release_partitions_inclu
           order by 1",
     )
     .fetch_all(&admin_pool)
-
     .await
     .unwrap();
     assert!(others.is_empty(), "{others:?}");
@@ -428,6 +464,7 @@ async fn roles_sql_takes_over_every_table_of_a_previous_release_partitions_inclu
         .unwrap();
     assert!(months > 0);
     previous.close().await;
+
     sqlx::raw_sql(&format!(
         "{TICKETS};
          grant usage on schema demo to sweeper_runtime;
