@@ -508,7 +508,7 @@ metadata:
   labels:
     app.kubernetes.io/name: sweeper
     app.kubernetes.io/component: trigger
-    sweeper.example.com/policy: {name}
+    sweeper.example.com/policy: "{name}"
 spec:
   schedule: "{cron}"
   timeZone: "{zone}"

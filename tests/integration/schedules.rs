@@ -481,6 +481,18 @@ retain_for = "90d"
         "{out}"
     );
     // A policy name Kubernetes does not take as a CronJob name.
+    // The policy's label stays a string whatever the name (YAML reads `true` unquoted as a bool).
+    for name in ["true", "null", "123"] {
+        let (code, out, err) =
+            run_schedules(&config(&policy(name, "0 3 * * *")), "kubernetes", url);
+        assert_eq!(code, 0, "{name}: {err}");
+        let job: Value = yaml_serde::from_str(&out).unwrap();
+        assert_eq!(
+            job["metadata"]["labels"]["sweeper.example.com/policy"],
+            Value::String(name.into()),
+            "{out}"
+        );
+    }
     let underscore = config(&policy("ticket_retention", "0 3 * * *"));
     let (code, _, err) = run_schedules(&underscore, "kubernetes", url);
     assert_eq!(code, 1, "{err}");
