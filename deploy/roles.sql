@@ -10,8 +10,9 @@
 --   psql "postgres://postgres@db.example.com/app" -v ON_ERROR_STOP=1 -f deploy/roles.sql
 --
 -- Then give each role a way to log in (a password with `\password sweeper_runtime`, or your
--- platform's IAM login), migrate as the owner and serve as the runtime role with
--- `migrate_on_start = false`:
+-- platform's IAM login), migrate as the owner and serve as the runtime role (`migrate_on_start`
+-- may stay on: a schema that already holds every migration is left untouched, so the runtime
+-- role, which may create nothing, starts once the owner has migrated):
 --
 --   SWEEPER_DATABASE_URL=postgres://sweeper_owner@db.example.com/app sweeper migrate
 --   SWEEPER_DATABASE_URL=postgres://sweeper_runtime@db.example.com/app sweeper serve
@@ -45,7 +46,6 @@ begin
 end
 $$;
 
-create schema if not exists sweeper authorization sweeper_owner;
 -- The role that owns schema `sweeper` today (an installation before this file: the one role
 -- sweeper runs as) would lose its way into the schema when it is given away, stopping the
 -- replicas that run as it. It becomes a member of sweeper_owner instead, until every replica
@@ -66,6 +66,7 @@ begin
 end
 $$;
 
+create schema if not exists sweeper authorization sweeper_owner;
 alter schema sweeper owner to sweeper_owner;
 
 -- Everything already in schema `sweeper` belongs to sweeper_owner. Every table, partitioned

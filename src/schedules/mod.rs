@@ -209,8 +209,11 @@ fn refusal(format: Format, policy: &Policy) -> Result<Fields, String> {
         Format::Systemd => Ok(fields),
         _ if both && fields.days_and_weekdays => Err(format!(
             "the `+` prefix makes a day match both day of month and day of week (croner's \
-             extension); {}'s cron fires on a day matching either",
-            format.label()
+             extension); {} fires on a day matching either",
+            match format {
+                Format::Crontab => "cron".to_string(),
+                other => format!("{}'s cron", other.label()),
+            }
         )),
         Format::Kubernetes
             if policy.name.as_str().contains('_')
