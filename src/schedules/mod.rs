@@ -18,6 +18,7 @@ use serde::Deserialize;
 
 use crate::policy::Policy;
 use crate::policy::PolicyConfig;
+use crate::window::Schedule;
 use cron::{Fields, Unplain};
 
 /// The external schedulers sweeper writes definitions for.
@@ -229,11 +230,23 @@ fn refusal(format: Format, policy: &Policy) -> Result<Fields, String> {
     }
 }
 
-/// The first change of offset in each direction over 2026-2035 whose local times hold a tick:
-/// `(gap, fold)`, each as `YYYY-MM-DD HH:MM-HH:MM` (local). A gap is reported only when the
-/// instant after it is not itself a wall-clock match, i.e. when a scheduler that skips the gap's
-/// local times misses sweeper's tick.
-fn daylight_saving(fields: &Fields, zone: Tz) -> (Option<String>, Option<String>) {
+/// What a zone's daylight-saving changes do to a schedule, over 2026-2035.
+#[derive(Debug, PartialEq)]
+struct Daylight {
+    /// The first spring-forward gap (`YYYY-MM-DD HH:MM-HH:MM`, local) after which sweeper has a
+    /// tick that a scheduler skipping the gap's local times misses. croner moves a tick in the
+    /// gap to its end only for a schedule with a single minute and a single hour; otherwise it
+    /// skips the gap, as the targets do, and nothing is missed.
+    gap: Option<String>,
+    /// The first fall-back fold whose local times hold a tick, and whether sweeper ticks on its
+    /// second pass too (croner fires once, on the first pass, only for a schedule with a single
+    /// minute and a single hour).
+    fold: Option<(String, bool)>,
+}
+
+/// Finds [`Daylight`] from the policy's own `schedule` (sweeper's ticks) and its plain `fields`
+/// (what a target that reads wall-clock times fires at).
+fn daylight_saving(fields: &Fields, schedule: &Schedule, zone: Tz) -> Daylight {
     let offset = |t: DateTime<Utc>| {
         zone.offset_from_utc_datetime(&t.naive_utc())
             .fix()
@@ -247,11 +260,24 @@ fn daylight_saving(fields: &Fields, zone: Tz) -> (Option<String>, Option<String>
             to.format("%H:%M")
         )
     };
-    let (mut gap, mut fold) = (None, None);
+    // sweeper's ticks in [from, to).
+    let ticks = |from: DateTime<Utc>, to: DateTime<Utc>| {
+        let mut out = Vec::new();
+        let mut t = schedule.next_tick_after(from - TimeDelta::seconds(1));
+        while let Some(tick) = t.filter(|tick| *tick < to) {
+            out.push(tick);
+            t = schedule.next_tick_after(tick);
+        }
+        out
+    };
+    let mut found = Daylight {
+        gap: None,
+        fold: None,
+    };
     let mut t = Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).unwrap();
     let end = Utc.with_ymd_and_hms(2036, 1, 1, 0, 0, 0).unwrap();
     let mut before = offset(t);
-    while t < end && (gap.is_none() || fold.is_none()) {
+    while t < end && (found.gap.is_none() || found.fold.is_none()) {
         let next = t + TimeDelta::hours(1);
         let after = offset(next);
         if after != before {
@@ -262,37 +288,47 @@ fn daylight_saving(fields: &Fields, zone: Tz) -> (Option<String>, Option<String>
             }
             let (o1, o2) = (TimeDelta::seconds(before), TimeDelta::seconds(after));
             let local = at.naive_utc();
-            let (from, to) = if o2 > o1 {
-                (local + o1, local + o2)
-            } else {
-                (local + o2, local + o1)
-            };
-            let mut m = from;
-            let mut hit = false;
-            while m < to {
-                hit |= fields.matches(m);
-                m += TimeDelta::minutes(1);
+            if o2 > o1 && found.gap.is_none() {
+                // After the gap, a tick whose local time is no wall-clock match is one croner
+                // moved out of the gap: a target that skips the gap's times does not fire then.
+                let missed = ticks(at, at + (o2 - o1))
+                    .into_iter()
+                    .any(|tick| !fields.matches(tick.naive_utc() + o2));
+                if missed {
+                    found.gap = Some(span(local + o1, local + o2));
+                }
             }
-            if hit && o2 > o1 && gap.is_none() && !fields.matches(to) {
-                gap = Some(span(from, to));
-            }
-            if hit && o2 < o1 && fold.is_none() {
-                fold = Some(span(from, to));
+            if o2 < o1 && found.fold.is_none() {
+                let (from, to) = (local + o2, local + o1);
+                let mut m = from;
+                let mut hit = false;
+                while m < to {
+                    hit |= fields.matches(m);
+                    m += TimeDelta::minutes(1);
+                }
+                if hit {
+                    let second = !ticks(at, at + (o1 - o2)).is_empty();
+                    found.fold = Some((span(from, to), second));
+                }
             }
         }
         before = after;
         t = next;
     }
-    (gap, fold)
+    found
 }
 
 /// What `format` does with a zone's daylight-saving changes where sweeper's schedule differs.
 fn daylight_notes(format: Format, fields: &Fields, policy: &Policy, zone: Tz) -> Vec<String> {
-    let (gap, fold) = daylight_saving(fields, zone);
+    let found = daylight_saving(fields, &policy.schedule, zone);
     let name = policy.name.as_str();
     let zone = zone.name();
+    let recover = format!(
+        "the next run covers their rows, or create a run with POST /trigger/{name}?window=<tick> \
+         and scope ops:write"
+    );
     let mut notes = Vec::new();
-    if let Some(gap) = gap {
+    if let Some(gap) = found.gap {
         let what = match format {
             Format::Kubernetes => "Kubernetes (robfig/cron) skips them",
             Format::Systemd => "systemd skips them (checked with systemd 252)",
@@ -305,25 +341,48 @@ fn daylight_notes(format: Format, fields: &Fields, policy: &Policy, zone: Tz) ->
         notes.push(format!(
             "daylight saving: local times {gap} do not exist in {zone} (spring forward); sweeper's \
              tick is then the first instant after the gap. {what}: where it does not fire, that \
-             tick's window gets no trigger; the next run covers its rows, or create it with POST \
-             /trigger/{name}?window=<tick> and scope ops:write."
+             tick's window gets no trigger; {recover}."
         ));
     }
-    if let Some(fold) = fold {
-        let what = match format {
-            Format::Systemd => {
+    if let Some((fold, second)) = found.fold {
+        let sweeper = if second {
+            "sweeper ticks on both passes"
+        } else {
+            "sweeper ticks on the first pass only"
+        };
+        let undocumented = match format {
+            Format::CloudScheduler => "Cloud Scheduler",
+            Format::Qstash => "QStash",
+            Format::Crontab => "cronie",
+            Format::Kubernetes | Format::Systemd => "",
+        };
+        let what = match (format, second) {
+            (Format::Systemd, false) => {
                 "systemd fires once, on the first pass, as sweeper does (checked with systemd 252)"
+                    .to_string()
             }
-            Format::Kubernetes => {
-                "Kubernetes (robfig/cron) fires on both passes; sweeper answers the second trigger with the first pass's run (200)"
+            (Format::Systemd, true) => format!(
+                "systemd fires on the first pass only (checked with systemd 252): sweeper's \
+                 second-pass ticks get no trigger; {recover}"
+            ),
+            (Format::Kubernetes, false) => "Kubernetes (robfig/cron) fires on both passes; \
+                 sweeper answers the second trigger with the first pass's run (200)"
+                .to_string(),
+            (Format::Kubernetes, true) => {
+                "Kubernetes (robfig/cron) fires on both passes, as sweeper does".to_string()
             }
-            _ => {
-                "if it fires again on the second pass, sweeper answers that trigger with the first pass's run (200)"
-            }
+            (_, false) => format!(
+                "{undocumented} does not document whether it fires on the second pass; if it \
+                 does, sweeper answers that trigger with the first pass's run (200)"
+            ),
+            (_, true) => format!(
+                "{undocumented} does not document whether it fires on the second pass; where it \
+                 does not, sweeper's second-pass ticks get no trigger; {recover}"
+            ),
         };
         notes.push(format!(
-            "daylight saving: local times {fold} happen twice in {zone} (fall back); sweeper's tick \
-             is the first pass. {what}."
+            "daylight saving: local times {fold} happen twice in {zone} (fall back); {sweeper}. \
+             {what}."
         ));
     }
     notes
@@ -708,18 +767,93 @@ mod tests {
         Fields::parse(expr).unwrap()
     }
 
+    fn daylight(expr: &str, zone: &str) -> Daylight {
+        let schedule = Schedule::new(expr, zone).unwrap();
+        daylight_saving(&fields(expr), &schedule, zone.parse().unwrap())
+    }
+
+    /// sweeper's ticks (croner, through `Schedule`) from `from` (RFC 3339).
+    fn ticks(expr: &str, from: &str, n: usize) -> Vec<String> {
+        let s = Schedule::new(expr, "Europe/Berlin").unwrap();
+        let mut t = crate::window::parse_rfc3339(from).unwrap();
+        (0..n)
+            .map(|_| {
+                t = s.next_tick_after(t).unwrap();
+                crate::window::format(t)
+            })
+            .collect()
+    }
+
+    /// croner, as sweeper's `Schedule` runs it: a single minute and hour moves a gap's tick to
+    /// the gap's end and fires once in a fold; any other schedule skips the gap and fires on both
+    /// passes of the fold. (Berlin, 2026-03-29: 02:00 CET is 03:00 CEST, at 01:00Z; 2026-10-25:
+    /// 03:00 CEST is 02:00 CET, at 01:00Z.)
+    #[test]
+    fn sweepers_ticks_around_berlins_changes() {
+        assert_eq!(
+            ticks("30 2 * * *", "2026-03-28T12:00:00Z", 1),
+            ["2026-03-29T01:00:00Z"]
+        );
+        assert_eq!(
+            ticks("30 * * * *", "2026-03-29T00:00:00Z", 2),
+            ["2026-03-29T00:30:00Z", "2026-03-29T01:30:00Z"]
+        );
+        assert_eq!(
+            ticks("*/30 2 * * *", "2026-03-28T12:00:00Z", 1),
+            ["2026-03-30T00:00:00Z"]
+        );
+        assert_eq!(
+            ticks("30 2 * * *", "2026-10-24T12:00:00Z", 2),
+            ["2026-10-25T00:30:00Z", "2026-10-26T01:30:00Z"]
+        );
+        assert_eq!(
+            ticks("30 * * * *", "2026-10-25T00:00:00Z", 2),
+            ["2026-10-25T00:30:00Z", "2026-10-25T01:30:00Z"]
+        );
+        assert_eq!(
+            ticks("*/30 2 * * *", "2026-10-24T12:00:00Z", 4),
+            [
+                "2026-10-25T00:00:00Z",
+                "2026-10-25T00:30:00Z",
+                "2026-10-25T01:00:00Z",
+                "2026-10-25T01:30:00Z"
+            ]
+        );
+    }
+
     #[test]
     fn gaps_and_folds_are_found_where_a_tick_falls_in_them() {
-        let berlin: Tz = "Europe/Berlin".parse().unwrap();
-        let (gap, fold) = daylight_saving(&fields("30 2 * * *"), berlin);
-        assert_eq!(gap.as_deref(), Some("2026-03-29 02:00-03:00"));
-        assert_eq!(fold.as_deref(), Some("2026-10-25 02:00-03:00"));
+        // A single minute and hour: the gap's tick moves to 03:00, which no target fires at;
+        // the fold's tick is on the first pass only.
+        assert_eq!(
+            daylight("30 2 * * *", "Europe/Berlin"),
+            Daylight {
+                gap: Some("2026-03-29 02:00-03:00".into()),
+                fold: Some(("2026-10-25 02:00-03:00".into(), false)),
+            }
+        );
+        // Hourly: croner skips the gap as the targets do, and ticks on both passes.
+        assert_eq!(
+            daylight("30 * * * *", "Europe/Berlin"),
+            Daylight {
+                gap: None,
+                fold: Some(("2026-10-25 02:00-03:00".into(), true)),
+            }
+        );
+        assert_eq!(
+            daylight("*/30 2 * * *", "Europe/Berlin"),
+            Daylight {
+                gap: None,
+                fold: Some(("2026-10-25 02:00-03:00".into(), true)),
+            }
+        );
+        let none = Daylight {
+            gap: None,
+            fold: None,
+        };
         // 03:00 is neither skipped nor repeated in Berlin.
-        assert_eq!(daylight_saving(&fields("0 3 * * *"), berlin), (None, None));
-        // Hourly: the gap's 02:00 moves to 03:00, itself a tick: nothing is missed.
-        assert_eq!(daylight_saving(&fields("0 * * * *"), berlin).0, None);
-        let utc: Tz = "UTC".parse().unwrap();
-        assert_eq!(daylight_saving(&fields("30 2 * * *"), utc), (None, None));
+        assert_eq!(daylight("0 3 * * *", "Europe/Berlin"), none);
+        assert_eq!(daylight("30 2 * * *", "UTC"), none);
     }
 
     #[test]
