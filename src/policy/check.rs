@@ -93,6 +93,21 @@ async fn check_policy(
 ) -> sqlx::Result<()> {
     out.extend(check_schedule(p));
     let t = &p.spec.target;
+    // Without USAGE on the schema even resolving the table's name fails (42501).
+    if let Some(line) = missing_usage(pool, &t.table.schema).await? {
+        out.push(Finding {
+            level: Level::Error,
+            policy: p.name.to_string(),
+            message: line,
+        });
+        out.push(Finding {
+            level: Level::Info,
+            policy: p.name.to_string(),
+            message: "the other checks of this policy run once the role may use the schema above"
+                .into(),
+        });
+        return Ok(());
+    }
     let Some(info) = TableInfo::load(pool, &t.table).await? else {
         out.push(Finding {
             level: Level::Error,
@@ -126,6 +141,29 @@ async fn check_policy(
         c.say(Level::Error, m);
     }
     c.foreign_keys(&covered).await
+}
+
+/// The line naming the connecting role's missing USAGE on `schema`, when it lacks it; none when it
+/// has it or the schema does not exist (the table's own check says so).
+pub(super) async fn missing_usage(
+    pool: &PgPool,
+    schema: &crate::policy::Ident,
+) -> sqlx::Result<Option<String>> {
+    let (role, usage): (String, Option<bool>) = sqlx::query_as(
+        "select quote_ident(current_user),
+                (select has_schema_privilege(n.oid, 'USAGE') from pg_namespace n
+                  where n.nspname = $1)",
+    )
+    .bind(schema.as_str())
+    .fetch_one(pool)
+    .await?;
+    Ok((usage == Some(false)).then(|| {
+        format!(
+            "privileges: role {role} lacks USAGE on schema {}: grant usage on schema {} to {role}",
+            schema.as_str(),
+            schema.quoted()
+        )
+    }))
 }
 
 /// One policy's checks against its table, each a section of findings.
@@ -201,57 +239,49 @@ impl Check<'_> {
             needs.push(("UPDATE", c.as_str()));
         }
         needs.push(("UPDATE", "*"));
-        let (role, usage, privileges, columns): (String, bool, Vec<String>, Vec<String>) =
-            sqlx::query_as(
-                "select current_user::text, has_schema_privilege($2, 'USAGE'),
+        // USAGE on the schema is checked before anything reads the table (check_policy).
+        let (role, privileges, columns): (String, Vec<String>, Vec<String>) = sqlx::query_as(
+            "select quote_ident(current_user),
                         coalesce(array_agg(n.p order by n.i), '{}'),
                         coalesce(array_agg(n.c order by n.i), '{}')
-                   from unnest($3::text[], $4::text[]) with ordinality n(p, c, i)
+                   from unnest($2::text[], $3::text[]) with ordinality n(p, c, i)
                   where not case n.c
                             when '' then has_table_privilege(to_regclass($1), n.p)
                             when '*' then has_any_column_privilege(to_regclass($1), n.p)
                             else has_column_privilege(to_regclass($1), n.c, n.p)
                         end",
-            )
-            .bind(t.table.quoted())
-            .bind(t.table.schema.as_str())
-            .bind(needs.iter().map(|n| n.0).collect::<Vec<_>>())
-            .bind(needs.iter().map(|n| n.1).collect::<Vec<_>>())
-            .fetch_one(self.pool)
-            .await?;
+        )
+        .bind(t.table.quoted())
+        .bind(needs.iter().map(|n| n.0).collect::<Vec<_>>())
+        .bind(needs.iter().map(|n| n.1).collect::<Vec<_>>())
+        .fetch_one(self.pool)
+        .await?;
         let table = &t.table;
-        if !usage {
-            self.say(
-                Level::Error,
-                format!(
-                    "privileges: role {role} lacks USAGE on schema {}: grant usage on schema {} to {role}",
-                    table.schema.as_str(),
-                    table.schema.as_str()
-                ),
-            );
-        }
-        let readable = usage && !privileges.iter().any(|p| p == "SELECT");
+        // Named as configured in the sentence, quoted in the statement to run.
+        let quoted = table.quoted();
+        let readable = !privileges.iter().any(|p| p == "SELECT");
         for (privilege, column) in privileges.into_iter().zip(columns) {
+            let q = format!("\"{}\"", column.replace('"', "\"\""));
             let message = match (privilege.as_str(), column.as_str()) {
                 ("DELETE", _) => format!(
                     "privileges: role {role} lacks DELETE on {table}, which the policy deletes \
-                     from: grant delete on {table} to {role}"
+                     from: grant delete on {quoted} to {role}"
                 ),
                 ("UPDATE", "*") => format!(
                     "privileges: role {role} lacks UPDATE on every column of {table}: a command \
                      that meets a row another transaction holds, or whose item fails alone, \
                      locks the rows it acts on (SELECT … FOR UPDATE SKIP LOCKED), which \
                      PostgreSQL allows only with UPDATE on at least one column: grant update ({}) \
-                     on {table} to {role}",
-                    t.timestamp.as_str()
+                     on {quoted} to {role}",
+                    t.timestamp.quoted()
                 ),
                 ("UPDATE", c) => format!(
                     "privileges: role {role} lacks UPDATE on column {c} of {table}, which the \
-                     action stamps: grant update ({c}) on {table} to {role}"
+                     action stamps: grant update ({q}) on {quoted} to {role}"
                 ),
                 (p, c) => format!(
                     "privileges: role {role} lacks {p} on column {c} of {table}, which the \
-                     policy reads: grant {} ({c}) on {table} to {role}",
+                     policy reads: grant {} ({q}) on {quoted} to {role}",
                     p.to_lowercase()
                 ),
             };

@@ -306,6 +306,11 @@ pub(super) async fn check(
     literals: &Literals,
 ) -> sqlx::Result<(Vec<(Level, String)>, Vec<String>)> {
     let mut out = Vec::new();
+    // Without USAGE on its schema even resolving the table's name fails (42501).
+    if let Some(line) = super::check::missing_usage(pool, &r.table.schema).await? {
+        out.push((Level::Error, format!("{path}.table: {line}")));
+        return Ok((out, vec![]));
+    }
     let Some(info) = TableInfo::load(pool, &r.table).await? else {
         out.push((
             Level::Error,
@@ -320,13 +325,14 @@ pub(super) async fn check(
             .chain(r.where_.iter().map(|w| w.column.as_str()))
             .filter(|c| info.columns.contains_key(*c))
             .collect();
-    let unreadable: Vec<String> = sqlx::query_scalar(
-        "select c from unnest($2::text[]) c
-          where not has_column_privilege(to_regclass($1), c, 'SELECT')",
+    let (role, unreadable): (String, Vec<String>) = sqlx::query_as(
+        "select quote_ident(current_user),
+                coalesce((select array_agg(c order by i) from unnest($2::text[]) with ordinality u(c, i)
+                           where not has_column_privilege(to_regclass($1), c, 'SELECT')), '{}')",
     )
     .bind(r.table.quoted())
     .bind(&read)
-    .fetch_all(pool)
+    .fetch_one(pool)
     .await?;
     let readable = unreadable.is_empty();
     if info.row_security {
@@ -339,13 +345,17 @@ pub(super) async fn check(
         out.push((
             Level::Error,
             format!(
-                "{path}.table: the database role lacks SELECT on column{} {} of {}: grant \
-                 select ({}) on {} to it",
+                "{path}.table: privileges: role {role} lacks SELECT on column{} {} of {}: grant \
+                 select ({}) on {} to {role}",
                 if unreadable.len() == 1 { "" } else { "s" },
                 unreadable.join(", "),
                 r.table,
-                unreadable.join(", "),
-                r.table
+                unreadable
+                    .iter()
+                    .map(|c| format!("\"{}\"", c.replace('"', "\"\"")))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                r.table.quoted()
             ),
         ));
     }

@@ -449,7 +449,6 @@ async fn check_config_names_the_table_privileges_the_database_role_lacks() {
                                        legal_hold boolean not null default false, status text);
          create index on support.tickets (closed_at, id);
          create role {role} login;
-         grant usage on schema support to {role};
          grant select (id, status) on support.tickets to {role}"
     ))
     .execute(&pool)
@@ -474,6 +473,8 @@ async fn check_config_names_the_table_privileges_the_database_role_lacks() {
             String::from_utf8_lossy(&out.stdout).into_owned(),
         )
     };
+    // Without USAGE on the schema: that line, and none of the table's (whose name does not even
+    // resolve).
     let (ok, stdout) = check();
     assert!(!ok, "{stdout}");
     let lacks: Vec<&str> = stdout
@@ -483,37 +484,113 @@ async fn check_config_names_the_table_privileges_the_database_role_lacks() {
     let p = "error: policy[ticket-retention]: privileges";
     assert_eq!(
         lacks,
+        [format!(
+            "{p}: role {role} lacks USAGE on schema support: grant usage on schema \"support\" \
+             to {role}"
+        )],
+        "{stdout}"
+    );
+    sqlx::query(&format!("grant usage on schema support to {role}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (ok, stdout) = check();
+    assert!(!ok, "{stdout}");
+    let lacks: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.contains(&format!("privileges: role {role} lacks")))
+        .collect();
+    assert_eq!(
+        lacks,
         [
             format!(
                 "{p}: role {role} lacks SELECT on column closed_at of support.tickets, which the \
-                 policy reads: grant select (closed_at) on support.tickets to {role}"
+                 policy reads: grant select (\"closed_at\") on \"support\".\"tickets\" to {role}"
             ),
             format!(
                 "{p}: role {role} lacks SELECT on column legal_hold of support.tickets, which the \
-                 policy reads: grant select (legal_hold) on support.tickets to {role}"
+                 policy reads: grant select (\"legal_hold\") on \"support\".\"tickets\" to {role}"
             ),
             format!(
                 "{p}: role {role} lacks DELETE on support.tickets, which the policy deletes from: \
-                 grant delete on support.tickets to {role}"
+                 grant delete on \"support\".\"tickets\" to {role}"
             ),
             format!(
                 "{p}: role {role} lacks UPDATE on every column of support.tickets: a command that \
                  meets a row another transaction holds, or whose item fails alone, locks the rows \
                  it acts on (SELECT … FOR UPDATE SKIP LOCKED), which PostgreSQL allows only with \
-                 UPDATE on at least one column: grant update (closed_at) on support.tickets to {role}"
+                 UPDATE on at least one column: grant update (\"closed_at\") on \
+                 \"support\".\"tickets\" to {role}"
             ),
         ],
         "{stdout}"
     );
-    sqlx::raw_sql(&format!(
-        "grant select (closed_at, legal_hold), delete on support.tickets to {role};
-         grant update (closed_at) on support.tickets to {role}"
+    // The statements printed are SQL PostgreSQL runs, and grant what the role lacked.
+    for line in &lacks {
+        let (_, statement) = line.rsplit_once(": grant ").unwrap();
+        sqlx::query(&format!("grant {statement}"))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let (ok, stdout) = check();
+    assert!(ok, "{stdout}");
+    // A related table in another schema: USAGE first, then SELECT on the columns it reads, named
+    // with the role like the target's lines.
+    let held = std::env::temp_dir().join(format!("sweeper-held-{role}.toml"));
+    std::fs::write(
+        &held,
+        std::fs::read_to_string(&config).unwrap().replace(
+            r#"{ column = "legal_hold", equals = true },"#,
+            r#"{ name = "held", exists = { table = "legal.holds", on = [ { related = "ticket_id", target = "id" } ] } },"#,
+        ),
+    )
+    .unwrap();
+    sqlx::raw_sql(
+        "create schema legal;
+         create table legal.holds (ticket_id bigint not null);
+         create index on legal.holds (ticket_id)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let check_held = || {
+        let out = sweeper(&["check-config", "--config", held.to_str().unwrap()])
+            .env("SWEEPER_DATABASE_URL", &url)
+            .env("HS256_KEY_2026_06", SECRET)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let stdout = check_held();
+    assert!(
+        stdout.contains(&format!(
+            ".table: privileges: role {role} lacks USAGE on schema legal: grant usage on schema \
+             \"legal\" to {role}"
+        )),
+        "{stdout}"
+    );
+    sqlx::query(&format!("grant usage on schema legal to {role}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let stdout = check_held();
+    assert!(
+        stdout.contains(&format!(
+            ".table: privileges: role {role} lacks SELECT on column ticket_id of legal.holds: \
+             grant select (\"ticket_id\") on \"legal\".\"holds\" to {role}"
+        )),
+        "{stdout}"
+    );
+    sqlx::query(&format!(
+        "grant select (ticket_id) on legal.holds to {role}"
     ))
     .execute(&pool)
     .await
     .unwrap();
-    let (ok, stdout) = check();
-    assert!(ok, "{stdout}");
+    let stdout = check_held();
+    assert!(!stdout.contains(&format!("role {role} lacks")), "{stdout}");
+    std::fs::remove_file(&held).unwrap();
     // The governor's signals: this role cannot read standby replay lag, and is told how to fix it.
     assert!(
         stdout.contains(&format!(
