@@ -325,7 +325,7 @@ pub(super) async fn check(
             .chain(r.where_.iter().map(|w| w.column.as_str()))
             .filter(|c| info.columns.contains_key(*c))
             .collect();
-    let (role, unreadable): (String, Vec<String>) = sqlx::query_as(
+    let (db_role, unreadable): (String, Vec<String>) = sqlx::query_as(
         "select quote_ident(current_user),
                 coalesce((select array_agg(c order by i) from unnest($2::text[]) with ordinality u(c, i)
                            where not has_column_privilege(to_regclass($1), c, 'SELECT')), '{}')",
@@ -345,8 +345,8 @@ pub(super) async fn check(
         out.push((
             Level::Error,
             format!(
-                "{path}.table: privileges: role {role} lacks SELECT on column{} {} of {}: grant \
-                 select ({}) on {} to {role}",
+                "{path}.table: privileges: role {db_role} lacks SELECT on column{} {} of {}: \
+                 grant select ({}) on {} to {db_role}",
                 if unreadable.len() == 1 { "" } else { "s" },
                 unreadable.join(", "),
                 r.table,

@@ -344,7 +344,7 @@ async fn the_migration_table_moves_to_schema_sweeper_and_the_previous_release_re
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(owners, [old.clone()]);
+    assert_eq!(owners, std::slice::from_ref(&old));
 
     // The previous release's replica, started again during the rollout, as its role.
     let previous = PgPool::connect(&as_user(&db.url, &old)).await.unwrap();
