@@ -87,14 +87,17 @@ pub enum Command {
         #[arg(long)]
         url: Option<String>,
     },
-    /// Create a demo database (200,000 support tickets, or with `--scenario digest` customers
-    /// and digest data), start the server, trigger runs over HTTP as a cron would, wait for them
-    /// and print a report.
+    /// Create a demo database (200,000 support tickets, or with `--scenario` customers and
+    /// digest data, uploads and their files, or payments), start the server, trigger runs over
+    /// HTTP as a cron would, wait for them and print a report.
     Quickstart {
         /// Which job: `retention` (200,000 support tickets, `ticket-retention`), `digest`
         /// (the weekly support digest to active customers, then its cleanup stage, with a
-        /// worker restart mid-digest) or `uploads` (expired uploads: their files deleted from a
-        /// local directory as the bucket, then their rows, with a worker restart mid-run).
+        /// worker restart mid-digest), `uploads` (expired uploads: their files deleted from a
+        /// local directory as the bucket, then their rows, with a worker restart mid-run) or
+        /// `reconciliation` (closed payments checked against a local payment provider that
+        /// throttles, stamped on a match, mismatches left as dead letters, with a worker restart
+        /// mid-run).
         #[arg(long, value_enum, default_value_t = crate::quickstart::Scenario::Retention)]
         scenario: crate::quickstart::Scenario,
         /// Stop after the report; the last stdout line is a JSON summary.

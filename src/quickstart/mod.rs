@@ -10,9 +10,11 @@
 //!   `sweeper_quickstart_digest`, against a local digest API over real HTTP;
 //! - `uploads` ([`uploads`]): `upload-retention` over `app.uploads` in
 //!   `sweeper_quickstart_uploads`, deleting each expired upload's file from a local directory
-//!   (the `local` object store) and then its row.
+//!   (the `local` object store) and then its row;
+//! - `reconciliation` ([`reconciliation`]): `payment-reconciliation` over `billing.payments` in
+//!   `sweeper_quickstart_reconciliation`, against a local payment provider over real HTTP.
 //!
-//! The digest and uploads scenarios abort their server mid-run as a crash would
+//! The digest, uploads and reconciliation scenarios abort their server mid-run as a crash would
 //! ([`Demo::restart`]) and let a new one finish.
 
 use std::time::{Duration, Instant};
@@ -29,6 +31,8 @@ use crate::settings::Config;
 
 pub mod digest;
 mod digest_api;
+mod payments_api;
+pub mod reconciliation;
 pub mod retention;
 pub mod uploads;
 
@@ -49,6 +53,10 @@ pub enum Scenario {
     /// Expired uploads: delete each one's file from the bucket (a local directory), then its
     /// row; legal hold and uploads in progress kept, a worker restart in the middle.
     Uploads,
+    /// Nightly payment reconciliation: each closed payment checked against a payment
+    /// provider's copy and stamped on a match; mismatches left for an operator, a worker
+    /// restart in the middle.
+    Reconciliation,
 }
 
 /// Options of `sweeper quickstart`.
@@ -70,6 +78,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         Scenario::Retention => retention::run(opts).await,
         Scenario::Digest => digest::run(opts).await,
         Scenario::Uploads => uploads::run(opts).await,
+        Scenario::Reconciliation => reconciliation::run(opts).await,
     }
 }
 
@@ -201,6 +210,12 @@ impl Demo {
 
     /// `POST /trigger/{policy}?window={window}`: the new (or existing) run.
     pub async fn trigger(&self, policy: &str, window: &str) -> anyhow::Result<Value> {
+        Ok(self.trigger_status(policy, window).await?.1)
+    }
+
+    /// [`Demo::trigger`] with the answer's status: 202 for a new run, 200 for the window's
+    /// existing one.
+    pub async fn trigger_status(&self, policy: &str, window: &str) -> anyhow::Result<(u16, Value)> {
         let url = format!("{}/trigger/{policy}?window={window}", self.base);
         let resp = self
             .client
@@ -218,7 +233,7 @@ impl Demo {
             run["run_id"].as_str().unwrap_or("?"),
             run["cutoff"].as_str().unwrap_or("?")
         );
-        Ok(run)
+        Ok((status.as_u16(), run))
     }
 
     /// `GET {path}` as JSON (a non-2xx answer is an error).
