@@ -1019,6 +1019,148 @@ async fn the_uploads_quick_start_deletes_objects_then_rows_and_agrees_with_the_b
     }
 }
 
+/// The reconciliation quick start, as the README runs it: across the provider's 429s and 503s
+/// and the server's abort and restart, every eligible payment is either reconciled (stamped, the
+/// provider's amount equal to ours) or mismatched (not stamped, an open item dead letter), none
+/// is matched under two idempotency keys, and a second trigger of the window is the same run and
+/// calls nothing; its JSON agrees with the database, read here on its own; a second run in a row
+/// reports the same payments.
+#[tokio::test]
+async fn the_reconciliation_quick_start_stamps_matches_once_and_agrees_with_the_database() {
+    let mut reports = Vec::new();
+    for _ in 0..2 {
+        let out = sweeper(&["quickstart", "--scenario", "reconciliation", "--exit"])
+            .env("DATABASE_URL", crate::kit::db::server_url())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let last = stdout.lines().last().unwrap_or("");
+        let r: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"));
+        let n = |k: &str| r[k].as_i64().unwrap_or_else(|| panic!("{k}: {r}"));
+        assert_eq!(r["status"], "completed_with_dead_letters", "{r}");
+        for k in [
+            "reconciled_twice",
+            "remaining_eligible",
+            "remaining_eligible_rows",
+            "failed",
+            "stamped_other_amount",
+            "mismatched_stamped",
+            "calls_after_second_trigger",
+        ] {
+            assert_eq!(n(k), 0, "{k}: {r}");
+        }
+        assert_eq!(n("second_trigger_status"), 200, "{r}");
+        assert_eq!(r["second_trigger_same_run"], true, "{r}");
+        assert!(n("eligible") > 1_000, "{r}");
+        assert_eq!(n("eligible_planned"), n("eligible"), "{r}");
+        assert_eq!(n("reconciled") + n("mismatched"), n("eligible"), "{r}");
+        for k in ["reconciled_stamped", "audit_reconciled", "provider_matched"] {
+            assert_eq!(n(k), n("reconciled"), "{k}: {r}");
+        }
+        assert!(n("seeded_differing") > 0 && n("seeded_unknown") > 0, "{r}");
+        for k in ["audit_mismatched", "dead_letters", "dead_letters_open"] {
+            assert_eq!(n(k), n("mismatched"), "{k}: {r}");
+        }
+        assert_eq!(
+            n("mismatched"),
+            n("seeded_differing") + n("seeded_unknown"),
+            "{r}"
+        );
+        assert_eq!(
+            (n("answered_mismatch"), n("answered_unknown")),
+            (n("seeded_differing"), n("seeded_unknown")),
+            "{r}"
+        );
+        // The stand-in pushed back (429 bursts and a 503 stretch), every push-back was retried,
+        // and the abort came mid-run.
+        assert!(n("throttled_429") > 0 && n("unavailable_503") > 0, "{r}");
+        assert_eq!(
+            n("throttled"),
+            n("throttled_429") + n("unavailable_503"),
+            "{r}"
+        );
+        assert!(n("retried") >= n("throttled"), "{r}");
+        assert!(n("calls") >= n("eligible") + n("throttled"), "{r}");
+        let at_abort = n("matches_at_abort");
+        assert!(at_abort > 0 && at_abort < n("reconciled"), "{r}");
+        let e = &r["mismatch_example"];
+        assert!(e["ours"].is_i64() && e["provider"].is_i64() && e["ours"] != e["provider"]);
+
+        // The database, read here.
+        let pool = sqlx::PgPool::connect(&crate::kit::db::database_url(
+            "sweeper_quickstart_reconciliation",
+        ))
+        .await
+        .unwrap();
+        let stamped: i64 = sqlx::query_scalar(
+            "select count(*) from billing.payments where reconciled_at is not null",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(stamped, n("reconciled"), "{r}");
+        // Every stamped payment's audit row recorded a match at our amount, exactly once.
+        let (matched, once): (i64, i64) = sqlx::query_as(
+            "select count(*) filter (where a.recorded::jsonb ->> '/status' = 'match'
+                                       and (a.recorded::jsonb ->> '/provider_amount')::bigint
+                                           = p.amount_cents),
+                    count(distinct p.id)
+               from billing.payments p
+               join sweeper.audit_trail a on a.item_key = p.id and a.outcome = 'reconciled'
+              where p.reconciled_at is not null",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!((matched, once), (stamped, stamped), "{r}");
+        // Each mismatch: an unstamped row, an open item dead letter carrying what was recorded.
+        let dead: Vec<(String, Option<String>, Option<String>, bool)> = sqlx::query_as(
+            "select d.item_key, d.outcome, d.recorded::jsonb ->> '/status',
+                    p.reconciled_at is null
+               from sweeper.dead_letters d join billing.payments p on p.id = d.item_key
+              where d.kind = 'item' and d.status = 'open' and d.policy = 'payment-reconciliation'",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        assert_eq!(dead.len() as i64, n("mismatched"), "{r}");
+        for (item, outcome, status, unstamped) in &dead {
+            assert_eq!(outcome.as_deref(), Some("mismatched"), "{item}");
+            assert!(
+                matches!(status.as_deref(), Some("mismatch" | "unknown")) && *unstamped,
+                "{item}: {status:?}"
+            );
+        }
+        let ours: i64 =
+            sqlx::query_scalar("select amount_cents from billing.payments where id = $1")
+                .bind(e["payment"].as_str().unwrap())
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(Some(ours), e["ours"].as_i64(), "{r}");
+        pool.close().await;
+        reports.push(r);
+    }
+    for k in [
+        "window",
+        "cutoff",
+        "eligible",
+        "reconciled",
+        "mismatched",
+        "seeded_differing",
+        "seeded_unknown",
+        "held_at_planning",
+        "mismatch_example",
+    ] {
+        assert_eq!(reports[0][k], reports[1][k], "{k}: {reports:?}");
+    }
+}
+
 #[test]
 fn a_missing_configuration_file_is_named_with_where_it_was_looked_for() {
     let dir = std::env::temp_dir().join(format!("sweeper-no-config-{}", std::process::id()));
