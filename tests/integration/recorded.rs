@@ -271,6 +271,13 @@ async fn a_mismatch_keeps_its_row_opens_a_dead_letter_and_holds_the_item_until_r
         three["reason"].as_str().unwrap().starts_with("mismatched:"),
         "{three}"
     );
+    assert!(
+        three["replay_safe"]["cause"]
+            .as_str()
+            .unwrap()
+            .starts_with("the provider's answer said its record differs"),
+        "{three}"
+    );
     let history = app.get_json("/policies/reconcile/items/3").await;
     assert_eq!(history["audit"][0]["outcome"], "mismatched", "{history}");
     assert_eq!(

@@ -141,6 +141,14 @@ fn cause_of(
     checked: Option<&Option<Found>>,
 ) -> (serde_json::Value, Option<Vec<Reference>>, String) {
     let unknown = |why: String| (json!("unknown"), None, why);
+    if d.outcome.as_deref() == Some("mismatched") {
+        return unknown(
+            "the provider's answer said its record differs from ours (see recorded): correct \
+             the data, then redrive (the call is made again with the next idempotency key), or \
+             abandon it with a reason"
+                .into(),
+        );
+    }
     let found = match checked {
         None => {
             return unknown(
