@@ -26,6 +26,32 @@ async fn recorded(app: &TestApp, item: &str) -> Vec<(String, Option<String>, Opt
     .unwrap()
 }
 
+/// A server at [`NOW`] reconciling `payments` payments through `provider` with `action_extra`
+/// on the action; runs the 2026-09-01 window to its end and returns the app, the run id and the
+/// terminal run.
+async fn reconcile_once(
+    provider: &StandIn,
+    action_extra: &str,
+    payments: i64,
+) -> (TestApp, String, serde_json::Value) {
+    let config = dependency("payments", &provider.url(), "")
+        + &payments_policy("reconcile", "payments", 100, action_extra, "");
+    let app = TestApp::spawn(Spawn {
+        setup_sql: EXT,
+        policies: config,
+        workers: 1,
+        now: Some(at(NOW)),
+        extra_toml: String::new(),
+    })
+    .await;
+    seed_payments(&app, payments).await;
+    let (status, run) = app.trigger("reconcile", "?window=2026-09-01").await;
+    assert_eq!(status, 202, "{run}");
+    let run_id = run["run_id"].as_str().unwrap().to_string();
+    let done = app.wait_terminal(&run_id).await;
+    (app, run_id, done)
+}
+
 #[tokio::test]
 async fn the_answers_fields_are_recorded_with_each_item_and_a_bad_answer_fails_its_item() {
     let provider = StandIn::start(Duration::ZERO, |c: &Call, _: &[Call]| -> Reply {
@@ -45,21 +71,7 @@ async fn the_answers_fields_are_recorded_with_each_item_and_a_bad_answer_fails_i
         (200, vec![], body)
     })
     .await;
-    let config = dependency("payments", &provider.url(), "")
-        + &payments_policy("reconcile", "payments", 100, RECORD, "");
-    let app = TestApp::spawn(Spawn {
-        setup_sql: EXT,
-        policies: config,
-        workers: 1,
-        now: Some(at(NOW)),
-        extra_toml: String::new(),
-    })
-    .await;
-    seed_payments(&app, 8).await;
-    let (status, run) = app.trigger("reconcile", "?window=2026-09-01").await;
-    assert_eq!(status, 202, "{run}");
-    let run_id = run["run_id"].as_str().unwrap().to_string();
-    let done = app.wait_terminal(&run_id).await;
+    let (app, run_id, done) = reconcile_once(&provider, RECORD, 8).await;
     assert_eq!(done["status"], "completed_with_dead_letters", "{done}");
     assert_eq!(
         (done["reconciled"].as_i64(), done["failed"].as_i64()),
@@ -213,27 +225,8 @@ async fn a_mismatch_keeps_its_row_opens_a_dead_letter_and_holds_the_item_until_r
     })
     .await;
     let mismatch = r#"{ pointer = "/status", in = ["mismatch", "unknown"] }"#;
-    let config = dependency("payments", &provider.url(), "")
-        + &payments_policy(
-            "reconcile",
-            "payments",
-            100,
-            &format!("{RECORD}, mismatch = {mismatch}"),
-            "",
-        );
-    let app = TestApp::spawn(Spawn {
-        setup_sql: EXT,
-        policies: config,
-        workers: 1,
-        now: Some(at(NOW)),
-        extra_toml: String::new(),
-    })
-    .await;
-    seed_payments(&app, 6).await;
-    let (status, run) = app.trigger("reconcile", "?window=2026-09-01").await;
-    assert_eq!(status, 202, "{run}");
-    let first = run["run_id"].as_str().unwrap().to_string();
-    let done = app.wait_terminal(&first).await;
+    let (app, first, done) =
+        reconcile_once(&provider, &format!("{RECORD}, mismatch = {mismatch}"), 6).await;
     assert_eq!(done["status"], "completed_with_dead_letters", "{done}");
     assert_eq!(
         (done["reconciled"].as_i64(), done["mismatched"].as_i64()),
