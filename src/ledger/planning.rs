@@ -247,17 +247,11 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
             .execute(&mut *conn)
             .await?;
     }
-    sqlx::query_scalar(
+    sqlx::query_scalar(&format!(
         "update sweeper.runs
             set commands_total = commands_total + $2,
                 eligible_planned = eligible_planned + $3,
-                held_at_planning = (
-                    select coalesce(jsonb_object_agg(k, v), '{}'::jsonb)
-                      from (select k, sum(v)::bigint as v
-                              from (select key as k, value::bigint as v from jsonb_each_text(held_at_planning)
-                                    union all
-                                    select key, value::bigint from jsonb_each_text($4)) s
-                             group by k) t),
+                held_at_planning = {held},
                 planning_done = $5,
                 planned_at = case when $5 then sweeper.now() end,
                 status = case when status <> 'planning' then status
@@ -265,7 +259,8 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
                               else 'planning' end
           where run_id = $1
           returning status",
-    )
+        held = merged_held("$4")
+    ))
     .bind(p.run_id)
     .bind(n_commands)
     .bind(p.items)
@@ -273,4 +268,35 @@ pub async fn record_page(conn: &mut PgConnection, p: &Page<'_>) -> sqlx::Result<
     .bind(p.done)
     .fetch_one(conn)
     .await
+}
+
+/// The run's `held_at_planning` with the counts per reason of the JSON object `param` added.
+fn merged_held(param: &str) -> String {
+    format!(
+        "(select coalesce(jsonb_object_agg(k, v), '{{}}'::jsonb)
+            from (select k, sum(v)::bigint as v
+                    from (select key as k, value::bigint as v
+                            from jsonb_each_text(held_at_planning)
+                          union all
+                          select key, value::bigint from jsonb_each_text({param})) s
+                   group by k) t)"
+    )
+}
+
+/// Adds `held` (rows per reason) to `run_id`'s `held_at_planning`: the held rows of a partition
+/// retired with them carved out, counted as the row path counts the rows it walks.
+pub async fn add_held(
+    conn: &mut PgConnection,
+    run_id: &str,
+    held: &std::collections::BTreeMap<String, i64>,
+) -> sqlx::Result<()> {
+    sqlx::query(&format!(
+        "update sweeper.runs set held_at_planning = {} where run_id = $1",
+        merged_held("$2")
+    ))
+    .bind(run_id)
+    .bind(sqlx::types::Json(held))
+    .execute(conn)
+    .await?;
+    Ok(())
 }

@@ -1,11 +1,16 @@
 //! Partition retirements (docs/design.md §14 "Partition sweep"): the partitions a run of a policy
 //! with `partitions = "drop"` retires, each moved along `planned → detaching → detached →
-//! dropped` (through `awaiting_drop` when the policy has a `drop_grace`; or `kept`, `gone`) by
-//! one leased step at a time, and the manifests the drops wrote into the audit.
+//! dropped` — or, with held rows carved out, `planned → carved → dropped` — (through
+//! `awaiting_drop` when the policy has a `drop_grace`; or `kept`, `gone`) by one leased step at a
+//! time, and the manifests the drops wrote into the audit.
 
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
+
+/// The states of a retirement under way, as an SQL list: the retirer claims them, and a run
+/// with one is not complete.
+pub const UNDER_WAY: &str = "('planned', 'detaching', 'detached', 'carved')";
 
 /// A partition planning chose to retire, or to keep with the reason.
 #[derive(Debug, Clone)]
@@ -24,12 +29,18 @@ pub struct Chosen {
     pub rows: i64,
     /// Why it is kept (swept row by row); `None`: it retires.
     pub kept: Option<String>,
+    /// The rows it retires with held rows carved out: how many are held (they stay, copied into
+    /// a new partition of the same range); `None`: retired whole.
+    pub held_rows: Option<i64>,
+    /// A carve-out's held rows per reason at planning, added to the run's `held_at_planning`
+    /// as the row path counts them.
+    pub held: std::collections::BTreeMap<String, i64>,
 }
 
 /// Records the partitions `run_id`'s planning chose (in the first page's transaction): each
 /// retiring one `planned` (`would_drop` for a dry run), each kept one `kept` with its reason,
-/// and the retiring rows added to the run's planned count (and, for a dry run, to
-/// `would_delete`: nothing executes). A partition another run is retiring now is left to it.
+/// and the retiring rows (a carve-out's held rows not among them) added to the run's planned
+/// count (and, for a dry run, to `would_delete`: nothing executes). A partition another run is retiring now is left to it.
 /// Returns the partitions this run retires.
 pub async fn record_chosen(
     conn: &mut PgConnection,
@@ -39,6 +50,7 @@ pub async fn record_chosen(
 ) -> sqlx::Result<Vec<String>> {
     let mut retiring = Vec::new();
     let mut rows = 0i64;
+    let mut held = std::collections::BTreeMap::<String, i64>::new();
     for c in chosen {
         let state = match (&c.kept, dry_run) {
             (Some(_), _) => "kept",
@@ -48,9 +60,9 @@ pub async fn record_chosen(
         let inserted: Option<String> = sqlx::query_scalar(
             "insert into sweeper.partition_retirements
                  (run_id, partition, parent, bound, timestamp_from, timestamp_to, rows, state,
-                  reason, finished_at)
+                  reason, finished_at, held_rows)
              values ($1, $2, $3, $4, $5, $6, $7, $8, $9,
-                     case when $8 in ('kept', 'would_drop') then sweeper.now() end)
+                     case when $8 in ('kept', 'would_drop') then sweeper.now() end, $10)
              on conflict (partition) where state in ('planned', 'detaching', 'detached')
              do nothing
              returning partition",
@@ -64,6 +76,7 @@ pub async fn record_chosen(
         .bind(c.rows)
         .bind(state)
         .bind(&c.kept)
+        .bind(c.held_rows)
         .fetch_optional(&mut *conn)
         .await?;
         if c.kept.is_none() {
@@ -71,8 +84,14 @@ pub async fn record_chosen(
             retiring.push(c.partition.clone());
             if inserted.is_some() {
                 rows += c.rows;
+                for (reason, n) in &c.held {
+                    *held.entry(reason.clone()).or_default() += n;
+                }
             }
         }
+    }
+    if !held.is_empty() {
+        super::planning::add_held(&mut *conn, run_id, &held).await?;
     }
     if rows > 0 {
         sqlx::query(
@@ -126,10 +145,16 @@ pub struct Retirement {
     pub timestamp_from: Option<DateTime<Utc>>,
     /// Its range's end (exclusive).
     pub timestamp_to: DateTime<Utc>,
-    /// Its rows at planning.
+    /// Its rows at planning (a carve-out's held rows not among them).
     pub rows: i64,
     /// Where it stands.
     pub state: String,
+    /// The rows planning found held: it retires with them carved out; `None`: whole.
+    pub held_rows: Option<i64>,
+    /// Once carved: the old table's name, detached (the partition's name is the new table's).
+    pub detached_as: Option<String>,
+    /// Once carved: the item keys of the rows carried over into the new partition.
+    pub carried_keys: Option<Vec<String>>,
     /// Claims so far, this one included.
     pub attempts: i32,
     /// The run's policy.
@@ -166,7 +191,7 @@ pub async fn claim(
                     select x.run_id, x.partition
                       from sweeper.partition_retirements x
                       join sweeper.runs r using (run_id)
-                     where (x.state in ('planned', 'detaching', 'detached')
+                     where (x.state in {UNDER_WAY}
                             or x.state = 'awaiting_drop' and x.drop_after <= (select sweeper.now()))
                        and (x.lease_until is null or x.lease_until < (select sweeper.now()))
                        and r.policy = any($3) and r.planning_done and {released}
@@ -175,7 +200,8 @@ pub async fn claim(
                      for update of x skip locked)
           returning p.*)
          select c.run_id, c.partition, c.parent, c.bound, c.timestamp_from, c.timestamp_to,
-                c.rows, c.state, c.attempts, r.policy, r.policy_version, r.window_at, r.cutoff
+                c.rows, c.state, c.held_rows, c.detached_as, c.carried_keys, c.attempts,
+                r.policy, r.policy_version, r.window_at, r.cutoff
            from c join sweeper.runs r using (run_id)"
     ))
     .bind(token)
@@ -198,7 +224,7 @@ pub async fn set_state(
     state: &str,
     reason: Option<&str>,
 ) -> sqlx::Result<bool> {
-    let changed: Option<i64> = sqlx::query_scalar(
+    let changed: Option<i64> = sqlx::query_scalar(&format!(
         "with old as (
              select state, rows from sweeper.partition_retirements
               where run_id = $1 and partition = $2 and lease_token = $3),
@@ -207,15 +233,15 @@ pub async fn set_state(
                 set state = $4, reason = coalesce($5, reason),
                     finished_at = case when $4 in ('kept', 'gone', 'dropped') then sweeper.now() end
               where run_id = $1 and partition = $2 and lease_token = $3
-                and state in ('planned', 'detaching', 'detached')
+                and state in {UNDER_WAY}
              returning 1),
          counted as (
              update sweeper.runs
                 set eligible_planned = eligible_planned - (select rows from old)
               where run_id = $1 and $4 in ('kept', 'gone') and exists (select 1 from s)
-                and (select state from old) in ('planned', 'detaching', 'detached'))
+                and (select state from old) in {UNDER_WAY})
          select count(*) from s",
-    )
+    ))
     .bind(&r.run_id)
     .bind(&r.partition)
     .bind(token)
@@ -224,6 +250,57 @@ pub async fn set_state(
     .fetch_optional(conn)
     .await?;
     Ok(changed == Some(1))
+}
+
+/// Records, in the swap's transaction, that `r`'s held rows were carved out: the old table is
+/// detached as `detached_as` and the rows of `carried_keys` live on in the new partition.
+/// False when the lease was lost (the caller rolls the swap back).
+pub async fn record_carve(
+    tx: &mut PgConnection,
+    r: &Retirement,
+    token: Uuid,
+    detached_as: &str,
+    carried_keys: &[String],
+) -> sqlx::Result<bool> {
+    Ok(sqlx::query(
+        "update sweeper.partition_retirements
+            set state = 'carved', detached_as = $4, carried_rows = cardinality($5::text[]),
+                carried_keys = $5
+          where run_id = $1 and partition = $2 and lease_token = $3 and state = 'planned'",
+    )
+    .bind(&r.run_id)
+    .bind(&r.partition)
+    .bind(token)
+    .bind(detached_as)
+    .bind(carried_keys)
+    .execute(tx)
+    .await?
+    .rows_affected()
+        == 1)
+}
+
+/// Adds `keys` to a carved retirement's carried rows: rows of the detached table held since the
+/// swap, carried over in the drop's transaction. False when the lease was lost.
+pub async fn add_carried(
+    tx: &mut PgConnection,
+    r: &Retirement,
+    token: Uuid,
+    keys: &[String],
+) -> sqlx::Result<bool> {
+    Ok(sqlx::query(
+        "update sweeper.partition_retirements
+            set carried_keys = carried_keys || $4::text[],
+                carried_rows = carried_rows + cardinality($4::text[])
+          where run_id = $1 and partition = $2 and lease_token = $3 and state = 'carved'",
+    )
+    .bind(&r.run_id)
+    .bind(&r.partition)
+    .bind(token)
+    .bind(keys)
+    .execute(tx)
+    .await?
+    .rows_affected()
+        == 1)
 }
 
 /// Renews the lease `token` holds on a retirement for `lease_seconds` from now; false when it was
@@ -302,6 +379,13 @@ pub struct Manifest {
     pub export_location: String,
     /// The key export's SHA-256.
     pub export_sha256: String,
+    /// With held rows carved out: the rows carried over into the new partition of the same
+    /// range (live, not in the export), and the name the old table was dropped under.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub carried_rows: Option<i64>,
+    /// With held rows carved out: the old table's name once detached.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detached_as: Option<String>,
 }
 
 /// Records a retirement's evidence in `tx`, which holds the detached table's lock: one
@@ -321,7 +405,8 @@ pub async fn record_drop(
     let manifest_id: Option<i64> = sqlx::query_scalar(
         "with mine as (
              select 1 from sweeper.partition_retirements
-              where run_id = $1 and partition = $2 and lease_token = $3 and state = 'detached'
+              where run_id = $1 and partition = $2 and lease_token = $3
+                and state in ('detached', 'carved')
               for update),
          ex as (
              insert into sweeper.audit_executions
@@ -346,7 +431,7 @@ pub async fn record_drop(
                 export_location = $8, export_sha256 = $9, digest = $10,
                 drop_after = case when $11 > 0
                                   then sweeper.now() + make_interval(secs => $11) end,
-                relid = to_regclass($2)::oid::bigint,
+                relid = to_regclass(coalesce(detached_as, $2))::oid::bigint,
                 finished_at = case when $11 > 0 then null else sweeper.now() end,
                 lease_until = case when $11 > 0 then null else lease_until end
           where run_id = $1 and partition = $2 and exists (select 1 from man)
@@ -390,12 +475,13 @@ pub async fn grace_target(conn: &mut PgConnection, r: &Retirement) -> sqlx::Resu
                 coalesce(c.relispartition, false) as attached,
                 (select q.run_id from sweeper.partition_retirements q
                   where q.partition = p.partition and q.run_id <> p.run_id
+                    and p.detached_as is null
                     and q.created_at > p.created_at
                     and q.state in ('planned', 'detaching', 'detached', 'awaiting_drop',
                                     'dropped')
                   order by q.created_at desc limit 1) as later_run
            from sweeper.partition_retirements p
-           left join pg_class c on c.oid = to_regclass(p.partition)
+           left join pg_class c on c.oid = to_regclass(coalesce(p.detached_as, p.partition))
           where p.run_id = $1 and p.partition = $2",
     )
     .bind(&r.run_id)
@@ -463,6 +549,15 @@ pub struct PartitionState {
     /// SHA-256 of its item keys sorted bytewise, each followed by a newline.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub digest: Option<String>,
+    /// The rows planning found held in it: it retires with them carved out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub held_rows: Option<i64>,
+    /// Once carved: the rows carried over into the new partition of its range (they stay).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub carried_rows: Option<i64>,
+    /// Once carved: the old table's name, detached, until it is dropped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detached_as: Option<String>,
     /// The last failed step's error, while it is retried.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
@@ -478,7 +573,8 @@ pub struct PartitionState {
 pub async fn of_run(pool: &PgPool, run_id: &str) -> sqlx::Result<Vec<PartitionState>> {
     sqlx::query_as(
         "select partition, bound, timestamp_from, timestamp_to, rows, state, reason, manifest_id,
-                export_location, export_sha256, digest, last_error, drop_after, finished_at
+                export_location, export_sha256, digest, held_rows, carried_rows, detached_as,
+                last_error, drop_after, finished_at
            from sweeper.partition_retirements
           where run_id = $1
           order by timestamp_to, partition",

@@ -221,7 +221,7 @@ pub async fn complete_if_done(
                              where c.run_id = r.run_id and c.state in ('pending', 'leased'))
             and not exists (select 1 from sweeper.partition_retirements p
                              where p.run_id = r.run_id
-                               and p.state in ('planned', 'detaching', 'detached'))
+                               and p.state in ('planned', 'detaching', 'detached', 'carved'))
           returning r.status,
                     not exists (select 1 from sweeper.dead_letters d
                                  where d.run_id = r.run_id

@@ -14,7 +14,8 @@ fn executed_nothing(r: &str) -> String {
          and not exists (select 1 from sweeper.effects f where f.run_id = {r}.run_id)
          and not exists (select 1 from sweeper.partition_retirements p
                           where p.run_id = {r}.run_id
-                            and p.state in ('detaching', 'detached', 'awaiting_drop', 'dropped'))"
+                            and p.state in ('detaching', 'detached', 'carved', 'awaiting_drop',
+                                            'dropped'))"
     )
 }
 

@@ -3,7 +3,13 @@
 //! whose range on the timestamp ends at or before the run's cutoff, and whose rows are all
 //! eligible — counted on the data, not trusted from the bounds. A leaf with a row the run must
 //! keep (held by an exclusion, not selected, at or after the cutoff despite its bounds, or with a
-//! key no item key text names) is kept and swept row by row like any other.
+//! key no item key text names) retires with those rows carved out (docs/design.md §14
+//! "Carve-out"): they are copied into a new partition of the same range, which takes the old
+//! one's place. It is kept and swept row by row like any other when the carve-out cannot serve:
+//! every row is kept, more than [`CARVE_OUT_MAX_ROWS`] are, a row is younger than the cutoff
+//! despite the bounds, or the leaf has what a copy would not carry ([`carve_refusal`]).
+
+use std::collections::BTreeMap;
 
 use sqlx::{PgConnection, Postgres, QueryBuilder};
 
@@ -43,36 +49,78 @@ pub(super) async fn choose(
         .await?;
         let Some(parent) = parent else { continue };
         let scoped = rules.clone().in_partition(Some(constraint));
-        let mut q = QueryBuilder::<Postgres>::new("select count(*), count(*) filter (where not (");
+        // One scan of the leaf, its rows counted by class: NULL (retired), `younger` (at or
+        // after the cutoff despite the bounds), `held:<reason>` (old enough, held by an
+        // exclusion), `kept` (not selected, or a key no item key names).
+        let mut q = QueryBuilder::<Postgres>::new("select class, count(*) from (select case when ");
         scoped.push_has_key(&mut q);
         q.push(" and ");
         scoped.push_eligible(&mut q);
-        q.push(")), count(*) filter (where not coalesce(");
+        q.push(" then null when not coalesce(");
         scoped.push_timestamp(&mut q);
         q.push(" < ");
         q.push_bind(rules.cutoff);
-        q.push(format!(", false)) from {} where ", scoped.table_sql()));
+        q.push(", false) then 'younger' when not ");
+        scoped.push_has_key(&mut q);
+        q.push(" then 'kept' when ");
+        scoped.push_old_enough(&mut q);
+        q.push(" then coalesce('held:' || ");
+        scoped.push_excluded_reason(&mut q);
+        q.push(format!(
+            ", 'kept') else 'kept' end as class from {} where ",
+            scoped.table_sql()
+        ));
         scoped.push_partition_scope(&mut q);
-        q.push("true");
-        let (rows, kept, younger): (i64, i64, i64) =
-            q.build_query_as().fetch_one(&mut *conn).await?;
+        q.push("true) c group by class");
+        let classes: Vec<(Option<String>, i64)> = q.build_query_as().fetch_all(&mut *conn).await?;
+        let rows: i64 = classes.iter().map(|(_, n)| n).sum();
+        let count = |class: &str| -> i64 {
+            classes
+                .iter()
+                .filter(|(c, _)| c.as_deref() == Some(class))
+                .map(|(_, n)| n)
+                .sum()
+        };
+        let younger = count("younger");
+        let kept: i64 = classes
+            .iter()
+            .filter(|(c, _)| c.is_some())
+            .map(|(_, n)| n)
+            .sum();
+        let held: BTreeMap<String, i64> = classes
+            .iter()
+            .filter_map(|(c, n)| Some((c.as_deref()?.strip_prefix("held:")?.to_string(), *n)))
+            .collect();
         let plain_name = crate::policy::TableName::parse(&leaf.name.replace('"', "")).is_ok()
             && !leaf.name.contains("\"\"");
-        let kept = if younger > 0 {
+        let kept_reason = if younger > 0 {
             Some(format!(
                 "{younger} of its {rows} rows have {} at or after the run's cutoff although its \
                  bounds end before it: swept row by row",
                 rules.target.timestamp.as_str()
             ))
-        } else if kept > 0 {
-            Some(format!(
-                "{kept} of its {rows} rows are kept by an exclusion or the selection, or have a \
-                 key no item key names: swept row by row, so they stay"
-            ))
         } else if !plain_name {
             Some("its name is not a plain identifier: swept row by row".to_string())
-        } else {
+        } else if kept == 0 {
             None
+        } else if kept == rows {
+            Some(format!(
+                "all of its {rows} rows are kept by an exclusion or the selection, or have a key \
+                 no item key names: swept row by row, so they stay"
+            ))
+        } else if kept > CARVE_OUT_MAX_ROWS {
+            Some(format!(
+                "{kept} of its {rows} rows are kept by an exclusion or the selection, or have a \
+                 key no item key names, more than the {CARVE_OUT_MAX_ROWS} a carve-out copies: \
+                 swept row by row, so they stay"
+            ))
+        } else {
+            carve_refusal(&mut *conn, &leaf.name).await?.map(|why| {
+                format!(
+                    "{kept} of its {rows} rows are kept, and its held rows cannot be carved out: \
+                     {why}; swept row by row, so they stay"
+                )
+            })
         };
         chosen.push(Chosen {
             partition: leaf.name.clone(),
@@ -80,9 +128,56 @@ pub(super) async fn choose(
             bound: leaf.bound.clone(),
             timestamp_from: leaf.timestamp_from,
             timestamp_to: to,
-            rows,
-            kept,
+            rows: if kept_reason.is_none() {
+                rows - kept
+            } else {
+                rows
+            },
+            held_rows: (kept_reason.is_none() && kept > 0).then_some(kept),
+            held: if kept_reason.is_none() {
+                held
+            } else {
+                BTreeMap::new()
+            },
+            kept: kept_reason,
         });
     }
     Ok(chosen)
+}
+
+/// The most held rows a carve-out copies. The copy runs while the partition is locked against
+/// writes (reads go on), and the held rows are found by a scan of it: a few thousand rows copy
+/// in well under a second; a partition with more held rows than this is swept row by row.
+pub const CARVE_OUT_MAX_ROWS: i64 = 10_000;
+
+/// Why `leaf`'s held rows cannot be carved out into a copy of it, or `None`: what a new table
+/// made `LIKE` it, with its owner, grants, row-level security, replica identity, storage
+/// options and publications, would not carry — triggers or foreign keys of its own (not
+/// cloned from its parent), rules, rows another table references through a foreign key (the
+/// detach would fail), or a foreign table.
+pub async fn carve_refusal(conn: &mut PgConnection, leaf: &str) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar(
+        "select case
+                  when c.relkind <> 'r' then 'it is not a plain table'
+                  when exists (select 1 from pg_trigger t
+                                where t.tgrelid = c.oid and not t.tgisinternal
+                                  and t.tgparentid = 0)
+                    then 'it has a trigger of its own, not cloned from its parent'
+                  when exists (select 1 from pg_constraint k
+                                where k.conrelid = c.oid and k.contype = 'f'
+                                  and k.conparentid = 0)
+                    then 'it has a foreign key of its own, not cloned from its parent'
+                  when exists (select 1 from pg_constraint k
+                                where k.confrelid = c.oid and k.contype = 'f')
+                    then 'another table references it through a foreign key'
+                  when exists (select 1 from pg_rewrite w
+                                where w.ev_class = c.oid and w.rulename <> '_RETURN')
+                    then 'it has a rule'
+                end
+           from pg_class c where c.oid = to_regclass($1)",
+    )
+    .bind(leaf)
+    .fetch_optional(conn)
+    .await
+    .map(Option::flatten)
 }

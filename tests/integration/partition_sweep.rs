@@ -132,12 +132,12 @@ fn assert_verified_export(p: &serde_json::Value, run_id: &str) {
 }
 
 #[tokio::test]
-async fn expired_partitions_are_exported_recorded_and_dropped_and_a_held_one_is_swept_row_by_row() {
+async fn expired_partitions_are_exported_recorded_and_dropped_and_a_held_one_is_carved_out() {
     let dir = export_dir();
     let app = spawn(&dir).await;
     let run_id = app.api.trigger_new("events", "").await;
     app.wait_planned(&run_id).await;
-    // March's rows go one command at a time (it holds event 1000); the others are dropped.
+    // Every expired month is dropped; March's held event 1000 is carved out first.
     drain(&app).await;
     let run = app.wait_terminal(&run_id).await;
     assert_eq!(run["status"], "completed", "{run}");
@@ -168,6 +168,15 @@ async fn expired_partitions_are_exported_recorded_and_dropped_and_a_held_one_is_
         1,
         "March keeps its held event only"
     );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from pg_class where relname like 'sweeper_retired_%'"
+        )
+        .await,
+        0,
+        "March's old table is dropped"
+    );
     let parts = run["partitions"].as_array().unwrap();
     let states = states(&run);
     assert_eq!(
@@ -175,18 +184,28 @@ async fn expired_partitions_are_exported_recorded_and_dropped_and_a_held_one_is_
         [
             ("demo.events_2026_01", "dropped"),
             ("demo.events_2026_02", "dropped"),
-            ("demo.events_2026_03", "kept"),
+            ("demo.events_2026_03", "dropped"),
             ("demo.events_2026_04", "dropped"),
             ("demo.events_2026_05", "dropped"),
         ],
         "{run}"
     );
+    // March: its held event counted as the row path counts it, carried over, not exported.
+    assert_eq!(run["held_at_planning"]["event_hold"], 1, "{run}");
+    assert_eq!(parts[2]["held_rows"], 1, "{run}");
+    assert_eq!(parts[2]["carried_rows"], 1, "{run}");
     assert!(
-        parts[2]["reason"]
+        parts[2]["detached_as"]
             .as_str()
             .unwrap()
-            .contains("1 of its 41 rows are kept"),
+            .starts_with("demo.sweeper_retired_"),
         "{run}"
+    );
+    assert!(
+        !read_export(parts[2]["export_location"].as_str().unwrap())
+            .iter()
+            .any(|l| l["item_key"] == r#"["1000","2026-03-20T00:00:00Z"]"#),
+        "the carried key is not in the export"
     );
     // Each dropped partition: a verified export of its 40 keys, and a manifest whose digest is
     // the SHA-256 of the keys sorted bytewise, each followed by a newline.
@@ -203,15 +222,17 @@ async fn expired_partitions_are_exported_recorded_and_dropped_and_a_held_one_is_
         assert_eq!(manifest["digest"], p["digest"], "{manifest}");
         assert_eq!(manifest["export_sha256"], p["export_sha256"], "{manifest}");
         assert_eq!(manifest["run_id"], run_id.as_str(), "{manifest}");
+        let carried = (p["partition"] == "demo.events_2026_03").then_some(1);
+        assert_eq!(manifest["carried_rows"].as_i64(), carried, "{manifest}");
     }
-    // Nothing of the dropped partitions is in the item audit; March's 40 are.
+    // Nothing of the dropped partitions is in the item audit.
     assert_eq!(
         count(
             &app.pool,
             "select count(*) from sweeper.audit_trail where outcome = 'deleted'"
         )
         .await,
-        40
+        0
     );
     // A dropped key's history: the manifest of the partition whose range holds it.
     let key = r#"["7","2026-02-15T00:00:00Z"]"#;
@@ -255,7 +276,7 @@ async fn a_dry_run_reports_the_partitions_it_would_drop_and_drops_nothing() {
         [
             ("demo.events_2026_01", "would_drop", 40),
             ("demo.events_2026_02", "would_drop", 40),
-            ("demo.events_2026_03", "kept", 41),
+            ("demo.events_2026_03", "would_drop", 40),
             ("demo.events_2026_04", "would_drop", 40),
             ("demo.events_2026_05", "would_drop", 40),
         ],
@@ -422,9 +443,10 @@ insert into legal.event_holds values (1000, null);";
 
 /// pg_partman 4.7 (Debian's `postgresql-15-partman`) beside the sweep, on the same data: its own
 /// retention drops the expired months whole, March's event under a legal hold included; sweeper
-/// (partitions = "drop", pg_partman only creating partitions) drops the other expired months and
-/// sweeps March row by row, so the held event stays. Beside pg_partman's default partition the
-/// detach is a plain one. `check-config` warns while pg_partman's retention is set.
+/// (partitions = "drop", pg_partman only creating partitions) drops every expired month, March's
+/// after carving its held event out into a new partition of March's name, so the held event
+/// stays and pg_partman sees the month it made. Beside pg_partman's default partition the detach
+/// is a plain one, and the carve-out's CHECK on the default is gone afterwards. `check-config` warns while pg_partman's retention is set.
 #[tokio::test]
 async fn beside_pg_partman_a_held_row_survives_that_its_retention_drops() {
     // pg_partman alone: retention ending before June.
@@ -480,7 +502,7 @@ async fn beside_pg_partman_a_held_row_survives_that_its_retention_drops() {
         [
             ("demo.events_p2026_01", "dropped"),
             ("demo.events_p2026_02", "dropped"),
-            ("demo.events_p2026_03", "kept"),
+            ("demo.events_p2026_03", "dropped"),
             ("demo.events_p2026_04", "dropped"),
             ("demo.events_p2026_05", "dropped"),
         ],
@@ -494,6 +516,45 @@ async fn beside_pg_partman_a_held_row_survives_that_its_retention_drops() {
         .await,
         1,
         "the held event stays"
+    );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from demo.events_p2026_03 where id = 1000"
+        )
+        .await,
+        1,
+        "in the new partition, under March's name"
+    );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from partman.show_partitions('demo.events')
+              where partition_tablename = 'events_p2026_03'"
+        )
+        .await,
+        1,
+        "pg_partman lists the new March as its child"
+    );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from pg_constraint c join pg_namespace n on n.oid = c.connamespace
+              where n.nspname = 'demo' and c.conname like 'sweeper%'"
+        )
+        .await,
+        0,
+        "no constraint or index of the carve-out's is left on the default partition or the new one"
+    );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from pg_indexes
+              where tablename = 'events_p2026_03' and indexname = 'events_p2026_03_pkey'"
+        )
+        .await,
+        1,
+        "the new March's key has the old one's name"
     );
     assert_eq!(
         count(
@@ -650,7 +711,10 @@ async fn the_guard_holds_a_retirement_and_a_hold_set_since_planning_keeps_the_pa
     .await
     .unwrap();
     assert_eq!(kept.len(), 2, "{kept:?}");
-    assert_eq!(kept[0].0, "demo.events_2026_02");
+    assert_eq!(
+        (kept[0].0.as_str(), kept[0].1.as_str()),
+        ("demo.events_2026_02", "kept")
+    );
     assert_eq!(
         (kept[1].0.as_str(), kept[1].1.as_str()),
         ("demo.events_2026_06", "kept")
@@ -665,9 +729,9 @@ async fn the_guard_holds_a_retirement_and_a_hold_set_since_planning_keeps_the_pa
     );
     let second_run = app.api.run(&second).await;
     assert_eq!(
-        second_run["eligible_planned"], 40,
-        "February's 40 rows planned row by row; June's 40 left the planned count with the \
-         cancel: {second_run}"
+        second_run["eligible_planned"], 0,
+        "February's 40 rows (its held event carved out) and June's 40 left the planned count \
+         with the cancel: {second_run}"
     );
     assert_eq!(
         count(&app.pool, "select count(*) from demo.events_2026_02").await,
@@ -739,7 +803,7 @@ async fn with_a_grace_period_the_partitions_wait_detached_and_are_dropped_after_
         [
             ("demo.events_2026_01", "awaiting_drop"),
             ("demo.events_2026_02", "awaiting_drop"),
-            ("demo.events_2026_03", "kept"),
+            ("demo.events_2026_03", "awaiting_drop"),
             ("demo.events_2026_04", "awaiting_drop"),
             ("demo.events_2026_05", "awaiting_drop"),
         ],
@@ -831,7 +895,7 @@ async fn with_a_grace_period_the_partitions_wait_detached_and_are_dropped_after_
         [
             ("demo.events_2026_01", "dropped"),
             ("demo.events_2026_02", "kept"),
-            ("demo.events_2026_03", "kept"),
+            ("demo.events_2026_03", "dropped"),
             ("demo.events_2026_04", "kept"),
             ("demo.events_2026_05", "kept"),
         ],
@@ -873,7 +937,20 @@ async fn with_a_grace_period_the_partitions_wait_detached_and_are_dropped_after_
         40,
         "February is back in the table"
     );
-    // The run and its evidence stand: four manifests, 201 rows deleted; a key's history says
+    // March's old table (its held event carried over) is dropped after the grace like the rest.
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from pg_class where relname like 'sweeper_retired_%'"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_2026_03").await,
+        1
+    );
+    // The run and its evidence stand: five manifests, 201 rows deleted; a key's history says
     // which partitions went and which did not.
     assert_eq!(run["status"], "completed", "{run}");
     assert_eq!(run["deleted"], 201, "{run}");
@@ -883,7 +960,7 @@ async fn with_a_grace_period_the_partitions_wait_detached_and_are_dropped_after_
             "select count(*) from sweeper.audit_manifests where detail ->> 'policy' = 'events'"
         )
         .await,
-        4
+        5
     );
     let jan = dropped_entry(&app, r#"["7","2026-01-15T00:00:00Z"]"#).await;
     assert_eq!(jan["state"], "dropped", "{jan}");

@@ -18,6 +18,10 @@
 //!    detached (`awaiting_drop`); once the grace has passed the table is dropped, unless it was
 //!    attached again or changed meanwhile.
 //!
+//! A partition planning found with a few held rows is first swapped for a new partition holding
+//! only them ([`carve`]); its old table, detached, then goes through step 2 with its keys but the
+//! carried ones.
+//!
 //! The retirer works only on runs whose planning is done and that no hold keeps (the guard's
 //! approval, a suspension, active hours, the governor), like a command; the pace does not apply
 //! (a drop removes no row one by one).
@@ -36,6 +40,8 @@ use crate::ledger::retirements::{Manifest, Retirement};
 use crate::plan::RunRef;
 use crate::policy::{RuleSet, TableName};
 use crate::state::AppState;
+
+mod carve;
 
 /// Keys handed from the fetch to the export's writer at a time.
 const CHUNK_KEYS: usize = 10_000;
@@ -90,6 +96,9 @@ async fn retire(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result
         return Ok(());
     }
     let mut r = r.clone();
+    if r.state == "planned" && r.held_rows.is_some() {
+        r.state = carve::carve(state, &mut r, token).await?;
+    }
     if matches!(r.state.as_str(), "planned" | "detaching") {
         let began = std::time::Instant::now();
         r.state = detach(state, &r, token).await?;
@@ -104,7 +113,7 @@ async fn retire(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result
         }
         crate::crash_point!("retire_after_detach");
     }
-    if r.state == "detached" {
+    if matches!(r.state.as_str(), "detached" | "carved") {
         r.state = drop_with_evidence(state, &r, token).await?;
     }
     if matches!(
@@ -246,12 +255,12 @@ async fn drop_with_evidence(
         .audit_export_dir
         .clone()
         .context("partitions = \"drop\" needs ledger.audit_export_dir")?;
-    let table = TableName::parse(&r.partition.replace('"', ""))
-        .map_err(|e| anyhow::anyhow!("the partition's name: {e}"))?;
+    let table = detached_table(r)?;
     let rules = rules_of(state, r).await?.on_table(table);
+    let mut carried = r.carried_keys.clone();
     let mut tx = state.pool.begin().await?;
     let exists: bool = sqlx::query_scalar("select to_regclass($1) is not null")
-        .bind(&r.partition)
+        .bind(rules.table_sql())
         .fetch_one(&mut *tx)
         .await?;
     if !exists {
@@ -263,7 +272,7 @@ async fn drop_with_evidence(
     }
     sqlx::query(&format!(
         "lock table {} in access exclusive mode",
-        r.partition
+        rules.table_sql()
     ))
     .execute(&mut *tx)
     .await?;
@@ -277,11 +286,26 @@ async fn drop_with_evidence(
     let path = dir.join(&name);
     let partial = path.with_extension("gz.partial");
     let began = std::time::Instant::now();
-    let kept = kept_rows(&mut tx, &rules).await?;
+    let kept = kept_rows(&mut tx, &rules, carried.as_deref()).await?;
     if kept > 0 {
         // An export an earlier try left (it crashed before its commit) stands for nothing.
         remove_export(&[&path, &partial]);
-        return keep(tx, r, token, kept).await.map(|()| "kept".into());
+        let Some(carried) = carried.as_mut() else {
+            return keep(tx, r, token, kept).await.map(|()| "kept".into());
+        };
+        // Carved: a row held since the swap (a related table's hold on a row now detached) is
+        // carried over too, into the new partition of its range, in this transaction.
+        let more = carve::copy_kept(&mut tx, &rules, &r.parent, Some(carried)).await?;
+        if !ledger::retirements::add_carried(&mut tx, r, token, &more).await? {
+            bail!("the retirement's lease was lost");
+        }
+        info!(
+            run_id = r.run_id,
+            partition = r.partition,
+            carried = more.len(),
+            "rows held since the swap carried over into the new partition"
+        );
+        carried.extend(more);
     }
     if !ledger::retirements::renew(&state.pool, r, token, lease).await? {
         bail!("the retirement's lease was lost");
@@ -295,7 +319,14 @@ async fn drop_with_evidence(
         sqlx::query("set local statement_timeout = 0")
             .execute(&mut *tx)
             .await?;
-        let written = write_export(state, &mut tx, &rules, (r, token), &partial).await?;
+        let written = write_export(
+            state,
+            &mut tx,
+            (&rules, carried.as_deref()),
+            (r, token),
+            &partial,
+        )
+        .await?;
         sqlx::query(&format!(
             "set local statement_timeout = '{}s'",
             state.config.database.statement_timeout.seconds()
@@ -317,12 +348,14 @@ async fn drop_with_evidence(
             digest: hex::encode(written.digest.finalize()),
             export_location: path.display().to_string(),
             export_sha256: sha256,
+            carried_rows: carried.as_ref().map(|c| c.len() as i64),
+            detached_as: r.detached_as.clone(),
         };
         verify(Path::new(&path), manifest.rows, &manifest.export_sha256).await?;
         crate::crash_point!("retire_after_export");
         // A hold committed while the keys were exported (the related tables are not locked) is
         // seen here, as close to the drop as it can be: tried again, the partition is kept.
-        if kept_rows(&mut tx, &rules).await? > 0 {
+        if kept_rows(&mut tx, &rules, carried.as_deref()).await? > 0 {
             bail!("a row of the partition became held while its keys were exported; tried again");
         }
         if !ledger::retirements::renew(&state.pool, r, token, lease).await?
@@ -331,7 +364,7 @@ async fn drop_with_evidence(
             bail!("the retirement's lease was lost; nothing is dropped");
         }
         if grace == 0 {
-            sqlx::query(&format!("drop table {}", r.partition))
+            sqlx::query(&format!("drop table {}", rules.table_sql()))
                 .execute(&mut *tx)
                 .await?;
         }
@@ -390,8 +423,9 @@ async fn drop_with_evidence(
 /// changed; held; retired again by a later run) or `gone`, with the reason. Its manifest and the
 /// run's counts stand in every case: they record the rows that left the target with the detach.
 async fn drop_after_grace(state: &AppState, r: &Retirement, token: Uuid) -> anyhow::Result<String> {
-    let table = TableName::parse(&r.partition.replace('"', ""))
-        .map_err(|e| anyhow::anyhow!("the partition's name: {e}"))?;
+    let table = detached_table(r)?;
+    let name = table.quoted();
+    let carried = r.carried_keys.as_deref();
     let mut tx = state.pool.begin().await?;
     // The count and the held rows' check read the whole table: bounded by the lease, which is
     // renewed meanwhile, not by the pool's statement_timeout.
@@ -405,12 +439,9 @@ async fn drop_after_grace(state: &AppState, r: &Retirement, token: Uuid) -> anyh
         }
         // Taken before anything is judged: an ATTACH still validating holds this lock, and its
         // catalog change is seen only once it committed.
-        sqlx::query(&format!(
-            "lock table {} in access exclusive mode",
-            r.partition
-        ))
-        .execute(&mut *tx)
-        .await?;
+        sqlx::query(&format!("lock table {name} in access exclusive mode"))
+            .execute(&mut *tx)
+            .await?;
         let now = ledger::retirements::grace_target(&mut tx, r).await?;
         if !now.exists || !now.same_table {
             return Ok(("gone", Some(gone_reason(now.exists))));
@@ -434,22 +465,29 @@ async fn drop_after_grace(state: &AppState, r: &Retirement, token: Uuid) -> anyh
                 )),
             ));
         }
-        let rows: i64 = sqlx::query_scalar(&format!("select count(*) from {}", r.partition))
+        let rows: i64 = sqlx::query_scalar(&format!("select count(*) from {name}"))
             .fetch_one(&mut *tx)
             .await?;
-        if rows != r.rows {
+        // A carved table also holds the rows carried over (copied, not moved).
+        let expected = r.rows + carried.map_or(0, |c| c.len() as i64);
+        if rows != expected {
             return Ok((
                 "kept",
                 Some(format!(
-                    "its rows changed during its grace ({rows} rows; its manifest names {}): \
+                    "its rows changed during its grace ({rows} rows; its manifest names {}{}): \
                      not dropped; drop it by hand once its rows are accounted for",
-                    r.rows
+                    r.rows,
+                    if carried.is_some() {
+                        " and the carried rows"
+                    } else {
+                        ""
+                    }
                 )),
             ));
         }
         // The rules last: a table found gone or attached is judged without them.
         let rules = rules_of(state, r).await?.on_table(table);
-        let held = kept_rows(&mut tx, &rules).await?;
+        let held = kept_rows(&mut tx, &rules, carried).await?;
         if held > 0 {
             return Ok((
                 "kept",
@@ -457,7 +495,7 @@ async fn drop_after_grace(state: &AppState, r: &Retirement, token: Uuid) -> anyh
                     "{held} of its rows became held during its grace (an exclusion or the \
                      selection): not dropped; the detached table {} keeps them ({} returns them \
                      to the table)",
-                    r.partition,
+                    name,
                     format_args!(
                         "alter table {} attach partition {} {}",
                         r.parent, r.partition, r.bound
@@ -465,7 +503,7 @@ async fn drop_after_grace(state: &AppState, r: &Retirement, token: Uuid) -> anyh
                 )),
             ));
         }
-        sqlx::query(&format!("drop table {}", r.partition))
+        sqlx::query(&format!("drop table {name}"))
             .execute(&mut *tx)
             .await?;
         Ok(("dropped", None))
@@ -513,9 +551,22 @@ fn remove_export(paths: &[&Path]) {
     }
 }
 
+/// The table a retirement exports and drops: the partition, detached; for a carve-out, the old
+/// table under the name the swap gave it.
+fn detached_table(r: &Retirement) -> anyhow::Result<TableName> {
+    let name = r.detached_as.as_deref().unwrap_or(&r.partition);
+    TableName::parse(&name.replace('"', ""))
+        .map_err(|e| anyhow::anyhow!("the partition's name: {e}"))
+}
+
 /// The detached table's rows the run must not remove (held by an exclusion, not selected, not
-/// old enough, or with a key no item key names).
-async fn kept_rows(tx: &mut sqlx::PgConnection, rules: &RuleSet) -> anyhow::Result<i64> {
+/// old enough, or with a key no item key names); for a carve-out (`carried`), only those not
+/// carried over.
+async fn kept_rows(
+    tx: &mut sqlx::PgConnection,
+    rules: &RuleSet,
+    carried: Option<&[String]>,
+) -> anyhow::Result<i64> {
     let mut q = QueryBuilder::<Postgres>::new("select count(*) from ");
     q.push(rules.table_sql());
     q.push(" where not (");
@@ -523,6 +574,10 @@ async fn kept_rows(tx: &mut sqlx::PgConnection, rules: &RuleSet) -> anyhow::Resu
     q.push(" and ");
     rules.push_eligible(&mut q);
     q.push(")");
+    if let Some(carried) = carried {
+        q.push(" and ");
+        carve::push_not_carried(&mut q, rules, carried);
+    }
     Ok(q.build_query_scalar().fetch_one(&mut *tx).await?)
 }
 
@@ -608,7 +663,8 @@ struct Written {
     digest: Sha256,
 }
 
-/// Writes the detached table's keys, sorted bytewise, to `partial`: one line
+/// Writes the detached table's keys (for a carve-out, but the `carried` ones), sorted bytewise,
+/// to `partial`: one line
 /// `{"policy","run_id","partition","item_key"}` each, read from one streamed statement.
 /// The keys are fetched on this task while a blocking thread hashes, formats and compresses the
 /// chunk before (PostgreSQL's sort and transfer overlap the compression). The retirement's lease
@@ -617,7 +673,7 @@ struct Written {
 async fn write_export(
     state: &AppState,
     tx: &mut sqlx::PgConnection,
-    rules: &RuleSet,
+    (rules, carried): (&RuleSet, Option<&[String]>),
     (r, token): (&Retirement, Uuid),
     partial: &Path,
 ) -> anyhow::Result<Written> {
@@ -668,12 +724,17 @@ async fn write_export(
         // The key text is computed once, as the sort key (sorting by the expression again under
         // another collation computed it twice: 40 % of the statement). Its rows go to the
         // writer CHUNK_KEYS at a time.
-        let sql = format!(
-            "select ({key}) collate \"C\" as item_key from {table} order by 1",
+        let mut q = QueryBuilder::<Postgres>::new(format!(
+            "select ({key}) collate \"C\" as item_key from {table}",
             key = rules.key_text_sql(),
             table = rules.table_sql()
-        );
-        let mut stream = sqlx::query_scalar::<_, String>(&sql).fetch(&mut *tx);
+        ));
+        if let Some(carried) = carried {
+            q.push(" where ");
+            carve::push_not_carried(&mut q, rules, carried);
+        }
+        q.push(" order by 1");
+        let mut stream = q.build_query_scalar::<String>().fetch(&mut *tx);
         let mut keys = Vec::with_capacity(CHUNK_KEYS);
         while let Some(key) = futures_util::TryStreamExt::try_next(&mut stream).await? {
             keys.push(key);
