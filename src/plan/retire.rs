@@ -48,6 +48,30 @@ pub(super) async fn choose(
         .fetch_optional(&mut *conn)
         .await?;
         let Some(parent) = parent else { continue };
+        let hidden: bool = sqlx::query_scalar("select row_security_active(to_regclass($1))")
+            .bind(&leaf.name)
+            .fetch_one(&mut *conn)
+            .await?;
+        if hidden {
+            // Its rows are counted, exported and copied by reading it by name: a policy would
+            // hide some from every one of those reads, and the drop would take them.
+            chosen.push(Chosen {
+                partition: leaf.name.clone(),
+                parent,
+                bound: leaf.bound.clone(),
+                timestamp_from: leaf.timestamp_from,
+                timestamp_to: to,
+                rows: 0,
+                kept: Some(
+                    "row security is active on it for this role (its own policies): a count or \
+                     an export of it could miss rows a drop would take; swept row by row"
+                        .into(),
+                ),
+                held_rows: None,
+                held: BTreeMap::new(),
+            });
+            continue;
+        }
         let scoped = rules.clone().in_partition(Some(constraint));
         // One scan of the leaf, its rows counted by class: NULL (retired), `younger` (at or
         // after the cutoff despite the bounds), `held:<reason>` (old enough, held by an
@@ -154,11 +178,15 @@ pub const CARVE_OUT_MAX_ROWS: i64 = 10_000;
 /// made `LIKE` it, with its owner, grants, row-level security, replica identity, storage
 /// options and publications, would not carry — triggers or foreign keys of its own (not
 /// cloned from its parent), rules, rows another table references through a foreign key (the
-/// detach would fail), or a foreign table.
+/// detach would fail), a foreign table, or row security active on it for this role (the copy
+/// would not see the rows its policies hide).
 pub async fn carve_refusal(conn: &mut PgConnection, leaf: &str) -> sqlx::Result<Option<String>> {
     sqlx::query_scalar(
         "select case
                   when c.relkind <> 'r' then 'it is not a plain table'
+                  when row_security_active(c.oid)
+                    then 'row security is active on it for this role: its policies would hide \
+                          rows from the copy'
                   when exists (select 1 from pg_trigger t
                                 where t.tgrelid = c.oid and not t.tgisinternal
                                   and t.tgparentid = 0)

@@ -278,6 +278,37 @@ async fn swap(
     Ok((detached, carried))
 }
 
+/// Carries over into the new partition the rows of a carved retirement's detached table held
+/// since the swap (not among its carried keys), and records their keys, in one transaction that
+/// locks the detached table against writes.
+pub(super) async fn carry_over(
+    state: &AppState,
+    r: &Retirement,
+    token: Uuid,
+    rules: &RuleSet,
+) -> anyhow::Result<()> {
+    let carried = r.carried_keys.as_deref().unwrap_or_default();
+    let mut tx = state.pool.begin().await?;
+    sqlx::query(&format!(
+        "lock table {} in share row exclusive mode",
+        rules.table_sql()
+    ))
+    .execute(&mut *tx)
+    .await?;
+    let more = copy_kept(&mut tx, rules, &r.parent, Some(carried)).await?;
+    if !ledger::retirements::add_carried(&mut tx, r, token, &more).await? {
+        bail!("the retirement's lease was lost; nothing is carried over");
+    }
+    tx.commit().await?;
+    info!(
+        run_id = r.run_id,
+        partition = r.partition,
+        carried = more.len(),
+        "rows held since the swap carried over into the new partition"
+    );
+    Ok(())
+}
+
 /// Copies the rows of `rules`' table the run must keep (held by an exclusion, not selected, not
 /// old enough, or with a key no item key names) into `into`; with `carried` (a detached table
 /// whose held rows were carved out), only those with a key not among the carried ones (a row
@@ -338,7 +369,8 @@ pub(super) fn push_not_carried(
 }
 
 /// Gives the new partition `new` what the old table `old` (now detached) had beyond `LIKE`: its
-/// owner, its table and column grants, row-level security and its policies, its indexes' names,
+/// owner, its comment and statistics targets, its table and column grants, row-level security
+/// and its policies, its indexes' names,
 /// its replica identity (the matching index for `USING INDEX`) and its publications.
 async fn faithful(tx: &mut PgConnection, old: &str, new: &str, owner: &str) -> anyhow::Result<()> {
     let mut statements: Vec<String> = sqlx::query_scalar(
@@ -351,6 +383,25 @@ async fn faithful(tx: &mut PgConnection, old: &str, new: &str, owner: &str) -> a
     .bind(owner)
     .fetch_all(&mut *tx)
     .await?;
+    // Its comment and its columns' statistics targets (`LIKE` copies neither).
+    statements.extend(
+        sqlx::query_scalar::<_, String>(
+            "select format('comment on table %s is %L', $2::text, d.description)
+               from pg_description d
+              where d.objoid = to_regclass($1) and d.classoid = 'pg_class'::regclass
+                and d.objsubid = 0
+             union all
+             select format('alter table %s alter column %I set statistics %s', $2::text,
+                           a.attname, a.attstattarget)
+               from pg_attribute a
+              where a.attrelid = to_regclass($1) and a.attnum > 0 and not a.attisdropped
+                and a.attstattarget >= 0",
+        )
+        .bind(old)
+        .bind(new)
+        .fetch_all(&mut *tx)
+        .await?,
+    );
     // Grants: the old table's ACL entry by entry (none when it has the defaults), its owner's
     // own entry first revoked so that the new one ends up the same.
     statements.extend(
@@ -440,23 +491,17 @@ async fn faithful(tx: &mut PgConnection, old: &str, new: &str, owner: &str) -> a
     let (olds, news): (Vec<String>, Vec<String>) = renames.into_iter().unzip();
     statements.extend(olds);
     statements.extend(news);
-    // Replica identity: the same kind; for an index, the new table's index of the same
-    // definition (`LIKE` names its copies after the new table).
+    // Replica identity: the same kind; for an index, the one of the same name (the renames
+    // above gave the new table's copy of it the old one's name).
     let identity: Option<String> = sqlx::query_scalar(
         "select case c.relreplident
                   when 'f' then format('alter table %s replica identity full', $2::text)
                   when 'n' then format('alter table %s replica identity nothing', $2::text)
                   when 'i' then (
                       select format('alter table %s replica identity using index %I', $2::text,
-                                    ni.relname)
-                        from pg_index oi
-                        join pg_index nx on nx.indrelid = to_regclass($2)
-                         and nx.indisunique = oi.indisunique
-                         and regexp_replace(pg_get_indexdef(nx.indexrelid), '^.* USING ', '')
-                             = regexp_replace(pg_get_indexdef(oi.indexrelid), '^.* USING ', '')
-                        join pg_class ni on ni.oid = nx.indexrelid
-                       where oi.indrelid = c.oid and oi.indisreplident
-                       limit 1)
+                                    oc.relname)
+                        from pg_index oi join pg_class oc on oc.oid = oi.indexrelid
+                       where oi.indrelid = c.oid and oi.indisreplident)
                 end
            from pg_class c where c.oid = to_regclass($1)",
     )

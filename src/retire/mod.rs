@@ -257,7 +257,7 @@ async fn drop_with_evidence(
         .context("partitions = \"drop\" needs ledger.audit_export_dir")?;
     let table = detached_table(r)?;
     let rules = rules_of(state, r).await?.on_table(table);
-    let mut carried = r.carried_keys.clone();
+    let carried = r.carried_keys.clone();
     let mut tx = state.pool.begin().await?;
     let exists: bool = sqlx::query_scalar("select to_regclass($1) is not null")
         .bind(rules.table_sql())
@@ -290,22 +290,18 @@ async fn drop_with_evidence(
     if kept > 0 {
         // An export an earlier try left (it crashed before its commit) stands for nothing.
         remove_export(&[&path, &partial]);
-        let Some(carried) = carried.as_mut() else {
-            return keep(tx, r, token, kept).await.map(|()| "kept".into());
-        };
-        // Carved: a row held since the swap (a related table's hold on a row now detached) is
-        // carried over too, into the new partition of its range, in this transaction.
-        let more = carve::copy_kept(&mut tx, &rules, &r.parent, Some(carried)).await?;
-        if !ledger::retirements::add_carried(&mut tx, r, token, &more).await? {
-            bail!("the retirement's lease was lost");
+        if carried.is_some() {
+            // Carved: a row held since the swap (a related table's hold on a row now detached)
+            // is carried over too, in a transaction of its own (it updates the retirement's
+            // row, which the lease's renewals update too); then this step is tried again.
+            tx.rollback().await?;
+            carve::carry_over(state, r, token, &rules).await?;
+            bail!(
+                "{kept} rows of the detached table were held since the swap: carried over into \
+                 the new partition; the drop is tried again"
+            );
         }
-        info!(
-            run_id = r.run_id,
-            partition = r.partition,
-            carried = more.len(),
-            "rows held since the swap carried over into the new partition"
-        );
-        carried.extend(more);
+        return keep(tx, r, token, kept).await.map(|()| "kept".into());
     }
     if !ledger::retirements::renew(&state.pool, r, token, lease).await? {
         bail!("the retirement's lease was lost");

@@ -2,6 +2,7 @@
 
 mod architecture;
 mod audit;
+mod carve_out;
 mod cli;
 mod command_states;
 mod common;

@@ -11,7 +11,7 @@ use sweeper::app::worker::{WorkerStep, run_one_command};
 use crate::common::*;
 use crate::partitioned::{PARTITIONED, PARTITIONED_POLICY, make_months};
 
-fn export_dir() -> std::path::PathBuf {
+pub(crate) fn export_dir() -> std::path::PathBuf {
     let dir =
         std::env::temp_dir().join(format!("sweeper-partition-export-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -20,17 +20,21 @@ fn export_dir() -> std::path::PathBuf {
 
 /// Monthly `demo.events` from January 2026, 40 events on the 15th of each of the first 9
 /// months, and event 1000 in March under a legal hold; the policy drops partitions.
-async fn spawn(dir: &std::path::Path) -> TestApp {
+pub(crate) async fn spawn(dir: &std::path::Path) -> TestApp {
     spawn_with(dir, "").await
 }
 
 /// [`spawn`], with `policy_extra` added to the policy.
-async fn spawn_with(dir: &std::path::Path, policy_extra: &str) -> TestApp {
+pub(crate) async fn spawn_with(dir: &std::path::Path, policy_extra: &str) -> TestApp {
     spawn_configured(dir, policy_extra, "").await
 }
 
 /// [`spawn`], with `policy_extra` added to the policy and `toml` to the configuration.
-async fn spawn_configured(dir: &std::path::Path, policy_extra: &str, toml: &str) -> TestApp {
+pub(crate) async fn spawn_configured(
+    dir: &std::path::Path,
+    policy_extra: &str,
+    toml: &str,
+) -> TestApp {
     let app = TestApp::spawn(Spawn {
         setup_sql: PARTITIONED,
         now: Some(at("2026-09-01T02:01:00Z")),
@@ -53,17 +57,17 @@ async fn spawn_configured(dir: &std::path::Path, policy_extra: &str, toml: &str)
     app
 }
 
-async fn count(pool: &PgPool, sql: &str) -> i64 {
+pub(crate) async fn count(pool: &PgPool, sql: &str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
 }
 
-async fn drain(app: &TestApp) {
+pub(crate) async fn drain(app: &TestApp) {
     while let WorkerStep::Ran(_) = run_one_command(&app.state).await.unwrap() {}
 }
 
 /// Triggers a run of `events` (`query`: the trigger's query string), plans it, executes its
 /// commands and waits until it is terminal; returns its id and `GET /runs/{id}`.
-async fn run_to_end(app: &TestApp, query: &str) -> (String, serde_json::Value) {
+pub(crate) async fn run_to_end(app: &TestApp, query: &str) -> (String, serde_json::Value) {
     let run_id = app.api.trigger_new("events", query).await;
     app.wait_planned(&run_id).await;
     drain(app).await;
@@ -72,7 +76,7 @@ async fn run_to_end(app: &TestApp, query: &str) -> (String, serde_json::Value) {
 }
 
 /// A run's partitions as `(partition, state)`, in the order `GET /runs/{id}` lists them.
-fn states(run: &serde_json::Value) -> Vec<(&str, &str)> {
+pub(crate) fn states(run: &serde_json::Value) -> Vec<(&str, &str)> {
     run["partitions"]
         .as_array()
         .unwrap()
@@ -86,7 +90,7 @@ fn states(run: &serde_json::Value) -> Vec<(&str, &str)> {
         .collect()
 }
 
-fn read_export(path: &str) -> Vec<serde_json::Value> {
+pub(crate) fn read_export(path: &str) -> Vec<serde_json::Value> {
     use std::io::BufRead;
     let gz = flate2::read::GzDecoder::new(std::fs::File::open(path).unwrap());
     std::io::BufReader::new(gz)
@@ -98,7 +102,7 @@ fn read_export(path: &str) -> Vec<serde_json::Value> {
 /// Checks a dropped partition's export against `GET /runs/{id}`'s entry `p`: the file's SHA-256,
 /// one line per row naming the policy, run and partition, the keys in bytewise order, and the
 /// digest of those keys, each followed by a newline.
-fn assert_verified_export(p: &serde_json::Value, run_id: &str) {
+pub(crate) fn assert_verified_export(p: &serde_json::Value, run_id: &str) {
     let location = p["export_location"].as_str().unwrap();
     let bytes = std::fs::read(location).unwrap();
     assert_eq!(

@@ -1,0 +1,378 @@
+//! The partition sweep, part 2 (issue 36): an expired partition with a few held rows is retired
+//! whole all the same — its held rows carved out into a new partition of the same range that
+//! takes its place, name and properties — and what happens around the swap: a held row the
+//! application updates while the swap waits keeps its update; a row put on hold between planning
+//! and the swap, or after the swap and before the drop, is carried over; a partition whose copy
+//! would lose something of its own is swept row by row instead.
+
+use sqlx::PgPool;
+
+use crate::common::*;
+use crate::partition_sweep::{
+    assert_verified_export, count, export_dir, read_export, spawn, spawn_with, states,
+};
+
+/// A role the carve-out tests grant to (roles are the cluster's: made once, kept).
+const READER: &str = "carve_out_reader";
+
+async fn make_reader(pool: &PgPool) {
+    sqlx::raw_sql(&format!(
+        "do $$ begin create role {READER}; exception when duplicate_object then null; end $$"
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// What a partition has beyond its rows, read from the catalog by name.
+async fn properties(pool: &PgPool, table: &str) -> serde_json::Value {
+    sqlx::query_scalar(
+        "select jsonb_build_object(
+                'owner', pg_get_userbyid(c.relowner),
+                'acl', c.relacl::text,
+                'column_acl', (select jsonb_object_agg(attname, attacl::text) from pg_attribute
+                                where attrelid = c.oid and attacl is not null),
+                'rls', c.relrowsecurity, 'force_rls', c.relforcerowsecurity,
+                'policies', (select jsonb_agg(jsonb_build_array(policyname, permissive, roles::text,
+                                                                cmd, qual, with_check)
+                                              order by policyname)
+                               from pg_policies where schemaname = 'demo' and tablename = $2),
+                'replica_identity', c.relreplident,
+                'replica_index', (select ic.relname from pg_index i join pg_class ic
+                                    on ic.oid = i.indexrelid
+                                   where i.indrelid = c.oid and i.indisreplident),
+                'indexes', (select jsonb_agg(indexname order by indexname) from pg_indexes
+                             where schemaname = 'demo' and tablename = $2),
+                'options', c.reloptions::text,
+                'comment', obj_description(c.oid, 'pg_class'),
+                'statistics', (select jsonb_object_agg(attname, attstattarget) from pg_attribute
+                                where attrelid = c.oid and attnum > 0 and attstattarget >= 0),
+                'publications', (select jsonb_agg(jsonb_build_array(pubname, rowfilter)
+                                                  order by pubname)
+                                   from pg_publication_tables
+                                  where schemaname = 'demo' and tablename = $2),
+                'attached', c.relispartition)
+           from pg_class c where c.oid = to_regclass($1)",
+    )
+    .bind(format!("demo.{table}"))
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// March holds event 1000 under a legal hold and has, besides its rows, grants on the table and
+/// on a column, row-level security forced with a policy, a replica identity on an index of its
+/// own, storage options, a comment, a statistics target and a publication with a row filter. The
+/// run drops it all the same: the new March has every one of them, under the same names, and the
+/// held event; the old table is gone; the export holds March's 40 other keys.
+#[tokio::test]
+async fn a_carved_partition_is_replaced_by_one_with_everything_it_had() {
+    let dir = export_dir();
+    let app = spawn(&dir).await;
+    make_reader(&app.pool).await;
+    sqlx::raw_sql(&format!(
+        "grant select on demo.events_2026_03 to {READER};
+         grant update (payload) on demo.events_2026_03 to {READER};
+         alter table demo.events_2026_03 enable row level security;
+         alter table demo.events_2026_03 force row level security;
+         create policy only_plain on demo.events_2026_03 as restrictive for select to {READER}
+             using (payload <> 'secret');
+         create unique index events_2026_03_by_time on demo.events_2026_03 (created_at, id);
+         alter table demo.events_2026_03 replica identity using index events_2026_03_by_time;
+         alter table demo.events_2026_03 set (fillfactor = 70, autovacuum_enabled = false);
+         comment on table demo.events_2026_03 is 'March, kept for the audit';
+         alter table demo.events_2026_03 alter column payload set statistics 500;
+         create publication march_feed for table demo.events_2026_03 where (payload <> 'secret');"
+    ))
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let before = properties(&app.pool, "events_2026_03").await;
+    let held_before: (i64, String) =
+        sqlx::query_as("select id, payload from demo.events where id = 1000")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+
+    let run_id = app.api.trigger_new("events", "").await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(run["deleted"], 200, "{run}");
+    let march = &run["partitions"][2];
+    assert_eq!(march["partition"], "demo.events_2026_03", "{run}");
+    assert_eq!(march["state"], "dropped", "{run}");
+    assert_eq!(march["rows"], 40, "{run}");
+    assert_eq!(march["carried_rows"], 1, "{run}");
+    assert_verified_export(march, &run_id);
+    let exported: Vec<String> = read_export(march["export_location"].as_str().unwrap())
+        .iter()
+        .map(|l| l["item_key"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(exported.len(), 40);
+    assert!(!exported.iter().any(|k| k.starts_with(r#"["1000","#)));
+
+    let after = properties(&app.pool, "events_2026_03").await;
+    assert_eq!(after, before, "the new March has what the old one had");
+    assert_eq!(after["attached"], true);
+    assert!(after["acl"].as_str().unwrap().contains(READER), "{after}");
+    assert_eq!(after["replica_index"], "events_2026_03_by_time", "{after}");
+    assert_eq!(
+        sqlx::query_as::<_, (i64, String)>("select id, payload from demo.events where id = 1000")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap(),
+        held_before
+    );
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_2026_03").await,
+        1
+    );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from pg_class where relname like 'sweeper\\_%'"
+        )
+        .await,
+        0,
+        "neither the old table nor a constraint or index of the swap's is left"
+    );
+    // A later run finds March all held: swept row by row, nothing carved again.
+    set_clock(&app.pool, at("2026-10-01T02:01:00Z")).await;
+    let second = app.api.trigger_new("events", "").await;
+    let run = app.wait_terminal(&second).await;
+    let march = run["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["partition"] == "demo.events_2026_03")
+        .unwrap();
+    assert_eq!(march["state"], "kept", "{run}");
+    assert!(
+        march["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("all of its 1 rows are kept"),
+        "{run}"
+    );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from demo.events where id = 1000"
+        )
+        .await,
+        1
+    );
+}
+
+/// The application updates March's held event in a transaction that stays open while the swap
+/// waits for its lock: once it commits, the swap copies the row as updated. The table has a
+/// default partition: the CHECK the swap adds to it is gone afterwards.
+#[tokio::test]
+async fn a_held_row_updated_while_the_swap_waits_keeps_its_update() {
+    let dir = export_dir();
+    // The pool's lock_timeout is the swap's: long enough for the test to commit in it.
+    let app =
+        crate::partition_sweep::spawn_configured(&dir, "", "[database]\nlock_timeout = \"30s\"\n")
+            .await;
+    // Beside a default partition the swap first proves the default holds none of March's range.
+    sqlx::query("create table demo.events_default partition of demo.events default")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    // An open transaction on any partition holds a lock on the parent (its partition constraint
+    // is read through it) that every detach waits for: March is the only expired month here.
+    sqlx::raw_sql(
+        "drop table demo.events_2026_01, demo.events_2026_02, demo.events_2026_04,
+                    demo.events_2026_05",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let mut app_tx = app.pool.begin().await.unwrap();
+    sqlx::query(
+        "update demo.events_2026_03 set payload = 'updated while the swap waits' where id = 1000",
+    )
+    .execute(&mut *app_tx)
+    .await
+    .unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    let waiting = "select count(*) from pg_locks
+                    where relation = 'demo.events_2026_03'::regclass and not granted
+                      and mode = 'ShareRowExclusiveLock'";
+    let started = std::time::Instant::now();
+    while count(&app.pool, waiting).await == 0 {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(30),
+            "the swap never waited for the application's lock"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    app_tx.commit().await.unwrap();
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(states(&run), [("demo.events_2026_03", "dropped")], "{run}");
+    let payload: String =
+        sqlx::query_scalar("select payload from demo.events_2026_03 where id = 1000")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(payload, "updated while the swap waits");
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from pg_constraint where conname like 'sweeper\\_%'"
+        )
+        .await,
+        0
+    );
+}
+
+/// March also has events 3001 and 3002. The guard holds the run after planning; event 3001 goes
+/// on hold meanwhile: the swap carries it over with event 1000. The export directory is blocked so
+/// the drop fails after the swap; event 3002 — now only in the detached table — goes on hold: the
+/// drop's retry carries it over too. None of the three is in the export; March's 40 others are.
+#[tokio::test]
+async fn rows_held_since_planning_or_since_the_swap_are_carried_over() {
+    let dir = export_dir();
+    let app = spawn_with(&dir, "guard = { max_items = 30 }\n").await;
+    sqlx::query(
+        "insert into demo.events values (3001, '2026-03-21', 'x'), (3002, '2026-03-22', 'x')",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    app.api
+        .wait_run(&run_id, "held for approval", |r| {
+            r["approval"]["state"] == "required"
+        })
+        .await;
+    sqlx::query("insert into legal.event_holds values (3001, null)")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    // The drop's export cannot be created: a directory stands where its partial file goes.
+    let blocker = dir.join(format!(
+        "sweeper-partition-events-{}-demo.events_2026_03.jsonl.gz.partial",
+        run_id.replace(':', "_")
+    ));
+    std::fs::create_dir_all(&blocker).unwrap();
+    app.api
+        .expect(
+            200,
+            reqwest::Method::POST,
+            &format!("/runs/{run_id}/approve"),
+            Some(serde_json::json!({"reason": "old months"})),
+        )
+        .await;
+    let run = app
+        .api
+        .wait_run(&run_id, "March carved, its drop failing", |r| {
+            r["partitions"].as_array().is_some_and(|ps| {
+                ps.iter().any(|p| {
+                    p["partition"] == "demo.events_2026_03"
+                        && p["state"] == "carved"
+                        && p["last_error"].is_string()
+                })
+            })
+        })
+        .await;
+    let march = run["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["partition"] == "demo.events_2026_03")
+        .unwrap()
+        .clone();
+    assert_eq!(march["carried_rows"], 2, "events 1000 and 3001: {run}");
+    assert_eq!(march["held_rows"], 1, "event 1000 at planning: {run}");
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_2026_03").await,
+        2
+    );
+    // Event 3002 is held now, while March's old rows wait detached.
+    sqlx::query("insert into legal.event_holds values (3002, null)")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    std::fs::remove_dir(&blocker).unwrap();
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    let march = run["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["partition"] == "demo.events_2026_03")
+        .unwrap();
+    assert_eq!(march["state"], "dropped", "{run}");
+    assert_eq!(march["carried_rows"], 3, "{run}");
+    assert_eq!(march["rows"], 40, "{run}");
+    assert_verified_export(march, &run_id);
+    let exported: Vec<String> = read_export(march["export_location"].as_str().unwrap())
+        .iter()
+        .map(|l| l["item_key"].as_str().unwrap().to_string())
+        .collect();
+    for id in ["3001", "3002", "1000"] {
+        assert!(
+            !exported
+                .iter()
+                .any(|k| k.starts_with(&format!("[\"{id}\","))),
+            "event {id} is not in the export"
+        );
+    }
+    let live: Vec<i64> = sqlx::query_scalar("select id from demo.events_2026_03 order by id")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(live, [1000, 3001, 3002]);
+    // January, February, April and May whole (160), and March's 40.
+    assert_eq!(run["deleted"], 200, "{run}");
+    assert_eq!(run["eligible_planned"], 200, "{run}");
+    assert_eq!(run["remaining_eligible"], 0, "{run}");
+}
+
+/// March with a trigger of its own (not its parent's): a copy would not carry it, so March is
+/// swept row by row with the reason; the held event stays and the others are deleted one by one.
+#[tokio::test]
+async fn a_partition_a_copy_would_change_is_swept_row_by_row() {
+    let dir = export_dir();
+    let app = spawn(&dir).await;
+    sqlx::raw_sql(
+        "create function demo.noop() returns trigger language plpgsql as
+             $$ begin return old; end $$;
+         create trigger march_only before delete on demo.events_2026_03
+             for each row execute function demo.noop();",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    app.wait_planned(&run_id).await;
+    crate::partition_sweep::drain(&app).await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    let march = &run["partitions"][2];
+    assert_eq!(march["state"], "kept", "{run}");
+    assert!(
+        march["reason"]
+            .as_str()
+            .unwrap()
+            .contains("a trigger of its own"),
+        "{run}"
+    );
+    assert_eq!(run["deleted"], 200, "{run}");
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from sweeper.audit_trail where outcome = 'deleted'"
+        )
+        .await,
+        40,
+        "March's rows are deleted row by row, each audited"
+    );
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_2026_03").await,
+        1
+    );
+}
