@@ -619,6 +619,7 @@ pub async fn manifests_holding(
         .into_iter()
         .map(
             |(mut detail, manifest_id, recorded_at, window, cutoff, version, state)| {
+                let carried = detail["carried_rows"].as_i64().unwrap_or(0) > 0;
                 let membership = match state.as_deref() {
                     Some("awaiting_drop") => {
                         "in the range of a partition detached and awaiting its drop (drop_grace); \
@@ -627,6 +628,11 @@ pub async fn manifests_holding(
                     Some("kept" | "gone") => {
                         "in the range of a partition detached and recorded, then not dropped by \
                          sweeper (see the run's partitions for why): the row may be live"
+                    }
+                    _ if carried => {
+                        "in the range of a dropped partition whose held rows were carried over \
+                         into a new partition of the same range; verify with the export (a \
+                         carried row is not in it, and is live)"
                     }
                     _ => "in the range of a dropped partition; verify with the export",
                 };

@@ -112,6 +112,26 @@ async fn a_carved_partition_is_replaced_by_one_with_everything_it_had() {
     assert_eq!(exported.len(), 40);
     assert!(!exported.iter().any(|k| k.starts_with(r#"["1000","#)));
 
+    // The held event's history: live in the new March, and the manifest of the old one says
+    // its carried rows are not in the export.
+    let h = app
+        .get_json(&format!(
+            "/policies/events/items/{}",
+            percent_encoding::utf8_percent_encode(
+                r#"["1000","2026-03-20T00:00:00Z"]"#,
+                percent_encoding::NON_ALPHANUMERIC
+            )
+        ))
+        .await;
+    let m = &h["dropped_partitions"][0];
+    assert_eq!(m["carried_rows"], 1, "{h}");
+    assert!(
+        m["membership"]
+            .as_str()
+            .unwrap()
+            .contains("a carried row is not in it, and is live"),
+        "{h}"
+    );
     let after = properties(&app.pool, "events_2026_03").await;
     assert_eq!(after, before, "the new March has what the old one had");
     assert_eq!(after["attached"], true);
