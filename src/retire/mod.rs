@@ -720,15 +720,27 @@ async fn write_export(
         // The key text is computed once, as the sort key (sorting by the expression again under
         // another collation computed it twice: 40 % of the statement). Its rows go to the
         // writer CHUNK_KEYS at a time.
-        let mut q = QueryBuilder::<Postgres>::new(format!(
+        let key_sql = format!(
             "select ({key}) collate \"C\" as item_key from {table}",
             key = rules.key_text_sql(),
             table = rules.table_sql()
-        ));
-        if let Some(carried) = carried {
-            q.push(" where ");
-            carve::push_not_carried(&mut q, rules, carried);
-        }
+        );
+        let mut q = match carried {
+            None => QueryBuilder::<Postgres>::new(key_sql),
+            // A carve-out's: the key text computed once here too, then filtered (`offset 0`
+            // keeps the subquery from being flattened, which computed it again in the filter:
+            // +58 % on a 250,000-row month).
+            Some(carried) => {
+                let mut q = QueryBuilder::<Postgres>::new(format!(
+                    "select item_key from ({key_sql} where "
+                ));
+                rules.push_has_key(&mut q);
+                q.push(" offset 0) k where not coalesce(item_key in (select unnest(");
+                q.push_bind(carried.to_vec());
+                q.push("::text[])), false)");
+                q
+            }
+        };
         q.push(" order by 1");
         let mut stream = q.build_query_scalar::<String>().fetch(&mut *tx);
         let mut keys = Vec::with_capacity(CHUNK_KEYS);
