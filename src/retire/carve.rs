@@ -339,14 +339,20 @@ pub(super) async fn copy_kept(
     into: &str,
     carried: Option<&[String]>,
 ) -> anyhow::Result<Vec<String>> {
+    // The columns the copy writes are the source's; whether a value for an identity column
+    // `GENERATED ALWAYS` needs `OVERRIDING SYSTEM VALUE` is the destination's (a partitioned
+    // table's identity is not its partitions': the carry-over writes through the parent).
     let (columns, overriding): (String, bool) = sqlx::query_as(
-        "select coalesce(string_agg(quote_ident(attname), ', ' order by attnum), ''),
-                coalesce(bool_or(attidentity = 'a'), false)
-           from pg_attribute
-          where attrelid = to_regclass($1) and attnum > 0 and not attisdropped
-            and attgenerated = ''",
+        "select coalesce(string_agg(quote_ident(s.attname), ', ' order by s.attnum), ''),
+                coalesce(bool_or(d.attidentity = 'a'), false)
+           from pg_attribute s
+           left join pg_attribute d
+             on d.attrelid = to_regclass($2) and d.attname = s.attname and not d.attisdropped
+          where s.attrelid = to_regclass($1) and s.attnum > 0 and not s.attisdropped
+            and s.attgenerated = ''",
     )
     .bind(rules.table_sql())
+    .bind(into)
     .fetch_one(&mut *tx)
     .await?;
     let mut q = QueryBuilder::<Postgres>::new(format!(

@@ -396,3 +396,92 @@ async fn a_partition_a_copy_would_change_is_swept_row_by_row() {
         1
     );
 }
+
+/// `demo.events` with an identity column `GENERATED ALWAYS` (the parent's own: its partitions
+/// have none) and a stored generated column.
+const WITH_IDENTITY: &str = "
+create schema demo;
+create schema legal;
+create table demo.events (
+    id bigint not null,
+    created_at timestamptz not null,
+    payload text,
+    seq bigint generated always as identity,
+    shout text generated always as (upper(payload)) stored,
+    primary key (id, created_at)
+) partition by range (created_at);
+create index on demo.events (created_at);
+create table legal.event_holds (
+    event_id bigint not null,
+    released_at timestamptz
+);
+create index on legal.event_holds (event_id);
+";
+
+/// The parent has an identity column `GENERATED ALWAYS` and a generated one. Event 3002 goes on
+/// hold after the swap, while the drop fails: its carry-over writes through the parent, keeping
+/// its identity value (the generated column computed again), and the drop's retry completes.
+#[tokio::test]
+async fn a_row_carried_over_through_a_parent_with_an_identity_keeps_its_values() {
+    let dir = export_dir();
+    let app = TestApp::spawn(Spawn {
+        setup_sql: WITH_IDENTITY,
+        now: Some(at("2026-09-01T02:01:00Z")),
+        policies: format!(
+            "{}partitions = \"drop\"\n",
+            crate::partitioned::PARTITIONED_POLICY
+        ),
+        extra_toml: format!("[ledger]\naudit_export_dir = \"{}\"\n", dir.display()),
+        workers: 0,
+    })
+    .await;
+    crate::partitioned::make_months(&app.pool, 10).await;
+    sqlx::raw_sql(
+        "insert into demo.events (id, created_at, payload)
+         select i, timestamptz '2026-01-15' + make_interval(months => m), 'x'
+           from generate_series(1, 40) i, generate_series(0, 8) m;
+         insert into demo.events (id, created_at, payload)
+         values (1000, '2026-03-20', 'held'), (3002, '2026-03-22', 'later');
+         insert into legal.event_holds values (1000, null);",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let held = "select id, seq, shout from demo.events where id in (1000, 3002) order by id";
+    let before: Vec<(i64, i64, String)> = sqlx::query_as(held).fetch_all(&app.pool).await.unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    let blocker = dir.join(format!(
+        "sweeper-partition-events-{}-demo.events_2026_03.jsonl.gz.partial",
+        run_id.replace(':', "_")
+    ));
+    std::fs::create_dir_all(&blocker).unwrap();
+    app.api
+        .wait_run(&run_id, "March carved, its drop failing", |r| {
+            r["partitions"].as_array().is_some_and(|ps| {
+                ps.iter().any(|p| {
+                    p["partition"] == "demo.events_2026_03"
+                        && p["state"] == "carved"
+                        && p["last_error"].is_string()
+                })
+            })
+        })
+        .await;
+    sqlx::query("insert into legal.event_holds values (3002, null)")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    std::fs::remove_dir(&blocker).unwrap();
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    let march = &run["partitions"][2];
+    assert_eq!(march["state"], "dropped", "{run}");
+    assert_eq!(march["carried_rows"], 2, "{run}");
+    assert_eq!(march["rows"], 40, "{run}");
+    assert_verified_export(march, &run_id);
+    let after: Vec<(i64, i64, String)> = sqlx::query_as(held).fetch_all(&app.pool).await.unwrap();
+    assert_eq!(after, before);
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_2026_03").await,
+        2
+    );
+}
