@@ -155,6 +155,9 @@ pub struct Retirement {
     pub detached_as: Option<String>,
     /// Once carved: the item keys of the rows carried over into the new partition.
     pub carried_keys: Option<Vec<String>>,
+    /// Once carved: the rows carried over into the new partition, those without a key an item
+    /// key names (copied by the swap, not among `carried_keys`) included.
+    pub carried_rows: Option<i64>,
     /// Claims so far, this one included.
     pub attempts: i32,
     /// The run's policy.
@@ -200,7 +203,8 @@ pub async fn claim(
                      for update of x skip locked)
           returning p.*)
          select c.run_id, c.partition, c.parent, c.bound, c.timestamp_from, c.timestamp_to,
-                c.rows, c.state, c.held_rows, c.detached_as, c.carried_keys, c.attempts,
+                c.rows, c.state, c.held_rows, c.detached_as, c.carried_keys, c.carried_rows,
+                c.attempts,
                 r.policy, r.policy_version, r.window_at, r.cutoff
            from c join sweeper.runs r using (run_id)"
     ))
@@ -253,19 +257,19 @@ pub async fn set_state(
 }
 
 /// Records, in the swap's transaction, that `r`'s held rows were carved out: the old table is
-/// detached as `detached_as` and the rows of `carried_keys` live on in the new partition.
-/// False when the lease was lost (the caller rolls the swap back).
+/// detached as `detached_as` and its `carried_rows` rows live on in the new partition: those of
+/// `carried_keys`, and those without a key an item key names. False when the lease was lost
+/// (the caller rolls the swap back).
 pub async fn record_carve(
     tx: &mut PgConnection,
     r: &Retirement,
     token: Uuid,
     detached_as: &str,
-    carried_keys: &[String],
+    (carried_keys, carried_rows): (&[String], i64),
 ) -> sqlx::Result<bool> {
     Ok(sqlx::query(
         "update sweeper.partition_retirements
-            set state = 'carved', detached_as = $4, carried_rows = cardinality($5::text[]),
-                carried_keys = $5
+            set state = 'carved', detached_as = $4, carried_rows = $6, carried_keys = $5
           where run_id = $1 and partition = $2 and lease_token = $3 and state = 'planned'",
     )
     .bind(&r.run_id)
@@ -273,6 +277,7 @@ pub async fn record_carve(
     .bind(token)
     .bind(detached_as)
     .bind(carried_keys)
+    .bind(carried_rows)
     .execute(tx)
     .await?
     .rows_affected()

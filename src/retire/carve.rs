@@ -119,7 +119,7 @@ pub(super) async fn carve(
     }
     let rules = super::rules_of(state, r).await?;
     let began = std::time::Instant::now();
-    let (detached, carried) = swap(state, r, token, &p, &rules).await?;
+    let (detached, carried, carried_rows) = swap(state, r, token, &p, &rules).await?;
     crate::crash_point!("carve_after_swap");
     info!(
         run_id = r.run_id,
@@ -132,6 +132,7 @@ pub(super) async fn carve(
     r.state = "carved".into();
     r.detached_as = Some(detached);
     r.carried_keys = Some(carried);
+    r.carried_rows = Some(carried_rows);
     Ok("carved".into())
 }
 
@@ -208,14 +209,15 @@ async fn exclude_from_default(
     Ok(())
 }
 
-/// The swap, in one transaction; returns the detached table's name and the carried rows' keys.
+/// The swap, in one transaction; returns the detached table's name, the carried rows' keys and
+/// how many rows were carried (those without a key included).
 async fn swap(
     state: &AppState,
     r: &Retirement,
     token: Uuid,
     p: &Partition,
     rules: &RuleSet,
-) -> anyhow::Result<(String, Vec<String>)> {
+) -> anyhow::Result<(String, Vec<String>, i64)> {
     let mut tx = state.pool.begin().await?;
     sqlx::query(&format!(
         "lock table {} in share row exclusive mode",
@@ -247,7 +249,8 @@ async fn swap(
     .await?;
     let old_table = TableName::parse(&r.partition.replace('"', ""))
         .map_err(|e| anyhow::anyhow!("the partition's name: {e}"))?;
-    let carried = copy_kept(&mut tx, &rules.clone().on_table(old_table), &new, None).await?;
+    let (copied, carried) =
+        copy_kept(&mut tx, &rules.clone().on_table(old_table), &new, None).await?;
     crate::crash_point!("carve_after_copy");
     sqlx::query(&format!(
         "alter table {} detach partition {}",
@@ -290,11 +293,11 @@ async fn swap(
         .execute(&mut *tx)
         .await?;
     }
-    if !ledger::retirements::record_carve(&mut tx, r, token, &detached, &carried).await? {
+    if !ledger::retirements::record_carve(&mut tx, r, token, &detached, (&carried, copied)).await? {
         bail!("the retirement's lease was lost; the swap is rolled back");
     }
     tx.commit().await?;
-    Ok((detached, carried))
+    Ok((detached, carried, copied))
 }
 
 /// Carries over into the new partition the rows of a carved retirement's detached table held
@@ -314,7 +317,7 @@ pub(super) async fn carry_over(
     ))
     .execute(&mut *tx)
     .await?;
-    let more = copy_kept(&mut tx, rules, &r.parent, Some(carried)).await?;
+    let (_, more) = copy_kept(&mut tx, rules, &r.parent, Some(carried)).await?;
     if !ledger::retirements::add_carried(&mut tx, r, token, &more).await? {
         bail!("the retirement's lease was lost; nothing is carried over");
     }
@@ -331,14 +334,14 @@ pub(super) async fn carry_over(
 /// Copies the rows of `rules`' table the run must keep (held by an exclusion, not selected, not
 /// old enough, or with a key no item key names) into `into`; with `carried` (a detached table
 /// whose held rows were carved out), only those with a key not among the carried ones (a row
-/// without a key was carried by the swap). Returns the item keys of the rows it copied that
-/// have one.
+/// without a key was carried by the swap). Returns how many rows it copied, and the item keys of
+/// those that have one.
 pub(super) async fn copy_kept(
     tx: &mut PgConnection,
     rules: &RuleSet,
     into: &str,
     carried: Option<&[String]>,
-) -> anyhow::Result<Vec<String>> {
+) -> anyhow::Result<(i64, Vec<String>)> {
     // The columns the copy writes are the source's; whether a value for an identity column
     // `GENERATED ALWAYS` needs `OVERRIDING SYSTEM VALUE` is the destination's (a partitioned
     // table's identity is not its partitions': the carry-over writes through the parent).
@@ -374,7 +377,7 @@ pub(super) async fn copy_kept(
     }
     q.push(format!(" returning {}", rules.key_text_sql()));
     let keys: Vec<Option<String>> = q.build_query_scalar().fetch_all(&mut *tx).await?;
-    Ok(keys.into_iter().flatten().collect())
+    Ok((keys.len() as i64, keys.into_iter().flatten().collect()))
 }
 
 /// Pushes that the row has a key and it is not among `carried`: the rows of a detached table

@@ -485,3 +485,56 @@ async fn a_row_carried_over_through_a_parent_with_an_identity_keeps_its_values()
         2
     );
 }
+
+/// March also has a row without a key an item key names (a NULL id): the swap carries it with
+/// event 1000, and it is not exported. With a grace, the old table holds the manifest's 40 rows
+/// and both carried ones: it is dropped once the grace has passed, not kept as changed.
+#[tokio::test]
+async fn with_a_grace_a_table_whose_row_without_a_key_was_carried_is_dropped() {
+    let dir = export_dir();
+    let app = spawn_with(&dir, "drop_grace = \"1h\"\n").await;
+    sqlx::raw_sql(
+        "alter table demo.events drop constraint events_pkey;
+         alter table demo.events alter column id drop not null;
+         create unique index events_key on demo.events (id, created_at);
+         insert into demo.events values (null, '2026-03-21', 'no key');",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    app.wait_planned(&run_id).await;
+    crate::partition_sweep::drain(&app).await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    let march = &run["partitions"][2];
+    assert_eq!(march["partition"], "demo.events_2026_03", "{run}");
+    assert_eq!(march["state"], "awaiting_drop", "{run}");
+    assert_eq!(march["rows"], 40, "{run}");
+    assert_eq!(march["carried_rows"], 2, "{run}");
+    assert_verified_export(march, &run_id);
+    set_clock(&app.pool, at("2026-09-01T03:05:00Z")).await;
+    let run = app
+        .api
+        .wait_run(&run_id, "past its grace", |r| {
+            r["partitions"]
+                .as_array()
+                .is_some_and(|ps| ps.iter().all(|p| p["state"] != "awaiting_drop"))
+        })
+        .await;
+    assert_eq!(run["partitions"][2]["state"], "dropped", "{run}");
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from pg_class where relname like 'sweeper\\_%'"
+        )
+        .await,
+        0
+    );
+    let live: Vec<Option<i64>> =
+        sqlx::query_scalar("select id from demo.events_2026_03 order by id")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(live, [Some(1000), None]);
+}
