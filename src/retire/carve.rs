@@ -90,12 +90,14 @@ pub(super) async fn carve(
     let pool = &state.pool;
     let mut conn = pool.acquire().await?;
     let Some(p) = partition(&mut conn, r).await? else {
+        release_default(&mut conn, r, None).await?;
         let why = "the partition was dropped or renamed outside sweeper before its retirement";
         ledger::retirements::set_state(&mut conn, r, token, "gone", Some(why)).await?;
         warn!(run_id = r.run_id, partition = r.partition, "{why}");
         return Ok("gone".into());
     };
     if !p.attached_as_planned {
+        release_default(&mut conn, r, Some(p.oid)).await?;
         let why = "the partition is no longer attached under its parent for the bound it was \
                    planned with (detached, moved or attached again): left as it is";
         drop_default_check(&mut conn, &p).await?;
@@ -104,6 +106,7 @@ pub(super) async fn carve(
         return Ok("gone".into());
     }
     if let Some(why) = crate::plan::carve_refusal(&mut conn, &r.partition).await? {
+        release_default(&mut conn, r, Some(p.oid)).await?;
         let why = format!(
             "its held rows cannot be carved out since planning: {why}; the next run sweeps it \
              row by row"
@@ -134,6 +137,43 @@ pub(super) async fn carve(
     r.carried_keys = Some(carried);
     r.carried_rows = Some(carried_rows);
     Ok("carved".into())
+}
+
+/// Drops from the default partition of `r`'s parent the `CHECK` an earlier try of this carve-out
+/// added ([`exclude_from_default`]) when the carve-out is abandoned: the one of partition `oid`,
+/// or, when the partition is gone (its oid unknown), any whose partition is no longer attached
+/// under the parent. Left there, it would refuse every row of the range the default partition
+/// must take once the partition is detached or dropped.
+async fn release_default(
+    conn: &mut PgConnection,
+    r: &Retirement,
+    oid: Option<i64>,
+) -> anyhow::Result<()> {
+    let statements: Vec<String> = sqlx::query_scalar(
+        "select format('alter table %s drop constraint %I', d.oid::regclass, k.conname)
+           from pg_inherits j join pg_class d on d.oid = j.inhrelid
+           join pg_constraint k on k.conrelid = d.oid
+          where j.inhparent = to_regclass($1)
+            and pg_get_expr(d.relpartbound, d.oid) = 'DEFAULT'
+            and k.conname ~ '^sweeper_carve_[0-9]+$'
+            and case when $2::bigint is not null
+                     then substr(k.conname, 15) = $2::bigint::text
+                     else not exists (select 1 from pg_inherits i
+                                       where i.inhparent = j.inhparent
+                                         and i.inhrelid::bigint::text = substr(k.conname, 15))
+                end",
+    )
+    .bind(&r.parent)
+    .bind(oid)
+    .fetch_all(&mut *conn)
+    .await?;
+    for s in statements {
+        sqlx::query(&s)
+            .execute(&mut *conn)
+            .await
+            .context("dropping the CHECK an earlier try added to the default partition")?;
+    }
+    Ok(())
 }
 
 /// The name of the `CHECK` on the default partition that keeps the carved range out of it.

@@ -538,3 +538,63 @@ async fn with_a_grace_a_table_whose_row_without_a_key_was_carried_is_dropped() {
             .unwrap();
     assert_eq!(live, [Some(1000), None]);
 }
+
+/// Beside a default partition, the swap's first try fails (an application transaction holds
+/// March's lock past the lock timeout) after the default got its `CHECK` excluding March's range;
+/// March gets a trigger of its own meanwhile, so the retry refuses the carve-out and keeps March.
+/// The `CHECK` goes too: once March is dropped by hand, a row of its range lands in the default.
+#[tokio::test]
+async fn a_carve_out_given_up_leaves_no_check_on_the_default_partition() {
+    let dir = export_dir();
+    let app =
+        crate::partition_sweep::spawn_configured(&dir, "", "[database]\nlock_timeout = \"1s\"\n")
+            .await;
+    sqlx::raw_sql(
+        "create table demo.events_default partition of demo.events default;
+         drop table demo.events_2026_01, demo.events_2026_02, demo.events_2026_04,
+                    demo.events_2026_05;
+         create function demo.noop() returns trigger language plpgsql as
+             $$ begin return new; end $$;",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let mut app_tx = app.pool.begin().await.unwrap();
+    sqlx::query("update demo.events_2026_03 set payload = 'y' where id = 5")
+        .execute(&mut *app_tx)
+        .await
+        .unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    app.api
+        .wait_run(&run_id, "its swap failing", |r| {
+            r["partitions"].as_array().is_some_and(|ps| {
+                ps.iter()
+                    .any(|p| p["partition"] == "demo.events_2026_03" && p["last_error"].is_string())
+            })
+        })
+        .await;
+    let checks = "select count(*) from pg_constraint where conname like 'sweeper\\_%'";
+    assert_eq!(count(&app.pool, checks).await, 1);
+    sqlx::query(
+        "create trigger own before insert on demo.events_2026_03
+             for each row execute function demo.noop()",
+    )
+    .execute(&mut *app_tx)
+    .await
+    .unwrap();
+    app_tx.commit().await.unwrap();
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(states(&run), [("demo.events_2026_03", "kept")], "{run}");
+    assert_eq!(count(&app.pool, checks).await, 0);
+    sqlx::raw_sql(
+        "drop table demo.events_2026_03;
+         insert into demo.events values (4000, '2026-03-25', 'late');",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_default").await,
+        1
+    );
+}
