@@ -108,6 +108,24 @@ pub async fn record_chosen(
     Ok(retiring)
 }
 
+/// The run whose carve-out of a partition of this name is still under way (`carved`: its old
+/// table, renamed, not dropped yet), if any. The unique index that keeps two runs from retiring
+/// one partition does not cover `carved` (the name then belongs to the new partition): planning
+/// asks here instead, so the new partition is not retired while the old one's drop may still
+/// carry rows over into it.
+pub async fn carve_under_way(
+    conn: &mut PgConnection,
+    partition: &str,
+) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar(
+        "select run_id from sweeper.partition_retirements
+          where partition = $1 and state = 'carved' limit 1",
+    )
+    .bind(partition)
+    .fetch_optional(conn)
+    .await
+}
+
 /// Keeps the retirements of `run_id` not begun (`planned`) when the run stops (`how`:
 /// `cancelled`, `superseded`), their rows taken out of its planned count; one whose detach began is
 /// left to the retirer, which finishes it. What a stopped run leaves is decided here, for both.

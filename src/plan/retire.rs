@@ -48,6 +48,19 @@ pub(super) async fn choose(
         .fetch_optional(&mut *conn)
         .await?;
         let Some(parent) = parent else { continue };
+        if let Some(run) =
+            crate::ledger::retirements::carve_under_way(&mut *conn, &leaf.name).await?
+        {
+            chosen.push(swept(
+                leaf,
+                parent,
+                format!(
+                    "run {run} carved its held rows out and has not dropped its old table yet: \
+                     swept row by row"
+                ),
+            ));
+            continue;
+        }
         let hidden: bool = sqlx::query_scalar("select row_security_active(to_regclass($1))")
             .bind(&leaf.name)
             .fetch_one(&mut *conn)
@@ -55,21 +68,13 @@ pub(super) async fn choose(
         if hidden {
             // Its rows are counted, exported and copied by reading it by name: a policy would
             // hide some from every one of those reads, and the drop would take them.
-            chosen.push(Chosen {
-                partition: leaf.name.clone(),
+            chosen.push(swept(
+                leaf,
                 parent,
-                bound: leaf.bound.clone(),
-                timestamp_from: leaf.timestamp_from,
-                timestamp_to: to,
-                rows: 0,
-                kept: Some(
-                    "row security is active on it for this role (its own policies): a count or \
-                     an export of it could miss rows a drop would take; swept row by row"
-                        .into(),
-                ),
-                held_rows: None,
-                held: BTreeMap::new(),
-            });
+                "row security is active on it for this role (its own policies): a count or an \
+                 export of it could miss rows a drop would take; swept row by row"
+                    .into(),
+            ));
             continue;
         }
         let scoped = rules.clone().in_partition(Some(constraint));
@@ -167,6 +172,21 @@ pub(super) async fn choose(
         });
     }
     Ok(chosen)
+}
+
+/// A leaf kept before it was counted, with the reason: swept row by row.
+fn swept(leaf: &Leaf, parent: String, reason: String) -> Chosen {
+    Chosen {
+        partition: leaf.name.clone(),
+        parent,
+        bound: leaf.bound.clone(),
+        timestamp_from: leaf.timestamp_from,
+        timestamp_to: leaf.timestamp_to.unwrap_or_default(),
+        rows: 0,
+        kept: Some(reason),
+        held_rows: None,
+        held: BTreeMap::new(),
+    }
 }
 
 /// The most held rows a carve-out copies. The copy runs while the partition is locked against

@@ -100,7 +100,6 @@ pub(super) async fn carve(
         release_default(&mut conn, r, Some(p.oid)).await?;
         let why = "the partition is no longer attached under its parent for the bound it was \
                    planned with (detached, moved or attached again): left as it is";
-        drop_default_check(&mut conn, &p).await?;
         ledger::retirements::set_state(&mut conn, r, token, "gone", Some(why)).await?;
         warn!(run_id = r.run_id, partition = r.partition, "{why}");
         return Ok("gone".into());
@@ -111,7 +110,6 @@ pub(super) async fn carve(
             "its held rows cannot be carved out since planning: {why}; the next run sweeps it \
              row by row"
         );
-        drop_default_check(&mut conn, &p).await?;
         ledger::retirements::set_state(&mut conn, r, token, "kept", Some(&why)).await?;
         warn!(run_id = r.run_id, partition = r.partition, "{why}");
         return Ok("kept".into());
@@ -179,23 +177,6 @@ async fn release_default(
 /// The name of the `CHECK` on the default partition that keeps the carved range out of it.
 fn default_check(p: &Partition) -> String {
     format!("sweeper_carve_{}", p.oid)
-}
-
-/// Drops the default partition's `CHECK` an earlier try of this carve-out left (it crashed or
-/// failed after validating it, before its swap), when the carve-out ends without a swap: once
-/// the range's partition is gone, that `CHECK` would refuse the range's rows the default should
-/// take. (A run cancelled between such a try and the next leaves it: `sweeper_carve_<oid>` on
-/// the default partition, safe to drop by hand.)
-async fn drop_default_check(conn: &mut PgConnection, p: &Partition) -> sqlx::Result<()> {
-    if let Some(default) = &p.default_partition {
-        sqlx::query(&format!(
-            "alter table {default} drop constraint if exists {}",
-            default_check(p)
-        ))
-        .execute(conn)
-        .await?;
-    }
-    Ok(())
 }
 
 /// Adds to the default partition a `CHECK` that no row of it falls in the partition's range,

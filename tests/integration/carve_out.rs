@@ -598,3 +598,52 @@ async fn a_carve_out_given_up_leaves_no_check_on_the_default_partition() {
         1
     );
 }
+
+/// While a carve-out's old table waits for its drop (here its export is blocked), a later run
+/// does not retire the new partition of that name (the drop may still carry rows into it): it
+/// is swept row by row, the reason naming the run. Once unblocked, the drop finishes.
+#[tokio::test]
+async fn a_partition_whose_carve_out_is_not_finished_is_not_retired_again() {
+    let dir = export_dir();
+    let app = spawn(&dir).await;
+    let run_id = "events:2026-09-01T02:00:00Z";
+    let blocker = dir.join(format!(
+        "sweeper-partition-events-{}-demo.events_2026_03.jsonl.gz.partial",
+        run_id.replace(':', "_")
+    ));
+    std::fs::create_dir_all(&blocker).unwrap();
+    assert_eq!(app.api.trigger_new("events", "").await, run_id);
+    app.api
+        .wait_run(run_id, "March carved, its drop failing", |r| {
+            r["partitions"].as_array().is_some_and(|ps| {
+                ps.iter().any(|p| {
+                    p["partition"] == "demo.events_2026_03"
+                        && p["state"] == "carved"
+                        && p["last_error"].is_string()
+                })
+            })
+        })
+        .await;
+    let (_, later) = crate::partition_sweep::run_to_end(&app, "?dry_run=true").await;
+    let march = later["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["partition"] == "demo.events_2026_03")
+        .unwrap();
+    assert_eq!(march["state"], "kept", "{later}");
+    assert!(
+        march["reason"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("run {run_id} carved its held rows out")),
+        "{later}"
+    );
+    std::fs::remove_dir(&blocker).unwrap();
+    let run = app.wait_terminal(run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_2026_03").await,
+        1
+    );
+}
