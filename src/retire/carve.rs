@@ -40,8 +40,6 @@ struct Partition {
     attached_as_planned: bool,
     /// Its partition constraint as PostgreSQL prints it.
     constraint: String,
-    /// Its owner, quoted.
-    owner: String,
     /// `unlogged` or empty.
     persistence: String,
     /// `with (...)` or empty.
@@ -60,7 +58,6 @@ async fn partition(conn: &mut PgConnection, r: &Retirement) -> sqlx::Result<Opti
                          and pg_get_expr(c.relpartbound, c.oid) = $3, false)
                     as attached_as_planned,
                 coalesce(pg_get_partition_constraintdef(c.oid), 'true') as constraint,
-                quote_ident(pg_get_userbyid(c.relowner)) as owner,
                 case when c.relpersistence = 'u' then 'unlogged' else '' end as persistence,
                 coalesce('with (' || array_to_string(c.reloptions, ', ') || ')', '') as options,
                 coalesce((select 'tablespace ' || quote_ident(t.spcname) from pg_tablespace t
@@ -295,7 +292,7 @@ async fn swap(
         .execute(&mut *tx)
         .await?;
     let new = format!("{}.{relname}", p.schema);
-    faithful(&mut tx, &detached, &new, &p.owner).await?;
+    faithful(&mut tx, &detached, &new).await?;
     sqlx::query(&format!(
         "alter table {} attach partition {new} {}",
         r.parent, r.bound
@@ -417,166 +414,22 @@ pub(super) fn push_not_carried(
     q.push("::text[])), false)");
 }
 
-/// Gives the new partition `new` what the old table `old` (now detached) had beyond `LIKE`: its
-/// owner, its comment and statistics targets, its table and column grants, row-level security
-/// and its policies, its indexes' names,
-/// its replica identity (the matching index for `USING INDEX`) and its publications.
-async fn faithful(tx: &mut PgConnection, old: &str, new: &str, owner: &str) -> anyhow::Result<()> {
-    let mut statements: Vec<String> = sqlx::query_scalar(
-        "select format('alter table %s owner to %s', $2::text, $3::text)
-          where (select relowner from pg_class where oid = to_regclass($1))
-                <> (select relowner from pg_class where oid = to_regclass($2))",
-    )
-    .bind(old)
-    .bind(new)
-    .bind(owner)
-    .fetch_all(&mut *tx)
-    .await?;
-    // Its comment and its columns' statistics targets (`LIKE` copies neither).
-    statements.extend(
-        sqlx::query_scalar::<_, String>(
-            "select format('comment on table %s is %L', $2::text, d.description)
-               from pg_description d
-              where d.objoid = to_regclass($1) and d.classoid = 'pg_class'::regclass
-                and d.objsubid = 0
-             union all
-             select format('alter table %s alter column %I set statistics %s', $2::text,
-                           a.attname, a.attstattarget)
-               from pg_attribute a
-              where a.attrelid = to_regclass($1) and a.attnum > 0 and not a.attisdropped
-                and a.attstattarget >= 0",
-        )
-        .bind(old)
-        .bind(new)
-        .fetch_all(&mut *tx)
-        .await?,
-    );
-    // Grants: the old table's ACL entry by entry (none when it has the defaults), its owner's
-    // own entry first revoked so that the new one ends up the same.
-    statements.extend(
-        sqlx::query_scalar::<_, String>(
-            "with o as (select oid, relacl, relowner from pg_class where oid = to_regclass($1))
-             select format('revoke all on %s from %s', $2::text,
-                           quote_ident(pg_get_userbyid(o.relowner)))
-               from o where o.relacl is not null
-             union all
-             select format('grant %s on %s to %s%s', a.privilege_type, $2::text,
-                           case when a.grantee = 0 then 'public'
-                                else quote_ident(pg_get_userbyid(a.grantee)) end,
-                           case when a.is_grantable then ' with grant option' else '' end)
-               from o, aclexplode(o.relacl) a
-             union all
-             select format('grant %s (%s) on %s to %s%s', a.privilege_type,
-                           quote_ident(t.attname), $2::text,
-                           case when a.grantee = 0 then 'public'
-                                else quote_ident(pg_get_userbyid(a.grantee)) end,
-                           case when a.is_grantable then ' with grant option' else '' end)
-               from pg_attribute t, aclexplode(t.attacl) a
-              where t.attrelid = to_regclass($1) and t.attacl is not null
-                and not t.attisdropped",
-        )
-        .bind(old)
-        .bind(new)
-        .fetch_all(&mut *tx)
-        .await?,
-    );
-    // Row-level security and its policies.
-    statements.extend(
-        sqlx::query_scalar::<_, String>(
-            "select format('alter table %s enable row level security', $2::text)
-               from pg_class where oid = to_regclass($1) and relrowsecurity
-             union all
-             select format('alter table %s force row level security', $2::text)
-               from pg_class where oid = to_regclass($1) and relforcerowsecurity
-             union all
-             select format('create policy %I on %s as %s for %s to %s%s%s', p.polname, $2::text,
-                           case when p.polpermissive then 'permissive' else 'restrictive' end,
-                           case p.polcmd when 'r' then 'select' when 'a' then 'insert'
-                                         when 'w' then 'update' when 'd' then 'delete'
-                                         else 'all' end,
-                           case when p.polroles = '{0}' then 'public'
-                                else (select string_agg(quote_ident(pg_get_userbyid(x)), ', ')
-                                        from unnest(p.polroles) x) end,
-                           coalesce(' using (' || pg_get_expr(p.polqual, p.polrelid) || ')', ''),
-                           coalesce(' with check (' || pg_get_expr(p.polwithcheck, p.polrelid)
-                                    || ')', ''))
-               from pg_policy p where p.polrelid = to_regclass($1)",
-        )
-        .bind(old)
-        .bind(new)
-        .fetch_all(&mut *tx)
-        .await?,
-    );
-    // Index names: each index of the new table takes the name of the old table's index of the
-    // same definition (`LIKE` named them after the new table), the old one renamed first.
-    let renames: Vec<(String, String)> = sqlx::query_as(
-        "with o as (
-             select c.oid, quote_ident(n.nspname) as schema, c.relname, i.indisunique,
-                    regexp_replace(pg_get_indexdef(i.indexrelid), '^.*? USING ', '') as def,
-                    row_number() over (partition by i.indisunique,
-                        regexp_replace(pg_get_indexdef(i.indexrelid), '^.*? USING ', '')
-                        order by c.oid) as nth
-               from pg_index i join pg_class c on c.oid = i.indexrelid
-               join pg_namespace n on n.oid = c.relnamespace
-              where i.indrelid = to_regclass($1)),
-         nw as (
-             select c.oid, quote_ident(n.nspname) as schema, c.relname, i.indisunique,
-                    regexp_replace(pg_get_indexdef(i.indexrelid), '^.*? USING ', '') as def,
-                    row_number() over (partition by i.indisunique,
-                        regexp_replace(pg_get_indexdef(i.indexrelid), '^.*? USING ', '')
-                        order by c.oid) as nth
-               from pg_index i join pg_class c on c.oid = i.indexrelid
-               join pg_namespace n on n.oid = c.relnamespace
-              where i.indrelid = to_regclass($2))
-         select format('alter index %s.%I rename to %I', o.schema, o.relname,
-                       'sweeper_retired_' || o.oid),
-                format('alter index %s.%I rename to %I', nw.schema, nw.relname, o.relname)
-           from o join nw using (indisunique, def, nth)",
-    )
-    .bind(old)
-    .bind(new)
-    .fetch_all(&mut *tx)
-    .await?;
-    let (olds, news): (Vec<String>, Vec<String>) = renames.into_iter().unzip();
-    statements.extend(olds);
-    statements.extend(news);
-    // Replica identity: the same kind; for an index, the one of the same name (the renames
-    // above gave the new table's copy of it the old one's name).
-    let identity: Option<String> = sqlx::query_scalar(
-        "select case c.relreplident
-                  when 'f' then format('alter table %s replica identity full', $2::text)
-                  when 'n' then format('alter table %s replica identity nothing', $2::text)
-                  when 'i' then (
-                      select format('alter table %s replica identity using index %I', $2::text,
-                                    oc.relname)
-                        from pg_index oi join pg_class oc on oc.oid = oi.indexrelid
-                       where oi.indrelid = c.oid and oi.indisreplident)
-                end
-           from pg_class c where c.oid = to_regclass($1)",
-    )
-    .bind(old)
-    .bind(new)
-    .fetch_one(&mut *tx)
-    .await?;
-    statements.extend(identity);
-    // Publications the old table was a member of by name (a publication of its parent, of its
-    // schema or of all tables covers the new one by itself), with a row filter where it had one.
-    statements.extend(
-        sqlx::query_scalar::<_, String>(
-            "select format('alter publication %I add table %s%s', p.pubname, $2::text,
-                           coalesce(' where (' || (to_jsonb(t) ->> 'rowfilter') || ')', ''))
-               from pg_publication_rel r join pg_publication p on p.oid = r.prpubid
-               left join pg_publication_tables t
-                 on t.pubname = p.pubname and t.schemaname = (select nspname from pg_namespace
-                       where oid = (select relnamespace from pg_class where oid = r.prrelid))
-                and t.tablename = (select relname from pg_class where oid = r.prrelid)
-              where r.prrelid = to_regclass($1)",
-        )
-        .bind(old)
-        .bind(new)
-        .fetch_all(&mut *tx)
-        .await?,
-    );
+/// Gives the new partition `new` what the old table `old` (now detached) had beyond `LIKE`, in
+/// this order: its owner, its comment and statistics targets, its table and column grants,
+/// row-level security and its policies, its indexes' names, its replica identity (by index name,
+/// after the renames) and its by-name publications. Each step is a query over the catalog (`$1`
+/// the old table, `$2` the new one) that writes the statements to run.
+async fn faithful(tx: &mut PgConnection, old: &str, new: &str) -> anyhow::Result<()> {
+    let mut statements = Vec::new();
+    for step in FAITHFUL {
+        statements.extend(
+            sqlx::query_scalar::<_, String>(step)
+                .bind(old)
+                .bind(new)
+                .fetch_all(&mut *tx)
+                .await?,
+        );
+    }
     for s in statements {
         sqlx::query(&s)
             .execute(&mut *tx)
@@ -585,3 +438,108 @@ async fn faithful(tx: &mut PgConnection, old: &str, new: &str, owner: &str) -> a
     }
     Ok(())
 }
+
+/// The indexes of table `$1` matched to those of table `$2` of the same definition (`LIKE` names
+/// its copies after the new table), as CTEs `o` and `nw`, for [`FAITHFUL`]'s renames.
+macro_rules! matched_indexes {
+    () => {
+        "
+    with ix as (
+        select i.indrelid, c.oid, quote_ident(n.nspname) as schema, c.relname, i.indisunique,
+               regexp_replace(pg_get_indexdef(i.indexrelid), '^.*? USING ', '') as def
+          from pg_index i join pg_class c on c.oid = i.indexrelid
+          join pg_namespace n on n.oid = c.relnamespace
+         where i.indrelid in (to_regclass($1), to_regclass($2))),
+    numbered as (
+        select ix.*, row_number() over (partition by indrelid, indisunique, def order by oid) as nth
+          from ix),
+    o as (select * from numbered where indrelid = to_regclass($1)),
+    nw as (select * from numbered where indrelid = to_regclass($2))"
+    };
+}
+
+/// The steps of [`faithful`], each a query writing statements.
+const FAITHFUL: [&str; 8] = [
+    // The owner.
+    "select format('alter table %s owner to %I', $2::text, pg_get_userbyid(o.relowner))
+       from pg_class o, pg_class n
+      where o.oid = to_regclass($1) and n.oid = to_regclass($2) and o.relowner <> n.relowner",
+    // The comment and the columns' statistics targets (`LIKE` copies neither).
+    "select format('comment on table %s is %L', $2::text, d.description)
+       from pg_description d
+      where d.objoid = to_regclass($1) and d.classoid = 'pg_class'::regclass and d.objsubid = 0
+     union all
+     select format('alter table %s alter column %I set statistics %s', $2::text, a.attname,
+                   a.attstattarget)
+       from pg_attribute a
+      where a.attrelid = to_regclass($1) and a.attnum > 0 and not a.attisdropped
+        and a.attstattarget >= 0",
+    // The grants, entry by entry, the table's and each column's (none when the table has the
+    // defaults), the owner's own entry first revoked so that the new one ends up the same.
+    "with o as (select oid, relacl, relowner from pg_class where oid = to_regclass($1)),
+          entries as (
+              select null::name as col, a.* from o, aclexplode(o.relacl) a
+              union all
+              select t.attname, a.* from pg_attribute t, aclexplode(t.attacl) a
+               where t.attrelid = to_regclass($1) and t.attacl is not null and not t.attisdropped)
+     select format('revoke all on %s from %I', $2::text, pg_get_userbyid(o.relowner))
+       from o where o.relacl is not null
+     union all
+     select format('grant %s%s on %s to %s%s', e.privilege_type,
+                   coalesce(' (' || quote_ident(e.col) || ')', ''), $2::text,
+                   case when e.grantee = 0 then 'public'
+                        else quote_ident(pg_get_userbyid(e.grantee)) end,
+                   case when e.is_grantable then ' with grant option' else '' end)
+       from entries e",
+    // Row-level security and its policies.
+    "select format('alter table %s enable row level security', $2::text)
+       from pg_class where oid = to_regclass($1) and relrowsecurity
+     union all
+     select format('alter table %s force row level security', $2::text)
+       from pg_class where oid = to_regclass($1) and relforcerowsecurity
+     union all
+     select format('create policy %I on %s as %s for %s to %s%s%s', p.polname, $2::text,
+                   case when p.polpermissive then 'permissive' else 'restrictive' end,
+                   case p.polcmd when 'r' then 'select' when 'a' then 'insert'
+                                 when 'w' then 'update' when 'd' then 'delete' else 'all' end,
+                   case when p.polroles = '{0}' then 'public'
+                        else (select string_agg(quote_ident(pg_get_userbyid(x)), ', ')
+                                from unnest(p.polroles) x) end,
+                   coalesce(' using (' || pg_get_expr(p.polqual, p.polrelid) || ')', ''),
+                   coalesce(' with check (' || pg_get_expr(p.polwithcheck, p.polrelid) || ')',
+                            ''))
+       from pg_policy p where p.polrelid = to_regclass($1)",
+    // The indexes' names: the old table's renamed away first ...
+    concat!(
+        matched_indexes!(),
+        " select format('alter index %s.%I rename to %I', o.schema, o.relname,
+                        'sweeper_retired_' || o.oid)
+            from o join nw using (indisunique, def, nth)"
+    ),
+    // ... then the new table's given them.
+    concat!(
+        matched_indexes!(),
+        " select format('alter index %s.%I rename to %I', nw.schema, nw.relname, o.relname)
+            from o join nw using (indisunique, def, nth)"
+    ),
+    // The replica identity: the same kind; for an index, the one of the same name (the renames
+    // above gave the new table's copy the old one's name).
+    "select format('alter table %s replica identity %s', $2::text,
+                   case c.relreplident when 'f' then 'full' when 'n' then 'nothing'
+                        else 'using index ' || quote_ident(
+                            (select oc.relname from pg_index oi
+                               join pg_class oc on oc.oid = oi.indexrelid
+                              where oi.indrelid = c.oid and oi.indisreplident)) end)
+       from pg_class c where c.oid = to_regclass($1) and c.relreplident in ('f', 'n', 'i')",
+    // Publications the old table was a member of by name (one of its parent, of its schema or
+    // of all tables covers the new one by itself), with its row filter where it had one.
+    "select format('alter publication %I add table %s%s', p.pubname, $2::text,
+                   coalesce(' where (' || (to_jsonb(t) ->> 'rowfilter') || ')', ''))
+       from pg_publication_rel r join pg_publication p on p.oid = r.prpubid
+       left join pg_publication_tables t
+         on t.pubname = p.pubname
+        and t.schemaname = (select nspname from pg_namespace
+                             where oid = (select relnamespace from pg_class where oid = r.prrelid))
+        and t.tablename = (select relname from pg_class where oid = r.prrelid)
+      where r.prrelid = to_regclass($1)",
+];

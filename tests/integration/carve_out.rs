@@ -61,8 +61,8 @@ async fn properties(pool: &PgPool, table: &str) -> serde_json::Value {
     .unwrap()
 }
 
-/// March holds event 1000 under a legal hold and has, besides its rows, grants on the table and
-/// on a column, row-level security forced with a policy, a replica identity on an index of its
+/// March holds event 1000 under a legal hold and has, besides its rows, an owner other than the
+/// parent's, grants on the table and on a column, row-level security forced with a policy, a replica identity on an index of its
 /// own, storage options, a comment, a statistics target and a publication with a row filter. The
 /// run drops it all the same: the new March has every one of them, under the same names, and the
 /// held event; the old table is gone; the export holds March's 40 other keys.
@@ -83,7 +83,8 @@ async fn a_carved_partition_is_replaced_by_one_with_everything_it_had() {
          alter table demo.events_2026_03 set (fillfactor = 70, autovacuum_enabled = false);
          comment on table demo.events_2026_03 is 'March, kept for the audit';
          alter table demo.events_2026_03 alter column payload set statistics 500;
-         create publication march_feed for table demo.events_2026_03 where (payload <> 'secret');"
+         create publication march_feed for table demo.events_2026_03 where (payload <> 'secret');
+         alter table demo.events_2026_03 owner to {READER};"
     ))
     .execute(&app.pool)
     .await
