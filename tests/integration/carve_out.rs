@@ -24,6 +24,42 @@ async fn make_reader(pool: &PgPool) {
     .unwrap();
 }
 
+/// Blocks the export of March's retirement by `run_id`: a directory stands where its partial
+/// file goes, so the drop fails after the swap. Remove the returned path to unblock it.
+fn block_march_export(dir: &std::path::Path, run_id: &str) -> std::path::PathBuf {
+    let blocker = dir.join(format!(
+        "sweeper-partition-events-{}-demo.events_2026_03.jsonl.gz.partial",
+        run_id.replace(':', "_")
+    ));
+    std::fs::create_dir_all(&blocker).unwrap();
+    blocker
+}
+
+/// Waits until `run_id` has carved March and its drop is failing; returns the run.
+async fn wait_march_carved_and_failing(app: &TestApp, run_id: &str) -> serde_json::Value {
+    app.api
+        .wait_run(run_id, "March carved, its drop failing", |r| {
+            r["partitions"].as_array().is_some_and(|ps| {
+                ps.iter().any(|p| {
+                    p["partition"] == "demo.events_2026_03"
+                        && p["state"] == "carved"
+                        && p["last_error"].is_string()
+                })
+            })
+        })
+        .await
+}
+
+/// March's entry in a run's `partitions`.
+fn march_of(run: &serde_json::Value) -> &serde_json::Value {
+    run["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["partition"] == "demo.events_2026_03")
+        .unwrap()
+}
+
 /// What a partition has beyond its rows, read from the catalog by name.
 async fn properties(pool: &PgPool, table: &str) -> serde_json::Value {
     sqlx::query_scalar(
@@ -162,12 +198,7 @@ async fn a_carved_partition_is_replaced_by_one_with_everything_it_had() {
     set_clock(&app.pool, at("2026-10-01T02:01:00Z")).await;
     let second = app.api.trigger_new("events", "").await;
     let run = app.wait_terminal(&second).await;
-    let march = run["partitions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["partition"] == "demo.events_2026_03")
-        .unwrap();
+    let march = march_of(&run);
     assert_eq!(march["state"], "kept", "{run}");
     assert!(
         march["reason"]
@@ -274,11 +305,7 @@ async fn rows_held_since_planning_or_since_the_swap_are_carried_over() {
         .await
         .unwrap();
     // The drop's export cannot be created: a directory stands where its partial file goes.
-    let blocker = dir.join(format!(
-        "sweeper-partition-events-{}-demo.events_2026_03.jsonl.gz.partial",
-        run_id.replace(':', "_")
-    ));
-    std::fs::create_dir_all(&blocker).unwrap();
+    let blocker = block_march_export(&dir, &run_id);
     app.api
         .expect(
             200,
@@ -287,25 +314,8 @@ async fn rows_held_since_planning_or_since_the_swap_are_carried_over() {
             Some(serde_json::json!({"reason": "old months"})),
         )
         .await;
-    let run = app
-        .api
-        .wait_run(&run_id, "March carved, its drop failing", |r| {
-            r["partitions"].as_array().is_some_and(|ps| {
-                ps.iter().any(|p| {
-                    p["partition"] == "demo.events_2026_03"
-                        && p["state"] == "carved"
-                        && p["last_error"].is_string()
-                })
-            })
-        })
-        .await;
-    let march = run["partitions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["partition"] == "demo.events_2026_03")
-        .unwrap()
-        .clone();
+    let run = wait_march_carved_and_failing(&app, &run_id).await;
+    let march = march_of(&run).clone();
     assert_eq!(march["carried_rows"], 2, "events 1000 and 3001: {run}");
     assert_eq!(march["held_rows"], 1, "event 1000 at planning: {run}");
     assert_eq!(
@@ -320,12 +330,7 @@ async fn rows_held_since_planning_or_since_the_swap_are_carried_over() {
     std::fs::remove_dir(&blocker).unwrap();
     let run = app.wait_terminal(&run_id).await;
     assert_eq!(run["status"], "completed", "{run}");
-    let march = run["partitions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["partition"] == "demo.events_2026_03")
-        .unwrap();
+    let march = march_of(&run);
     assert_eq!(march["state"], "dropped", "{run}");
     assert_eq!(march["carried_rows"], 3, "{run}");
     assert_eq!(march["rows"], 40, "{run}");
@@ -450,35 +455,23 @@ async fn a_row_carried_over_through_a_parent_with_an_identity_keeps_its_values()
     .unwrap();
     let held = "select id, seq, shout from demo.events where id in (1000, 3002) order by id";
     let before: Vec<(i64, i64, String)> = sqlx::query_as(held).fetch_all(&app.pool).await.unwrap();
-    let run_id = app.api.trigger_new("events", "").await;
-    let blocker = dir.join(format!(
-        "sweeper-partition-events-{}-demo.events_2026_03.jsonl.gz.partial",
-        run_id.replace(':', "_")
-    ));
-    std::fs::create_dir_all(&blocker).unwrap();
-    app.api
-        .wait_run(&run_id, "March carved, its drop failing", |r| {
-            r["partitions"].as_array().is_some_and(|ps| {
-                ps.iter().any(|p| {
-                    p["partition"] == "demo.events_2026_03"
-                        && p["state"] == "carved"
-                        && p["last_error"].is_string()
-                })
-            })
-        })
-        .await;
+    // Blocked before the trigger: the run's id is its window's.
+    let run_id = "events:2026-09-01T02:00:00Z";
+    let blocker = block_march_export(&dir, run_id);
+    assert_eq!(app.api.trigger_new("events", "").await, run_id);
+    wait_march_carved_and_failing(&app, run_id).await;
     sqlx::query("insert into legal.event_holds values (3002, null)")
         .execute(&app.pool)
         .await
         .unwrap();
     std::fs::remove_dir(&blocker).unwrap();
-    let run = app.wait_terminal(&run_id).await;
+    let run = app.wait_terminal(run_id).await;
     assert_eq!(run["status"], "completed", "{run}");
     let march = &run["partitions"][2];
     assert_eq!(march["state"], "dropped", "{run}");
     assert_eq!(march["carried_rows"], 2, "{run}");
     assert_eq!(march["rows"], 40, "{run}");
-    assert_verified_export(march, &run_id);
+    assert_verified_export(march, run_id);
     let after: Vec<(i64, i64, String)> = sqlx::query_as(held).fetch_all(&app.pool).await.unwrap();
     assert_eq!(after, before);
     assert_eq!(
@@ -608,30 +601,11 @@ async fn a_partition_whose_carve_out_is_not_finished_is_not_retired_again() {
     let dir = export_dir();
     let app = spawn(&dir).await;
     let run_id = "events:2026-09-01T02:00:00Z";
-    let blocker = dir.join(format!(
-        "sweeper-partition-events-{}-demo.events_2026_03.jsonl.gz.partial",
-        run_id.replace(':', "_")
-    ));
-    std::fs::create_dir_all(&blocker).unwrap();
+    let blocker = block_march_export(&dir, run_id);
     assert_eq!(app.api.trigger_new("events", "").await, run_id);
-    app.api
-        .wait_run(run_id, "March carved, its drop failing", |r| {
-            r["partitions"].as_array().is_some_and(|ps| {
-                ps.iter().any(|p| {
-                    p["partition"] == "demo.events_2026_03"
-                        && p["state"] == "carved"
-                        && p["last_error"].is_string()
-                })
-            })
-        })
-        .await;
+    wait_march_carved_and_failing(&app, run_id).await;
     let (_, later) = crate::partition_sweep::run_to_end(&app, "?dry_run=true").await;
-    let march = later["partitions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["partition"] == "demo.events_2026_03")
-        .unwrap();
+    let march = march_of(&later);
     assert_eq!(march["state"], "kept", "{later}");
     assert!(
         march["reason"]
