@@ -128,7 +128,9 @@ pub async fn carve_under_way(
 
 /// Keeps the retirements of `run_id` not begun (`planned`) when the run stops (`how`:
 /// `cancelled`, `superseded`), their rows taken out of its planned count; one whose detach began is
-/// left to the retirer, which finishes it. What a stopped run leaves is decided here, for both.
+/// left to the retirer, which finishes it, and so is a carve-out whose `CHECK` is on the default
+/// partition (kept, it would stay there, refusing the partition's range once the partition is
+/// gone). What a stopped run leaves is decided here, for both.
 pub async fn keep_not_begun(conn: &mut PgConnection, run_id: &str, how: &str) -> sqlx::Result<()> {
     sqlx::query(
         "with k as (
@@ -137,6 +139,10 @@ pub async fn keep_not_begun(conn: &mut PgConnection, run_id: &str, how: &str) ->
                     reason = 'the run was ' || $2 || ' before the partition was detached',
                     finished_at = sweeper.now()
               where run_id = $1 and state = 'planned'
+                and not (held_rows is not null
+                         and exists (select 1 from pg_constraint k
+                                      where k.conname = 'sweeper_carve_'
+                                            || to_regclass(partition)::oid::bigint::text))
              returning rows)
          update sweeper.runs set eligible_planned = eligible_planned - (select sum(rows) from k)
           where run_id = $1 and exists (select 1 from k)",

@@ -117,7 +117,28 @@ pub(super) async fn carve(
     }
     let rules = super::rules_of(state, r).await?;
     let began = std::time::Instant::now();
-    let (detached, carried, carried_rows) = swap(state, r, token, &p, &rules).await?;
+    let (detached, carried, carried_rows) = match swap(state, r, token, &p, &rules).await {
+        Ok(swapped) => swapped,
+        Err(e) => {
+            // A cancel that kept the retirement before its CHECK was on the default partition
+            // (so before the carve-out had begun) leaves it to no one else to drop.
+            if p.default_partition.is_some() {
+                let mut conn = pool.acquire().await?;
+                let state: Option<String> = sqlx::query_scalar(
+                    "select state from sweeper.partition_retirements
+                      where run_id = $1 and partition = $2",
+                )
+                .bind(&r.run_id)
+                .bind(&r.partition)
+                .fetch_optional(&mut *conn)
+                .await?;
+                if state.as_deref() != Some("planned") {
+                    release_default(&mut conn, r, Some(p.oid)).await?;
+                }
+            }
+            return Err(e);
+        }
+    };
     crate::crash_point!("carve_after_swap");
     info!(
         run_id = r.run_id,

@@ -622,3 +622,79 @@ async fn a_partition_whose_carve_out_is_not_finished_is_not_retired_again() {
         1
     );
 }
+
+/// Beside a default partition, March's swap keeps failing on a lock (an application transaction
+/// holds it) after the default got its `CHECK` excluding March's range, and the run is cancelled
+/// meanwhile: the carve-out has begun, so it is finished like a detach begun — March carved and
+/// its old table dropped — and the `CHECK` does not stay on the default partition.
+#[tokio::test]
+async fn a_run_cancelled_once_its_carve_out_began_leaves_no_check_on_the_default_partition() {
+    let dir = export_dir();
+    let app =
+        crate::partition_sweep::spawn_configured(&dir, "", "[database]\nlock_timeout = \"1s\"\n")
+            .await;
+    sqlx::raw_sql(
+        "create table demo.events_default partition of demo.events default;
+         drop table demo.events_2026_01, demo.events_2026_02, demo.events_2026_04,
+                    demo.events_2026_05;",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let mut app_tx = app.pool.begin().await.unwrap();
+    sqlx::query("update demo.events_2026_03 set payload = 'y' where id = 5")
+        .execute(&mut *app_tx)
+        .await
+        .unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    app.api
+        .wait_run(&run_id, "its swap failing", |r| {
+            r["partitions"].as_array().is_some_and(|ps| {
+                ps.iter()
+                    .any(|p| p["partition"] == "demo.events_2026_03" && p["last_error"].is_string())
+            })
+        })
+        .await;
+    let checks = "select count(*) from pg_constraint where conname like 'sweeper\\_%'";
+    assert_eq!(count(&app.pool, checks).await, 1);
+    app.api
+        .expect(
+            200,
+            reqwest::Method::POST,
+            &format!("/runs/{run_id}/cancel"),
+            Some(serde_json::json!({"reason": "not today"})),
+        )
+        .await;
+    app_tx.commit().await.unwrap();
+    let retirement = "select state from sweeper.partition_retirements where run_id = $1";
+    let mut state = String::new();
+    for _ in 0..150 {
+        state = sqlx::query_scalar(retirement)
+            .bind(&run_id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+        if state == "dropped" {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    assert_eq!(state, "dropped");
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_2026_03").await,
+        1,
+        "the held event, carved out"
+    );
+    assert_eq!(count(&app.pool, checks).await, 0);
+    sqlx::raw_sql(
+        "drop table demo.events_2026_03;
+         insert into demo.events values (4000, '2026-03-25', 'late');",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.events_default").await,
+        1
+    );
+}
