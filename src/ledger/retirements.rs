@@ -332,6 +332,17 @@ pub async fn add_carried(
         == 1)
 }
 
+/// Where `r` stands now (`None` when its row is gone).
+pub async fn state_of(conn: &mut PgConnection, r: &Retirement) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar(
+        "select state from sweeper.partition_retirements where run_id = $1 and partition = $2",
+    )
+    .bind(&r.run_id)
+    .bind(&r.partition)
+    .fetch_optional(conn)
+    .await
+}
+
 /// Renews the lease `token` holds on a retirement for `lease_seconds` from now; false when it was
 /// lost.
 pub async fn renew(

@@ -124,14 +124,7 @@ pub(super) async fn carve(
             // (so before the carve-out had begun) leaves it to no one else to drop.
             if p.default_partition.is_some() {
                 let mut conn = pool.acquire().await?;
-                let state: Option<String> = sqlx::query_scalar(
-                    "select state from sweeper.partition_retirements
-                      where run_id = $1 and partition = $2",
-                )
-                .bind(&r.run_id)
-                .bind(&r.partition)
-                .fetch_optional(&mut *conn)
-                .await?;
+                let state = ledger::retirements::state_of(&mut conn, r).await?;
                 if state.as_deref() != Some("planned") {
                     release_default(&mut conn, r, Some(p.oid)).await?;
                 }
