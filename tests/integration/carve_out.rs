@@ -60,6 +60,52 @@ fn march_of(run: &serde_json::Value) -> &serde_json::Value {
         .unwrap()
 }
 
+/// The test app with March the only expired month, beside a default partition (the swap first
+/// proves the default holds none of March's range), under `lock_timeout` (the swap's). An open
+/// transaction on any partition holds a lock on the parent (its partition constraint is read
+/// through it) that every detach waits for: with March alone, a test's open transaction on
+/// March meets March's swap first.
+async fn march_alone_beside_a_default(dir: &std::path::Path, lock_timeout: &str) -> TestApp {
+    let app = crate::partition_sweep::spawn_configured(
+        dir,
+        "",
+        &format!("[database]\nlock_timeout = \"{lock_timeout}\"\n"),
+    )
+    .await;
+    sqlx::raw_sql(
+        "create table demo.events_default partition of demo.events default;
+         drop table demo.events_2026_01, demo.events_2026_02, demo.events_2026_04,
+                    demo.events_2026_05;",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    app
+}
+
+/// Updates a row of March in a transaction left open, triggers a run and waits until March's
+/// swap failed on that row's lock (after its CHECK was added to the default partition); returns
+/// the open transaction and the run.
+async fn swap_failing_on_a_locked_row(
+    app: &TestApp,
+) -> (sqlx::Transaction<'static, sqlx::Postgres>, String) {
+    let mut app_tx = app.pool.begin().await.unwrap();
+    sqlx::query("update demo.events_2026_03 set payload = 'y' where id = 5")
+        .execute(&mut *app_tx)
+        .await
+        .unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    app.api
+        .wait_run(&run_id, "its swap failing", |r| {
+            r["partitions"].as_array().is_some_and(|ps| {
+                ps.iter()
+                    .any(|p| p["partition"] == "demo.events_2026_03" && p["last_error"].is_string())
+            })
+        })
+        .await;
+    (app_tx, run_id)
+}
+
 /// What a partition has beyond its rows, read from the catalog by name.
 async fn properties(pool: &PgPool, table: &str) -> serde_json::Value {
     sqlx::query_scalar(
@@ -224,23 +270,7 @@ async fn a_carved_partition_is_replaced_by_one_with_everything_it_had() {
 async fn a_held_row_updated_while_the_swap_waits_keeps_its_update() {
     let dir = export_dir();
     // The pool's lock_timeout is the swap's: long enough for the test to commit in it.
-    let app =
-        crate::partition_sweep::spawn_configured(&dir, "", "[database]\nlock_timeout = \"30s\"\n")
-            .await;
-    // Beside a default partition the swap first proves the default holds none of March's range.
-    sqlx::query("create table demo.events_default partition of demo.events default")
-        .execute(&app.pool)
-        .await
-        .unwrap();
-    // An open transaction on any partition holds a lock on the parent (its partition constraint
-    // is read through it) that every detach waits for: March is the only expired month here.
-    sqlx::raw_sql(
-        "drop table demo.events_2026_01, demo.events_2026_02, demo.events_2026_04,
-                    demo.events_2026_05",
-    )
-    .execute(&app.pool)
-    .await
-    .unwrap();
+    let app = march_alone_beside_a_default(&dir, "30s").await;
     let mut app_tx = app.pool.begin().await.unwrap();
     sqlx::query(
         "update demo.events_2026_03 set payload = 'updated while the swap waits' where id = 1000",
@@ -540,33 +570,15 @@ async fn with_a_grace_a_table_whose_row_without_a_key_was_carried_is_dropped() {
 #[tokio::test]
 async fn a_carve_out_given_up_leaves_no_check_on_the_default_partition() {
     let dir = export_dir();
-    let app =
-        crate::partition_sweep::spawn_configured(&dir, "", "[database]\nlock_timeout = \"1s\"\n")
-            .await;
+    let app = march_alone_beside_a_default(&dir, "1s").await;
     sqlx::raw_sql(
-        "create table demo.events_default partition of demo.events default;
-         drop table demo.events_2026_01, demo.events_2026_02, demo.events_2026_04,
-                    demo.events_2026_05;
-         create function demo.noop() returns trigger language plpgsql as
+        "create function demo.noop() returns trigger language plpgsql as
              $$ begin return new; end $$;",
     )
     .execute(&app.pool)
     .await
     .unwrap();
-    let mut app_tx = app.pool.begin().await.unwrap();
-    sqlx::query("update demo.events_2026_03 set payload = 'y' where id = 5")
-        .execute(&mut *app_tx)
-        .await
-        .unwrap();
-    let run_id = app.api.trigger_new("events", "").await;
-    app.api
-        .wait_run(&run_id, "its swap failing", |r| {
-            r["partitions"].as_array().is_some_and(|ps| {
-                ps.iter()
-                    .any(|p| p["partition"] == "demo.events_2026_03" && p["last_error"].is_string())
-            })
-        })
-        .await;
+    let (mut app_tx, run_id) = swap_failing_on_a_locked_row(&app).await;
     let checks = "select count(*) from pg_constraint where conname like 'sweeper\\_%'";
     assert_eq!(count(&app.pool, checks).await, 1);
     sqlx::query(
@@ -630,31 +642,8 @@ async fn a_partition_whose_carve_out_is_not_finished_is_not_retired_again() {
 #[tokio::test]
 async fn a_run_cancelled_once_its_carve_out_began_leaves_no_check_on_the_default_partition() {
     let dir = export_dir();
-    let app =
-        crate::partition_sweep::spawn_configured(&dir, "", "[database]\nlock_timeout = \"1s\"\n")
-            .await;
-    sqlx::raw_sql(
-        "create table demo.events_default partition of demo.events default;
-         drop table demo.events_2026_01, demo.events_2026_02, demo.events_2026_04,
-                    demo.events_2026_05;",
-    )
-    .execute(&app.pool)
-    .await
-    .unwrap();
-    let mut app_tx = app.pool.begin().await.unwrap();
-    sqlx::query("update demo.events_2026_03 set payload = 'y' where id = 5")
-        .execute(&mut *app_tx)
-        .await
-        .unwrap();
-    let run_id = app.api.trigger_new("events", "").await;
-    app.api
-        .wait_run(&run_id, "its swap failing", |r| {
-            r["partitions"].as_array().is_some_and(|ps| {
-                ps.iter()
-                    .any(|p| p["partition"] == "demo.events_2026_03" && p["last_error"].is_string())
-            })
-        })
-        .await;
+    let app = march_alone_beside_a_default(&dir, "1s").await;
+    let (app_tx, run_id) = swap_failing_on_a_locked_row(&app).await;
     let checks = "select count(*) from pg_constraint where conname like 'sweeper\\_%'";
     assert_eq!(count(&app.pool, checks).await, 1);
     app.api
