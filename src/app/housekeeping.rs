@@ -145,7 +145,7 @@ pub async fn complete_done_runs(state: &AppState) -> sqlx::Result<u64> {
             match crate::plan::run_rules(state, &mut conn, &named).await {
                 Ok(r) => Some(r),
                 Err(e) => {
-                    warn!(run_id, error = %e.message, "no closure check for this run: its rules cannot be built");
+                    warn!(run_id, error = %e.message(), "no closure check for this run: its rules cannot be built");
                     None
                 }
             }

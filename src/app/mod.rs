@@ -377,7 +377,7 @@ async fn release_leases(state: &AppState) {
                 "released leases of unfinished commands for other replicas"
             ),
             Err(f) => {
-                warn!(error = %f.message, "could not release leases; they expire on their own")
+                warn!(error = %f.message(), "could not release leases; they expire on their own")
             }
         }
     };

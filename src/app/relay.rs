@@ -11,7 +11,7 @@ use tracing::{info, warn};
 
 use super::job_lease::HeldJob;
 use crate::ledger;
-use crate::retry::Failure;
+use crate::retry::Setback;
 use crate::state::AppState;
 use crate::transport::{Outbound, PublishError, Publisher};
 
@@ -38,7 +38,7 @@ pub async fn relay_round(state: &AppState, publisher: &Publisher) -> Result<Roun
     let lease = HeldJob::take(state, &publisher.job())
         .await
         .map_err(|e| PublishError {
-            message: Failure::from_db(&e).message,
+            message: Setback::from_db(&e).message().to_string(),
             retry_after: None,
         })?;
     let Some(_lease) = lease else {
@@ -55,7 +55,7 @@ pub async fn relay_once(
     publisher: &Publisher,
 ) -> Result<(usize, usize), PublishError> {
     let db = |e: sqlx::Error| PublishError {
-        message: Failure::from_db(&e).message,
+        message: Setback::from_db(&e).message().to_string(),
         retry_after: None,
     };
     let due = ledger::outbox::due(

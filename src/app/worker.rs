@@ -13,7 +13,7 @@ use tracing::{debug, warn};
 use crate::execute::{self, Ended, Executor};
 use crate::ledger;
 use crate::ledger::commands::CommandTry;
-use crate::retry::Failure;
+use crate::retry::Setback;
 use crate::state::AppState;
 
 /// The actor recorded in audit rows written by built-in workers.
@@ -31,7 +31,7 @@ pub enum WorkerStep {
 /// Claims up to `limit` due built-in commands (pending and due, or leased with an expired
 /// lease) in one short transaction: each gets a lease owned by this replica and its attempt
 /// number, which fences everything its execution writes.
-pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<CommandTry>, Failure> {
+pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<CommandTry>, Setback> {
     ledger::queue::claim(
         &state.pool,
         state.replica_id,
@@ -40,12 +40,12 @@ pub async fn claim(state: &AppState, limit: i64) -> Result<Vec<CommandTry>, Fail
         &crate::holds::held_policies(state),
     )
     .await
-    .map_err(|e| Failure::from_db(&e))
+    .map_err(|e| Setback::from_db(&e))
 }
 
 /// Executes one claimed command (a "not now" is given back by the execution, without spending
 /// its attempt).
-async fn run_claimed(state: &AppState, claim: CommandTry) -> Result<Ended, Failure> {
+async fn run_claimed(state: &AppState, claim: CommandTry) -> Result<Ended, Setback> {
     crate::crash_point!("worker_after_claim");
     let command_id = claim.command_id().to_string();
     execute::execute(state, &command_id, Executor::Claimed(claim), BUILTIN_ACTOR).await
@@ -53,7 +53,7 @@ async fn run_claimed(state: &AppState, claim: CommandTry) -> Result<Ended, Failu
 
 /// Claims one due built-in command and executes it. Tests drive the queue deterministically
 /// through this.
-pub async fn run_one_command(state: &AppState) -> Result<WorkerStep, Failure> {
+pub async fn run_one_command(state: &AppState) -> Result<WorkerStep, Setback> {
     match claim(state, 1).await?.pop() {
         None => Ok(WorkerStep::Idle),
         Some(claim) => Ok(WorkerStep::Ran(run_claimed(state, claim).await?)),
@@ -74,10 +74,10 @@ async fn give_back(state: &AppState, claim: &CommandTry) {
 
 /// Gives back every command this replica still holds a lease on (after its workers stopped),
 /// without spending their attempts, so another replica picks them up at once. Returns how many.
-pub async fn release_own_leases(state: &AppState) -> Result<u64, Failure> {
+pub async fn release_own_leases(state: &AppState) -> Result<u64, Setback> {
     ledger::queue::release_all(&state.pool, state.replica_id)
         .await
-        .map_err(|e| Failure::from_db(&e))
+        .map_err(|e| Setback::from_db(&e))
 }
 
 /// One built-in worker: runs due commands until `shutdown`, then returns after its current
@@ -101,7 +101,7 @@ pub async fn worker_loop(state: AppState, worker_no: usize, shutdown: Cancellati
                     match run_claimed(&state, claim.clone()).await {
                         Ok(outcome) => debug!(worker_no, ?outcome, "command done"),
                         Err(f) => {
-                            warn!(worker_no, command_id, error = %f.message, "command step failed");
+                            warn!(worker_no, command_id, error = %f.message(), "command step failed");
                             give_back(&state, &claim).await;
                         }
                     }
@@ -109,7 +109,7 @@ pub async fn worker_loop(state: AppState, worker_no: usize, shutdown: Cancellati
                 continue;
             }
             Ok(_) => {}
-            Err(f) => warn!(worker_no, error = %f.message, "claim failed"),
+            Err(f) => warn!(worker_no, error = %f.message(), "claim failed"),
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,

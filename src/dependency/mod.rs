@@ -25,7 +25,7 @@ use url::{Host, Url};
 
 use crate::config::DurationSpec;
 use crate::policy::RetryConfig;
-use crate::retry::Failure;
+use crate::retry::{Failure, Setback};
 
 mod guard;
 mod limit;

@@ -87,7 +87,7 @@ impl Dependencies {
 
     /// How long dependency `name` stays paused, from a view at most a second old (one query per
     /// second per replica at most). `Err` when the ledger cannot be read.
-    pub async fn paused_for(&self, pool: &PgPool, name: &str) -> Result<Option<Duration>, Failure> {
+    pub async fn paused_for(&self, pool: &PgPool, name: &str) -> Result<Option<Duration>, Setback> {
         let mut view = self.pauses.lock().await;
         if view
             .fetched
@@ -101,7 +101,7 @@ impl Dependencies {
             )
             .fetch_all(pool)
             .await
-            .map_err(|e| Failure::from_db(&e))?;
+            .map_err(|e| Setback::from_db(&e))?;
             view.until = rows
                 .into_iter()
                 .map(|(d, s)| (d, fetched + Duration::from_secs_f64(s.max(0.0))))
@@ -123,10 +123,10 @@ impl Dependencies {
         name: &str,
         for_: Duration,
         reason: &str,
-    ) -> Result<(), Failure> {
+    ) -> Result<(), Setback> {
         crate::ledger::pauses::pause(pool, name, for_.as_secs_f64(), reason)
             .await
-            .map_err(|e| Failure::from_db(&e))?;
+            .map_err(|e| Setback::from_db(&e))?;
         let until = Instant::now() + for_;
         let mut view = self.pauses.lock().await;
         let e = view.until.entry(name.to_string()).or_insert(until);
@@ -140,7 +140,7 @@ impl Dependencies {
     /// in that order, so the pause is checked last before the call starts. A pause shorter than
     /// `pause_wait` is waited out (outside any transaction); a longer one is a throttled failure
     /// (the command snoozes until it ends).
-    pub async fn admit(&self, pool: &PgPool, rt: &Runtime) -> Result<Admitted, Failure> {
+    pub async fn admit(&self, pool: &PgPool, rt: &Runtime) -> Result<Admitted, Setback> {
         let permit = rt
             .calls
             .clone()
@@ -160,7 +160,7 @@ impl Dependencies {
                 r.burst.get(),
             )
             .await
-            .map_err(|e| Failure::from_db(&e))?;
+            .map_err(|e| Setback::from_db(&e))?;
             if wait > 0.0 {
                 tokio::time::sleep(Duration::from_secs_f64(wait)).await;
             }
@@ -182,7 +182,8 @@ impl Dependencies {
                             rt.spec.name,
                             left.as_secs_f64()
                         ),
-                    ));
+                    )
+                    .into());
                 }
             }
         }

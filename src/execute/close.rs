@@ -13,7 +13,7 @@ use super::{Counts, Loaded, Outcome, complete_after, finish_in_run, record_item_
 use crate::ledger::dead_letter::ItemDeadLetter;
 use crate::policy::ActionSpec;
 use crate::policy::action::Then;
-use crate::retry::Failure;
+use crate::retry::Setback;
 use crate::state::AppState;
 
 /// How the closing transaction ended.
@@ -30,8 +30,8 @@ pub(super) type Final = (String, Outcome, Option<String>, Option<String>);
 /// One item whose call succeeded: (item key, outcome, the answer's recorded fields).
 pub(super) type Called = (String, Outcome, Option<String>);
 
-fn db(e: sqlx::Error) -> Failure {
-    Failure::from_db(&e)
+fn db(e: sqlx::Error) -> Setback {
+    Setback::from_db(&e)
 }
 
 /// The closing transaction: row changes for called effects, effects closed, audit rows, item
@@ -46,7 +46,7 @@ pub(super) async fn close(
     complete: bool,
     actor: &str,
     started: Instant,
-) -> Result<Closed, Failure> {
+) -> Result<Closed, Setback> {
     let r = &l.rules;
     let mut tx = state.pool.begin().await.map_err(db)?;
     let ours = l
@@ -127,7 +127,7 @@ async fn apply_called(
     tx: &mut Transaction<'_, Postgres>,
     l: &Loaded,
     called: &[Called],
-) -> Result<Vec<Final>, Failure> {
+) -> Result<Vec<Final>, Setback> {
     let r = &l.rules;
     let keys: Vec<String> = called.iter().map(|(k, ..)| k.clone()).collect();
     let mut q: QueryBuilder<Postgres> = QueryBuilder::new(format!(

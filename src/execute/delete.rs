@@ -157,25 +157,28 @@ impl Run<'_> {
             .map(|c| c.to_string());
         match code.as_deref() {
             Some(LOCK_NOT_AVAILABLE) if !skip_locked => AttemptError::Locked,
-            Some(FOREIGN_KEY_VIOLATION) => AttemptError::Referenced(Failure::from_db(e)),
+            Some(FOREIGN_KEY_VIOLATION) => match Setback::from_db(e) {
+                Setback::Failed(f) => AttemptError::Referenced(f),
+                held => AttemptError::Failed(held),
+            },
             // A row of the command moved to another partition by an update the delete waited
             // on (PostgreSQL cannot follow it, even under READ COMMITTED): the moved row has a
             // new key, so the next attempt finds the old one gone. No attempt is spent.
             Some(SERIALIZATION_FAILURE) if moved_to_another_partition(e) => {
-                AttemptError::Failed(Failure::locked(
+                AttemptError::failed(Failure::locked(
                     Utc::now() + chrono::Duration::seconds(1),
                     format!(
                         "a row of the command moved to another partition while the delete waited on \
                      it; the command runs again ({})",
-                        Failure::from_db(e).message
+                        Setback::from_db(e).message()
                     ),
                 ))
             }
-            Some(DEADLOCK_DETECTED) => AttemptError::Failed(Failure::locked(
+            Some(DEADLOCK_DETECTED) => AttemptError::failed(Failure::locked(
                 Utc::now() + chrono::Duration::seconds(1),
                 format!(
                     "the delete deadlocked with another transaction and was rolled back ({})",
-                    Failure::from_db(e).message
+                    Setback::from_db(e).message()
                 ),
             )),
             _ => bulk_failed(e),
@@ -243,7 +246,7 @@ impl Run<'_> {
         }
         crate::metrics::attempt_committed(&l.policy, &decided.counts);
         let retry_after = self.state.config.consume.retry_after;
-        Err(AttemptError::Failed(Failure::locked(
+        Err(AttemptError::failed(Failure::locked(
             Utc::now() + retry_after.delta(),
             waiting_on_locks(undecided.len(), decided.keys.len(), &lockers),
         )))
@@ -322,10 +325,10 @@ impl Run<'_> {
                         // Its row moved to another partition (a new key): judged below, gone.
                         continue;
                     }
-                    let f = Failure::from_db(&e);
-                    if f.class != FailureClass::Permanent {
-                        return Err(AttemptError::Failed(f));
-                    }
+                    let f = match Setback::from_db(&e) {
+                        Setback::Failed(f) if f.class == FailureClass::Permanent => f,
+                        other => return Err(AttemptError::Failed(other)),
+                    };
                     if code.as_deref() == Some(FOREIGN_KEY_VIOLATION) {
                         referenced.insert(key.clone(), f.message);
                     } else {
@@ -529,11 +532,9 @@ fn dead_letters(failed: &[(String, String)]) -> Vec<ledger::dead_letter::ItemDea
 /// constraint — a DEFERRABLE foreign key or constraint trigger — at the commit) redoes the
 /// command item by item, with constraints immediate; the rest fails the attempt.
 fn bulk_failed(e: &sqlx::Error) -> AttemptError {
-    let f = Failure::from_db(e);
-    if f.class == FailureClass::Permanent {
-        AttemptError::BulkFailed(f)
-    } else {
-        AttemptError::Failed(f)
+    match Setback::from_db(e) {
+        Setback::Failed(f) if f.class == FailureClass::Permanent => AttemptError::BulkFailed(f),
+        other => AttemptError::Failed(other),
     }
 }
 
@@ -579,7 +580,7 @@ async fn lease_for_calls(
     let calling = ledger::calling_commands(&mut tx, &loaded.policy, command_id).await?;
     if calling >= cap {
         tx.rollback().await?;
-        return Err(AttemptError::Failed(Failure::throttled(
+        return Err(AttemptError::failed(Failure::throttled(
             Utc::now() + state.config.consume.retry_after.delta(),
             format!(
                 "policy {} already has {cap} commands calling (max_concurrent_commands)",

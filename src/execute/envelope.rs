@@ -20,7 +20,7 @@ pub async fn quarantine_envelope(
     sha256: &str,
     error: &str,
     subject: &str,
-) -> Result<i64, Failure> {
+) -> Result<i64, Setback> {
     let hash = sha256.to_string();
     let cut = &body[..body.len().min(RAW_BODY_LIMIT)];
     let raw = String::from_utf8_lossy(cut).replace('\0', "\u{FFFD}");
@@ -31,7 +31,7 @@ pub async fn quarantine_envelope(
     let id =
         ledger::dead_letter::quarantine_envelope(&state.pool, &reason, &raw, &hash, size as i64)
             .await
-            .map_err(|e| Failure::from_db(&e))?;
+            .map_err(|e| Setback::from_db(&e))?;
     crate::metrics::quarantined(FailureClass::Permanent);
     Ok(id)
 }

@@ -26,7 +26,7 @@ use super::close::{Called, Closed, Final, close};
 use crate::execute::{ConsumeOutcome, Ended, Loaded, Outcome, Overtaken, record_failure};
 use crate::ledger::outcome::Judgement;
 use crate::policy::ActionSpec;
-use crate::retry::{Failure, FailureClass};
+use crate::retry::{Failure, FailureClass, Setback};
 use crate::state::AppState;
 
 /// What the first statement decided for an item.
@@ -43,8 +43,8 @@ enum Decision {
     FailedOpen(String),
 }
 
-fn db(e: sqlx::Error) -> Failure {
-    Failure::from_db(&e)
+fn db(e: sqlx::Error) -> Setback {
+    Setback::from_db(&e)
 }
 
 fn parse_outcome(s: Option<&str>) -> Outcome {
@@ -62,7 +62,7 @@ async fn begin(
     l: &Loaded,
     command_id: &str,
     key: &str,
-) -> Result<Decision, Failure> {
+) -> Result<Decision, Setback> {
     let row = crate::ledger::effects::open(
         &state.pool,
         &l.rules,
@@ -138,7 +138,7 @@ pub(crate) async fn run(
     l: Loaded,
     actor: &str,
     started: Instant,
-) -> Result<Ended, Failure> {
+) -> Result<Ended, Setback> {
     let attempt = l.command.clone();
     let n = attempt.attempt().number();
     let dep = l.rules.action.dependency().unwrap_or_default().to_string();
@@ -146,7 +146,7 @@ pub(crate) async fn run(
         let f = Failure::permanent(format!(
             "dependency {dep} is not configured on this replica"
         ));
-        return record_failure(state, command_id, f, started, Some(attempt)).await;
+        return record_failure(state, command_id, f.into(), started, Some(attempt)).await;
     };
     // Items an earlier attempt of this command already finished (read by the gate).
     let finished = &l.finished;
@@ -159,7 +159,7 @@ pub(crate) async fn run(
     let mut finals: Vec<Final> = Vec::new();
     let mut called: Vec<Called> = Vec::new();
     let mut transient: Option<Failure> = None;
-    let mut stop: Option<Failure> = None;
+    let mut stop: Option<Setback> = None;
     let work = async {
         for key in l.keys.iter().filter(|k| !finished.contains(k)) {
             let decision = match begin(state, &l, command_id, key).await {
@@ -207,11 +207,12 @@ pub(crate) async fn run(
     };
     let deadline = state.config.consume.command_deadline;
     let timed_out = tokio::time::timeout(deadline.std(), work).await.is_err();
-    let unfinished = stop.or(transient).or_else(|| {
+    let unfinished = stop.or(transient.map(Setback::from)).or_else(|| {
         timed_out.then(|| {
             Failure::transient(format!(
                 "the command exceeded its deadline of {deadline}; finished items are kept"
             ))
+            .into()
         })
     });
 
@@ -251,8 +252,8 @@ enum ItemStep {
     Failed(String),
     /// This item is retried later; its neighbours go on.
     Transient(Failure),
-    /// The command stops here (throttled, a permanent failure, the ledger).
-    Stop(Failure),
+    /// The command stops here (throttled, a permanent failure, the ledger, a hold).
+    Stop(Setback),
 }
 
 /// One item's call, with what every call of the command shares.
@@ -362,14 +363,18 @@ impl Call<'_> {
                 {
                     return ItemStep::Stop(f);
                 }
-                ItemStep::Stop(Failure::throttled(
-                    chrono::Utc::now() + chrono::TimeDelta::milliseconds(pause.as_millis() as i64),
-                    format!("{reason}; paused for {:.1}s", pause.as_secs_f64()),
-                ))
+                ItemStep::Stop(
+                    Failure::throttled(
+                        chrono::Utc::now()
+                            + chrono::TimeDelta::milliseconds(pause.as_millis() as i64),
+                        format!("{reason}; paused for {:.1}s", pause.as_secs_f64()),
+                    )
+                    .into(),
+                )
             }
             CallResult::Failed(f) if f.class == FailureClass::Permanent => {
                 crate::metrics::dependency_call(dep, "permanent");
-                ItemStep::Stop(f)
+                ItemStep::Stop(f.into())
             }
             CallResult::Failed(f) => {
                 crate::metrics::dependency_call(dep, "transient");

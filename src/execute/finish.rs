@@ -1,6 +1,6 @@
 //! Finishing a command: its result added to the run (and the closure check when it completes
-//! the run), item dead letters, and the one step every failed try goes through — the decision of
-//! [`crate::retry::decide`], applied as a hold, a quarantine or the next attempt.
+//! the run), item dead letters, and the one step every try that stopped goes through — a hold,
+//! or the decision of [`crate::retry::decide`], applied as a quarantine or the next attempt.
 
 use super::*;
 
@@ -94,9 +94,10 @@ pub(crate) async fn record_item_dead_letters(
     }
 }
 
-/// After a failed try (rolled back): snooze, retry later, or quarantine — committed either way,
-/// with an attempt row for the history.
+/// After a try that stopped (rolled back): hold, snooze, retry later, or quarantine — committed
+/// either way, a failure with an attempt row for the history.
 ///
+/// * held: not a failure; given back without spending anything ([`hold_command`]).
 /// * `throttled`: a snooze. It spends no attempt but counts against `max_age`.
 /// * `transient`: the attempt is spent; retried after full-jitter backoff, or quarantined once
 ///   `max_attempts` or `max_age` is spent.
@@ -109,16 +110,17 @@ pub(crate) async fn record_item_dead_letters(
 pub(crate) async fn record_failure(
     state: &AppState,
     command_id: &str,
-    f: Failure,
+    setback: Setback,
     started: Instant,
     tried: Option<ledger::commands::CommandTry>,
-) -> Result<Ended, Failure> {
-    let db = |e: sqlx::Error| Failure::from_db(&e);
+) -> Result<Ended, Setback> {
+    let db = |e: sqlx::Error| Setback::from_db(&e);
     // Only a delivery is without a try: it failed before the gate let it run.
     let Some(command) = tried else {
-        return busy(state, command_id, f).await;
+        return busy(state, command_id, &setback).await;
     };
-    if f.class == FailureClass::Held(HoldKind::Schema)
+    if let Setback::Held { kind, .. } = &setback
+        && *kind == HoldKind::Schema
         && let Some(p) = state.config.policy_by_command(command_id)
     {
         // The target's schema does not match: read its columns afresh at the next try.
@@ -126,7 +128,7 @@ pub(crate) async fn record_failure(
     }
     let mut tx = state.pool.begin().await.map_err(db)?;
     let Some(row) = command.lock_after_failure(&mut tx).await.map_err(db)? else {
-        return Err(f);
+        return Err(setback);
     };
     let ledger::commands::FailedRow {
         state: cmd_state,
@@ -157,6 +159,19 @@ pub(crate) async fn record_failure(
             },
         });
     }
+    let f = match setback {
+        // Held: nothing is spent, never a quarantine.
+        Setback::Held { kind, why } => {
+            let hold = super::Hold {
+                kind,
+                why,
+                command: command.clone(),
+                recheck: None,
+            };
+            return hold_command(state, tx, command_id, hold).await;
+        }
+        Setback::Failed(f) => f,
+    };
     let budget = state
         .config
         .policy(&policy)
@@ -180,15 +195,6 @@ pub(crate) async fn record_failure(
         elapsed,
     };
     match decision {
-        Decision::Hold { kind, .. } => {
-            let hold = super::Hold {
-                kind,
-                why: f.message.clone(),
-                command: command.clone(),
-                recheck: None,
-            };
-            hold_command(state, tx, command_id, hold).await
-        }
         Decision::Quarantine { attempts, reason } => {
             quarantine_command(state, tx, failed(attempts), f.class, reason).await
         }
@@ -203,20 +209,20 @@ pub(crate) async fn record_failure(
 /// A delivery that failed before it could lock its command row executed nothing: not an
 /// attempt. If the ledger answers, the row was busy (a concurrent delivery executing it, a lock
 /// or deadline wait): a "not now", not an unreachable ledger (docs/design.md §5).
-async fn busy(state: &AppState, command_id: &str, f: Failure) -> Result<Ended, Failure> {
+async fn busy(state: &AppState, command_id: &str, setback: &Setback) -> Result<Ended, Setback> {
     let answers = sqlx::query("select 1 from sweeper.commands where command_id = $1")
         .bind(command_id)
         .fetch_optional(&state.pool)
         .await
         .is_ok();
     if !answers {
-        return Err(f);
+        return Err(setback.clone());
     }
     Ok(ConsumeOutcome::NotNow {
         reason: format!(
             "the command is busy (another delivery may be executing it; {}); nothing was \
              recorded, retry later",
-            f.class.as_str()
+            setback.name()
         ),
         retry_after_seconds: state.config.consume.retry_after.seconds() as u64,
     })
@@ -259,8 +265,8 @@ pub(super) async fn hold_command(
         command,
         recheck,
     }: super::Hold,
-) -> Result<Ended, Failure> {
-    let db = |e: sqlx::Error| Failure::from_db(&e);
+) -> Result<Ended, Setback> {
+    let db = |e: sqlx::Error| Setback::from_db(&e);
     let recheck = recheck
         .unwrap_or_else(|| state.config.hold_recheck_seconds())
         .max(1);
@@ -287,8 +293,8 @@ async fn quarantine_command(
     c: Failed<'_>,
     class: FailureClass,
     reason: String,
-) -> Result<Ended, Failure> {
-    let db = |e: sqlx::Error| Failure::from_db(&e);
+) -> Result<Ended, Setback> {
+    let db = |e: sqlx::Error| Setback::from_db(&e);
     c.command
         .quarantine(&mut tx, &c.recorded(&reason, class.as_str()))
         .await
@@ -323,8 +329,8 @@ async fn schedule_retry(
     f: &Failure,
     delay: f64,
     snooze: bool,
-) -> Result<Ended, Failure> {
-    let db = |e: sqlx::Error| Failure::from_db(&e);
+) -> Result<Ended, Setback> {
+    let db = |e: sqlx::Error| Setback::from_db(&e);
     c.command
         .schedule_retry(
             &mut tx,

@@ -195,7 +195,7 @@ fn gate(
         let n = claim.attempt().number();
         // Claims count attempts even when the worker dies before recording a result, so a
         // command that keeps killing or hanging its workers still ends in quarantine.
-        return Err(AttemptError::Failed(Failure::transient(format!(
+        return Err(AttemptError::failed(Failure::transient(format!(
             "attempt {n} is past max_attempts {}: earlier attempts ended without a result \
              (their worker crashed, was killed or hung)",
             p.retry.max_attempts
@@ -227,7 +227,7 @@ fn gate(
         }
     };
     if !c.slot_free {
-        return Err(AttemptError::Failed(Failure::throttled(
+        return Err(AttemptError::failed(Failure::throttled(
             Utc::now() + state.config.consume.retry_after.delta(),
             format!(
                 "policy {policy} already runs {max_concurrent} commands (max_concurrent_commands)"
@@ -323,6 +323,6 @@ async fn rules_for(
         &table,
         state.checked_types.get(&c.policy),
     )
-    .map_err(|held| AttemptError::Failed(held.into_failure()))?
+    .map_err(|held| AttemptError::Failed(held.into()))?
     .with_effects(&c.policy, &c.run_id))
 }

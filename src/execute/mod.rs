@@ -30,7 +30,7 @@ use tracing::{info, warn};
 
 use crate::ledger;
 use crate::policy::RuleSet;
-use crate::retry::{Decision, Failure, FailureClass, HoldKind};
+use crate::retry::{Decision, Failure, FailureClass, HoldKind, Setback};
 use crate::state::AppState;
 
 pub use crate::transport::Envelope;
@@ -278,7 +278,7 @@ pub async fn deliver(
     command_id: &str,
     push: bool,
     actor: &str,
-) -> Result<ConsumeOutcome, Failure> {
+) -> Result<ConsumeOutcome, Setback> {
     execute(state, command_id, Executor::Delivery { push }, actor)
         .await
         .map(Ended::for_delivery)
@@ -294,7 +294,7 @@ pub async fn execute(
     command_id: &str,
     executor: Executor,
     actor: &str,
-) -> Result<Ended, Failure> {
+) -> Result<Ended, Setback> {
     let started = Instant::now();
     // The try whose failure would be recorded: a claim's from the start; a delivery's once the
     // gate let it run (see `load::load`).
@@ -307,7 +307,7 @@ pub async fn execute(
     if let Executor::Delivery { .. } = executor {
         let terminal = crate::ledger::terminal_state(&state.pool, command_id)
             .await
-            .map_err(|e| Failure::from_db(&e))?;
+            .map_err(|e| Setback::from_db(&e))?;
         if let Some(state) = terminal {
             return Ok(ConsumeOutcome::Duplicate {
                 command_id: command_id.to_string(),
@@ -335,10 +335,13 @@ pub async fn execute(
         )
         .await
         .unwrap_or_else(|_| {
-            Err(AttemptError::Failed(Failure::transient(format!(
-                "the command exceeded its deadline of {}",
-                state.config.consume.command_deadline
-            ))))
+            Err(AttemptError::Failed(
+                Failure::transient(format!(
+                    "the command exceeded its deadline of {}",
+                    state.config.consume.command_deadline
+                ))
+                .into(),
+            ))
         });
         match result {
             Ok(Attempted::Done(outcome)) => {
@@ -370,9 +373,11 @@ pub async fn execute(
                 );
                 mode = delete::Mode::SkipLocked;
             }
-            Err(AttemptError::BulkFailed(f))
-            | Err(AttemptError::Referenced(f))
-            | Err(AttemptError::Failed(f)) => {
+            Err(AttemptError::BulkFailed(f)) | Err(AttemptError::Referenced(f)) => {
+                let outcome = record_failure(state, command_id, f.into(), started, tried).await?;
+                return settle(state, command_id, &executor, outcome).await;
+            }
+            Err(AttemptError::Failed(f)) => {
                 let outcome = record_failure(state, command_id, f, started, tried).await?;
                 return settle(state, command_id, &executor, outcome).await;
             }
@@ -391,7 +396,7 @@ async fn settle(
     command_id: &str,
     executor: &Executor,
     outcome: Ended,
-) -> Result<Ended, Failure> {
+) -> Result<Ended, Setback> {
     let outcome = match (executor, outcome) {
         (Executor::Delivery { .. }, ConsumeOutcome::Stale(Overtaken)) => overtaken_delivery(),
         (_, outcome) => outcome,
@@ -418,7 +423,7 @@ async fn settle(
         }
         Executor::Delivery { push: false } => Ok(()),
     };
-    committed.map_err(|e| Failure::from_db(&e))?;
+    committed.map_err(|e| Setback::from_db(&e))?;
     Ok(outcome)
 }
 
@@ -432,7 +437,7 @@ const PACE_WAIT_IN_PROCESS_SECONDS: f64 = 2.0;
 /// [`PACE_WAIT_IN_PROCESS_SECONDS`] away; returns the seconds to a later one (the gate then
 /// holds the command until it), else 0. Skipped while another hold applies to the policy, so a
 /// held policy does not spend its budget.
-async fn pace(state: &AppState, command_id: &str) -> Result<f64, Failure> {
+async fn pace(state: &AppState, command_id: &str) -> Result<f64, Setback> {
     let Some(policy) = state.config.policy_by_command(command_id) else {
         return Ok(0.0);
     };
@@ -444,7 +449,7 @@ async fn pace(state: &AppState, command_id: &str) -> Result<f64, Failure> {
     }
     let reserved = ledger::queue::reserve_pace(&state.pool, command_id, policy.name.as_str(), rate)
         .await
-        .map_err(|e| Failure::from_db(&e))?;
+        .map_err(|e| Setback::from_db(&e))?;
     match reserved {
         Some((_, wait)) if wait > PACE_WAIT_IN_PROCESS_SECONDS => Ok(wait),
         Some((_, wait)) if wait > 0.0 => {
@@ -465,12 +470,19 @@ pub(super) enum AttemptError {
     /// The bulk delete waited `consume.lock_timeout` for a row another transaction holds: redo
     /// the command deleting only the rows no one holds.
     Locked,
+    /// The attempt failed as a whole, or is held.
+    Failed(Setback),
+}
+
+impl AttemptError {
     /// The attempt failed as a whole.
-    Failed(Failure),
+    pub(super) fn failed(f: Failure) -> Self {
+        AttemptError::Failed(f.into())
+    }
 }
 
 impl From<sqlx::Error> for AttemptError {
     fn from(e: sqlx::Error) -> Self {
-        AttemptError::Failed(Failure::from_db(&e))
+        AttemptError::Failed(Setback::from_db(&e))
     }
 }

@@ -35,8 +35,8 @@ pub async fn present_state(
     state: &AppState,
     policy: &str,
     item_key: &str,
-) -> Result<PresentState, Failure> {
-    let db = |e: sqlx::Error| Failure::from_db(&e);
+) -> Result<PresentState, Setback> {
+    let db = |e: sqlx::Error| Setback::from_db(&e);
     let mut conn = state.pool.acquire().await.map_err(db)?;
     let now = ledger::now(&mut conn).await.map_err(db)?;
     let version = ledger::current_versions(&state.pool)
@@ -59,7 +59,7 @@ pub async fn present_state(
         &table,
         state.checked_types.get(policy),
     )
-    .map_err(|h| h.into_failure())?
+    .map_err(Setback::from)?
     .with_effects(policy, "")
     .evaluated_now();
     let mut q = rules.classify_select();

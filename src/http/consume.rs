@@ -93,7 +93,7 @@ async fn quarantine_and_ack(
         &caller.0.subject,
     )
     .await
-    .map_err(|f| Problem::unavailable(f.message, retry_after))?;
+    .map_err(|f| Problem::unavailable(f.message(), retry_after))?;
     info!(dead_letter_id = id, size = body.size, error = %why, "unusable envelope quarantined");
     Ok((
         StatusCode::OK,
@@ -163,7 +163,7 @@ async fn consume(
     };
     let outcome = execute::deliver(&state, &envelope.command_id, push, &caller.0.subject)
         .await
-        .map_err(|f| Problem::unavailable(f.message, retry_after))?;
+        .map_err(|f| Problem::unavailable(f.message(), retry_after))?;
     if let ConsumeOutcome::Unknown { command_id } = &outcome {
         info!(
             command_id,

@@ -101,7 +101,7 @@ impl IntoResponse for Problem {
 }
 
 impl From<sqlx::Error> for Problem {
-    /// Uses the one classification ([`crate::retry::Failure::from_db`]): what another try may
+    /// Uses the one classification ([`crate::retry::Setback::from_db`]): what another try may
     /// cure (a lock or statement timeout, a lost connection, a pool timeout) is 503 + Retry-After;
     /// a data exception (class 22: the input cannot be stored or compared as text, such as a NUL
     /// byte in a path or query parameter) is the client's 400; anything else a 500.
@@ -116,11 +116,14 @@ impl From<sqlx::Error> for Problem {
                 "a parameter holds characters that cannot be used (e.g. a NUL byte)",
             );
         }
-        match crate::retry::Failure::from_db(&e).class {
-            FailureClass::Transient
-            | FailureClass::Throttled { .. }
-            | FailureClass::Locked { .. } => Problem::unavailable(e, 5),
-            FailureClass::Permanent | FailureClass::Held(_) => Problem::internal(e),
+        match crate::retry::Setback::from_db(&e).class() {
+            Some(
+                FailureClass::Transient
+                | FailureClass::Throttled { .. }
+                | FailureClass::Locked { .. },
+            ) => Problem::unavailable(e, 5),
+            // A schema the request's statement does not match (a hold for a command) is ours.
+            Some(FailureClass::Permanent) | None => Problem::internal(e),
         }
     }
 }

@@ -39,7 +39,7 @@ use uuid::Uuid;
 use crate::ledger;
 use crate::policy::RuleSet;
 use crate::policy::path::PlanningPath;
-use crate::retry::Failure;
+use crate::retry::{HoldKind, Setback};
 use crate::state::AppState;
 use scan::{Cursor, scan_page};
 
@@ -63,7 +63,7 @@ pub enum PlanStep {
 
 /// Claims a due planning job (unleased, or with an expired lease) and plans it to the end,
 /// renewing the lease with each page. Returns how the last step ended.
-pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
+pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Setback> {
     plan_next_job_until(state, &tokio_util::sync::CancellationToken::new()).await
 }
 
@@ -73,7 +73,7 @@ pub async fn plan_next_job(state: &AppState) -> Result<PlanStep, Failure> {
 async fn plan_next_job_until(
     state: &AppState,
     shutdown: &tokio_util::sync::CancellationToken,
-) -> Result<PlanStep, Failure> {
+) -> Result<PlanStep, Setback> {
     let lease = state.config.planning.lease.seconds();
     let token = Uuid::new_v4();
     let policies: Vec<String> = state
@@ -84,14 +84,14 @@ async fn plan_next_job_until(
         .collect();
     let claimed = ledger::planning::claim(&state.pool, token, lease as f64, &policies)
         .await
-        .map_err(|e| Failure::from_db(&e))?;
+        .map_err(|e| Setback::from_db(&e))?;
     let Some(run_id) = claimed else {
         // A job no replica with its policy took: say so on the run rather than plan it with
         // defaults (its batch size, transport and guard are the policy's to decide).
         let marked =
             ledger::planning::mark_missing_policies(&state.pool, &policies, state.replica_id)
                 .await
-                .map_err(|e| Failure::from_db(&e))?;
+                .map_err(|e| Setback::from_db(&e))?;
         if marked > 0 {
             warn!(
                 jobs = marked,
@@ -107,9 +107,9 @@ async fn plan_next_job_until(
             }
             return Ok(PlanStep::Idle);
         }
-        if let Some(f) = guard::governor_hold(state, &run_id) {
-            hold_job(state, &run_id, token, &f).await;
-            return Err(f);
+        if let Some((kind, why)) = guard::governor_hold(state, &run_id) {
+            hold_job(state, &run_id, token, kind, &why).await;
+            return Err(Setback::Held { kind, why });
         }
         match plan_page(state, &run_id, token).await {
             Ok(PlanStep::Page) => {
@@ -120,11 +120,11 @@ async fn plan_next_job_until(
                 state.wake_workers.notify_waiters();
                 return Ok(step);
             }
-            Err(f) if matches!(f.class, crate::retry::FailureClass::Held(_)) => {
-                hold_job(state, &run_id, token, &f).await;
-                return Err(f);
+            Err(Setback::Held { kind, why }) => {
+                hold_job(state, &run_id, token, kind, &why).await;
+                return Err(Setback::Held { kind, why });
             }
-            Err(f) => {
+            Err(Setback::Failed(f)) => {
                 // Recorded on the job (shown on the run and in /metrics). A transient failure (a
                 // lost connection, a lock timeout) also gives the lease back so the next round
                 // retries soon; otherwise the lease's expiry paces the retries.
@@ -138,7 +138,7 @@ async fn plan_next_job_until(
                 )
                 .await;
                 warn!(run_id, error = %f.message, class = f.class.as_str(), "planning page failed; retrying");
-                return Err(f);
+                return Err(f.into());
             }
         }
     }
@@ -147,10 +147,7 @@ async fn plan_next_job_until(
 /// Records that planning `run_id` is held (its target's schema does not match, or the policy
 /// changed its target): not a failure, so `failures` stays; the job is tried again after
 /// [`crate::settings::Config::hold_recheck_seconds`], with the table's columns read afresh.
-async fn hold_job(state: &AppState, run_id: &str, token: Uuid, f: &Failure) {
-    let crate::retry::FailureClass::Held(kind) = f.class else {
-        return;
-    };
+async fn hold_job(state: &AppState, run_id: &str, token: Uuid, kind: HoldKind, why: &str) {
     if kind == crate::retry::HoldKind::Schema
         && let Some(p) = state.config.policy_by_command(run_id)
     {
@@ -162,14 +159,14 @@ async fn hold_job(state: &AppState, run_id: &str, token: Uuid, f: &Failure) {
         run_id,
         token,
         kind.as_str(),
-        &f.message,
+        why,
         recheck as f64,
     )
     .await;
     if let Err(e) = r {
         warn!(run_id, error = %e, "could not record that planning is held");
     }
-    info!(run_id, kind = kind.as_str(), reason = %f.message, "planning held");
+    info!(run_id, kind = kind.as_str(), reason = %why, "planning held");
 }
 
 /// A planning job as its page reads it: the cursor, the next batch number and the run's fixed
@@ -252,7 +249,7 @@ async fn job_rules(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     job: &Job,
     run_id: &str,
-) -> Result<RuleSet, Failure> {
+) -> Result<RuleSet, Setback> {
     let run = RunRef {
         run_id,
         policy: &job.policy,
@@ -268,8 +265,8 @@ async fn job_rules(
 /// planning is done, the closure check) in one transaction.
 // Over 80 lines: the steps of one planning transaction in order (lock, rules, path, scan, dedupe,
 // cut, record, closure check).
-pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<PlanStep, Failure> {
-    let db = |e: sqlx::Error| Failure::from_db(&e);
+pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<PlanStep, Setback> {
+    let db = |e: sqlx::Error| Setback::from_db(&e);
     let mut tx = state.pool.begin().await.map_err(db)?;
     let Some(job) = lock_job(&mut tx, run_id, token).await.map_err(db)? else {
         return Ok(PlanStep::LostLease);
@@ -303,7 +300,7 @@ pub async fn plan_page(state: &AppState, run_id: &str, token: Uuid) -> Result<Pl
     if let Some(c) = &job.cursor.key
         && let Err(why) = rules.key().values(c)
     {
-        return Err(Failure::held(
+        return Err(Setback::held(
             crate::retry::HoldKind::Schema,
             format!(
                 "the planning cursor names no key {} of the table now ({why}); restore the \
@@ -496,8 +493,8 @@ async fn walked_leaves(
     rules: &RuleSet,
     run_id: &str,
     job: &Job,
-) -> Result<Option<Vec<String>>, Failure> {
-    let db = |e: sqlx::Error| Failure::from_db(&e);
+) -> Result<Option<Vec<String>>, Setback> {
+    let db = |e: sqlx::Error| Setback::from_db(&e);
     let target = &rules.target;
     let layout = crate::policy::partitions::layout(&mut *tx, &target.table)
         .await
@@ -547,8 +544,8 @@ async fn record_carry_of_detached_leaf(
     job: &Job,
     walk: &leaf::LeafWalk,
     batch_size: usize,
-) -> Result<PlanStep, Failure> {
-    let db = |e: sqlx::Error| Failure::from_db(&e);
+) -> Result<PlanStep, Setback> {
+    let db = |e: sqlx::Error| Setback::from_db(&e);
     let batches = cut_batches(job.carry.clone(), batch_size, COMMAND_KEY_BYTES);
     let configured = state.config.policy(&job.policy);
     let page = ledger::planning::Page {

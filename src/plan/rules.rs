@@ -3,7 +3,7 @@
 
 use crate::ledger;
 use crate::policy::RuleSet;
-use crate::retry::Failure;
+use crate::retry::Setback;
 use crate::state::AppState;
 
 /// What names a run's rules: the run, its policy and pinned version, its cutoff and window.
@@ -26,11 +26,11 @@ pub async fn run_rules(
     state: &AppState,
     conn: &mut sqlx::PgConnection,
     run: &RunRef<'_>,
-) -> Result<RuleSet, Failure> {
+) -> Result<RuleSet, Setback> {
     let (pinned, current_version, current) =
         ledger::run_specs::<crate::policy::PolicySpec>(conn, run.policy, run.pinned_version)
             .await
-            .map_err(|e| Failure::from_db(&e))?;
+            .map_err(|e| Setback::from_db(&e))?;
     let specs: Vec<&crate::policy::PolicySpec> = std::iter::once(&pinned).chain(&current).collect();
     let table = state.catalog.tables(&state.pool, &specs).await?;
     Ok(RuleSet::effective(
@@ -41,6 +41,6 @@ pub async fn run_rules(
         &table,
         state.checked_types.get(run.policy),
     )
-    .map_err(|h| h.into_failure())?
+    .map_err(Setback::from)?
     .with_effects(run.policy, run.run_id))
 }

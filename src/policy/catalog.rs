@@ -179,7 +179,7 @@ impl Catalog {
         &self,
         pool: &PgPool,
         table: &TableName,
-    ) -> Result<std::sync::Arc<TableInfo>, crate::retry::Failure> {
+    ) -> Result<std::sync::Arc<TableInfo>, crate::retry::Setback> {
         if let Some((at, t)) = self.tables.lock().expect("catalog lock").get(table)
             && at.elapsed() < CATALOG_MAX_AGE
         {
@@ -187,9 +187,9 @@ impl Catalog {
         }
         let info = TableInfo::load(pool, table)
             .await
-            .map_err(|e| crate::retry::Failure::from_db(&e))?
+            .map_err(|e| crate::retry::Setback::from_db(&e))?
             .ok_or_else(|| {
-                crate::retry::Failure::held(
+                crate::retry::Setback::held(
                     HoldKind::Schema,
                     format!("table {table} does not exist"),
                 )
@@ -213,7 +213,7 @@ impl Catalog {
         &self,
         pool: &PgPool,
         specs: &[&PolicySpec],
-    ) -> Result<Tables, crate::retry::Failure> {
+    ) -> Result<Tables, crate::retry::Setback> {
         let mut out = Tables::default();
         for spec in specs {
             for t in spec.tables() {

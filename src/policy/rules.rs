@@ -87,10 +87,11 @@ impl Held {
             detail,
         }
     }
+}
 
-    /// As a failure of class `held`.
-    pub fn into_failure(self) -> crate::retry::Failure {
-        crate::retry::Failure::held(self.kind, self.detail)
+impl From<Held> for crate::retry::Setback {
+    fn from(h: Held) -> Self {
+        crate::retry::Setback::held(h.kind, h.detail)
     }
 }
 

@@ -141,7 +141,7 @@ async fn rules_of(state: &AppState, r: &Retirement) -> anyhow::Result<RuleSet> {
     };
     crate::plan::run_rules(state, &mut conn, &run)
         .await
-        .map_err(|f| anyhow::anyhow!(f.message))
+        .map_err(|f| anyhow::anyhow!(f.message().to_string()))
 }
 
 /// Detaches the partition from its parent; returns its state after (`detached`, or `gone` when

@@ -28,10 +28,26 @@ pub enum FailureClass {
     },
     /// Another attempt cannot help: quarantine now.
     Permanent,
-    /// Not the command's fault, and not for an attempt to fix: the target cannot be acted on as
-    /// configured right now. The work is *held* (docs/design.md §14): no attempt and no budget spent,
-    /// never quarantined, re-checked every `consume.retry_after`.
-    Held(HoldKind),
+}
+
+/// Why a try stopped before its work was done: it failed, and its [`FailureClass`] decides what
+/// follows ([`decide`]); or the work is *held* (docs/design.md §14) — not the command's fault
+/// and not for an attempt to fix: nothing is spent, it is never quarantined, and it is checked
+/// again later. A hold is not a failure: only [`Setback::Failed`] reaches [`decide`], a
+/// quarantine or the failure metrics.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Setback {
+    /// The try failed.
+    #[error(transparent)]
+    Failed(#[from] Failure),
+    /// The work is held.
+    #[error("held ({}): {why}", kind.as_str())]
+    Held {
+        /// What holds it.
+        kind: HoldKind,
+        /// Why, at most [`MAX_ERROR_CHARS`] characters.
+        why: String,
+    },
 }
 
 /// What holds work (shown as `held.kind` on a run). [`HoldKind::ALL`] is the one precedence every
@@ -154,7 +170,6 @@ impl FailureClass {
             FailureClass::Throttled { .. } => "throttled",
             FailureClass::Locked { .. } => Self::LOCKED,
             FailureClass::Permanent => "permanent",
-            FailureClass::Held(_) => "held",
         }
     }
 }
@@ -189,18 +204,57 @@ impl Failure {
     pub fn permanent(message: impl Into<String>) -> Self {
         Self::new(FailureClass::Permanent, message)
     }
-    /// Work held, for `kind`.
-    pub fn held(kind: HoldKind, message: impl Into<String>) -> Self {
-        Self::new(FailureClass::Held(kind), message)
-    }
     fn new(class: FailureClass, message: impl Into<String>) -> Self {
-        let mut message: String = message.into();
-        if message.chars().count() > MAX_ERROR_CHARS {
-            message = message.chars().take(MAX_ERROR_CHARS).collect();
+        Self {
+            class,
+            message: bounded(message.into()),
         }
-        Self { class, message }
+    }
+}
+
+/// `message`, cut to at most [`MAX_ERROR_CHARS`] characters.
+fn bounded(mut message: String) -> String {
+    if message.chars().count() > MAX_ERROR_CHARS {
+        message = message.chars().take(MAX_ERROR_CHARS).collect();
+    }
+    message
+}
+
+impl Setback {
+    /// Work held, for `kind`.
+    pub fn held(kind: HoldKind, why: impl Into<String>) -> Self {
+        Setback::Held {
+            kind,
+            why: bounded(why.into()),
+        }
     }
 
+    /// What went wrong, or why it is held.
+    pub fn message(&self) -> &str {
+        match self {
+            Setback::Failed(f) => &f.message,
+            Setback::Held { why, .. } => why,
+        }
+    }
+
+    /// The failure's class; `None` for a hold.
+    pub fn class(&self) -> Option<FailureClass> {
+        match self {
+            Setback::Failed(f) => Some(f.class),
+            Setback::Held { .. } => None,
+        }
+    }
+
+    /// How it is named in logs and answers: the failure's class, or `held (<kind>)`.
+    pub fn name(&self) -> String {
+        match self {
+            Setback::Failed(f) => f.class.as_str().to_string(),
+            Setback::Held { kind, .. } => format!("held ({})", kind.as_str()),
+        }
+    }
+}
+
+impl Setback {
     /// Classifies a database error.
     ///
     /// Transient: lock and statement timeouts (SQLSTATE 55P03, 57014), serialization failures
@@ -222,10 +276,11 @@ impl Failure {
                 if code == "23514" && is_missing_audit_partition(db.as_ref()) {
                     // The ledger cannot record this month yet: housekeeping (and every start)
                     // creates the audit's partitions ahead of the clock. Never the items' fault.
-                    return Self::transient(format!(
+                    return Failure::transient(format!(
                         "ledger unavailable: the audit has no partition for now ({message}); \
                          sweeper creates them at start and every housekeeping round"
-                    ));
+                    ))
+                    .into();
                 }
                 if code == "XX000"
                     && db
@@ -234,25 +289,26 @@ impl Failure {
                 {
                     // A partition detached (committed) while this statement waited for its lock
                     // to read its bound: a fresh statement sees it detached.
-                    return Self::transient(format!(
+                    return Failure::transient(format!(
                         "a partition was detached while the statement waited for it ({message}); \
                          tried again"
-                    ));
+                    ))
+                    .into();
                 }
                 if transient {
-                    Self::transient(message)
+                    Failure::transient(message).into()
                 } else if code.starts_with("42") {
                     Self::held(HoldKind::Schema, message)
                 } else {
-                    Self::permanent(message)
+                    Failure::permanent(message).into()
                 }
             }
             sqlx::Error::PoolTimedOut
             | sqlx::Error::PoolClosed
             | sqlx::Error::Io(_)
             | sqlx::Error::Protocol(_)
-            | sqlx::Error::WorkerCrashed => Self::transient(e.to_string()),
-            _ => Self::permanent(e.to_string()),
+            | sqlx::Error::WorkerCrashed => Failure::transient(e.to_string()).into(),
+            _ => Failure::permanent(e.to_string()).into(),
         }
     }
 }
@@ -289,13 +345,6 @@ pub struct Budget {
 /// the attempt it ran as and the command's budget alone.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Decision {
-    /// Held: the attempt is given back (`attempts`), nothing is spent, never a quarantine.
-    Hold {
-        /// What holds it.
-        kind: HoldKind,
-        /// The attempt count to record.
-        attempts: i32,
-    },
     /// Quarantine now, with this reason.
     Quarantine {
         /// The attempt count to record.
@@ -316,7 +365,7 @@ pub enum Decision {
 
 /// Decides what happens after `f` ended the try that ran as attempt `this_attempt` of a
 /// command `age_seconds` old. Permanent failures and spent budgets quarantine; a snooze spends
-/// no attempt (but its age counts); a hold spends nothing. `now` measures a throttle's `until`;
+/// no attempt (but its age counts). A hold is not decided here: it spends nothing. `now` measures a throttle's `until`;
 /// `rng` jitters the backoff.
 pub fn decide(
     f: &Failure,
@@ -326,12 +375,6 @@ pub fn decide(
     now: DateTime<Utc>,
     rng: &mut impl Rng,
 ) -> Decision {
-    if let FailureClass::Held(kind) = f.class {
-        return Decision::Hold {
-            kind,
-            attempts: this_attempt - 1,
-        };
-    }
     let snooze = f.class.is_snooze();
     let attempts = if snooze {
         this_attempt - 1
@@ -476,14 +519,16 @@ mod tests {
     }
 
     #[test]
-    fn held_work_spends_nothing_and_is_never_quarantined() {
-        assert_eq!(
-            decide_at(Failure::held(HoldKind::Schema, "column"), 9, 1e9),
-            Decision::Hold {
-                kind: HoldKind::Schema,
-                attempts: 8
-            }
-        );
+    fn a_hold_is_not_a_failure() {
+        // A hold never reaches `decide` (the type says so): it has no class, is named by its
+        // kind, and keeps a bounded reason like a failure's message.
+        let held = Setback::held(HoldKind::Schema, "x".repeat(MAX_ERROR_CHARS + 10));
+        assert_eq!(held.class(), None);
+        assert_eq!(held.name(), "held (schema)");
+        assert_eq!(held.message().chars().count(), MAX_ERROR_CHARS);
+        let failed = Setback::from(Failure::permanent("bad"));
+        assert_eq!(failed.class(), Some(FailureClass::Permanent));
+        assert_eq!(failed.name(), "permanent");
     }
 
     #[test]

@@ -147,10 +147,10 @@ async fn present(
 ) -> Result<(serde_json::Value, serde_json::Value), Problem> {
     let now = match crate::execute::present::present_state(state, policy, key).await {
         Ok(s) => json!(s),
-        Err(f) if f.class == crate::retry::FailureClass::Transient => {
-            return Err(Problem::unavailable(f.message, 5));
+        Err(f) if f.class() == Some(crate::retry::FailureClass::Transient) => {
+            return Err(Problem::unavailable(f.message(), 5));
         }
-        Err(f) => json!({ "unavailable": f.message }),
+        Err(f) => json!({ "unavailable": f.message() }),
     };
     let since = ledger::item_history::last_audited(&state.pool, policy, key).await?;
     let (runs, total) =

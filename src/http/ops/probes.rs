@@ -83,7 +83,7 @@ async fn planning_path(
         Err(e) => {
             return json!({"path": null, "reason": format!(
                 "the planning path could not be estimated: {}",
-                crate::retry::Failure::from_db(&e).message)});
+                crate::retry::Setback::from_db(&e).message())});
         }
     }
     match crate::policy::path::choose(conn, &p.spec.target, cutoff, path).await {
@@ -91,7 +91,7 @@ async fn planning_path(
         Err(e) => json!({
             "path": null,
             "reason": format!("the planning path could not be estimated: {}",
-                              crate::retry::Failure::from_db(&e).message),
+                              crate::retry::Setback::from_db(&e).message()),
         }),
     }
 }
