@@ -24,9 +24,15 @@ pub(super) enum Mode {
     PerItem,
 }
 
-/// One attempt of a delete-rows command (or the lease of an external-effect one): `mode` says
-/// how it deletes; `pace_wait` is the seconds to the start its pace reserved (> 0: the gate
-/// holds it until then); `tried`: as in `load::load`.
+/// One attempt of a delete-rows command (or the lease of an external-effect one), under
+/// `consume.command_deadline`: `mode` says how it deletes; `pace_wait` is the seconds to the
+/// start its pace reserved (> 0: the gate holds it until then).
+///
+/// Each step runs [`within`] the deadline as the try a failure of it would be recorded as: a
+/// claim's from the start; a delivery's once the gate lets it run (a delivery turned away — not
+/// due, held, a duplicate — tried nothing, so its deadline passing or an error while it rolls
+/// back or commits the hold is not a failure of the attempt it saw); a leased delivery's as its
+/// lease.
 pub(super) async fn attempt(
     state: &AppState,
     command_id: &str,
@@ -34,24 +40,34 @@ pub(super) async fn attempt(
     actor: &str,
     (mode, pace_wait): (Mode, f64),
     started: Instant,
-    tried: &mut Option<ledger::commands::CommandTry>,
-) -> Result<Attempted, AttemptError> {
-    let mut tx = state.pool.begin().await?;
-    let loaded =
-        match super::load::load(state, &mut tx, command_id, executor, tried, pace_wait).await? {
-            Step::Done(outcome) => {
-                crate::pause_point!("gate_turned_away", command_id);
-                tx.rollback().await?;
-                return Ok(Attempted::Done(outcome));
-            }
-            Step::Hold(h) => {
-                let held = super::finish::hold_command(state, tx, command_id, h);
-                return Ok(Attempted::Done(held.await.map_err(AttemptError::Failed)?));
-            }
-            Step::Run(l) => l,
-        };
+) -> Result<Attempted, Stopped> {
+    let until = tokio::time::Instant::now() + state.config.consume.command_deadline.std();
+    let claim = match executor {
+        Executor::Claimed(claim) => Some(claim),
+        Executor::Delivery { .. } => None,
+    };
+    let mut tx = within(state, until, claim, async { Ok(state.pool.begin().await?) }).await?;
+    let locked = super::load::lock(state, &mut tx, command_id, executor);
+    let (c, command) = match within(state, until, claim, locked).await? {
+        Ok(locked) => locked,
+        Err(away) => return turned_away(state, tx, command_id, away, (until, claim)).await,
+    };
+    let judged = super::load::judge(
+        state,
+        &mut tx,
+        c,
+        &command,
+        (command_id, executor),
+        pace_wait,
+    );
+    let loaded = match within(state, until, Some(&command), judged).await? {
+        Step::Run(l) => l,
+        Step::TurnedAway(away) => {
+            return turned_away(state, tx, command_id, away, (until, claim)).await;
+        }
+    };
     if loaded.rules.action.dependency().is_some() && !loaded.dry_run {
-        return lease_for_calls(state, tx, command_id, loaded, tried).await;
+        return lease_for_calls(state, tx, command_id, loaded, until).await;
     }
     let run = Run {
         state,
@@ -61,14 +77,65 @@ pub(super) async fn attempt(
         keys: loaded.keys_to_do(),
         loaded,
     };
-    if run.loaded.dry_run {
-        return run.dry_run(tx).await;
-    }
-    match mode {
-        Mode::PerItem => run.item_by_item(tx).await,
-        Mode::Bulk if !run.loaded.waiting_on_lock => run.delete_first(tx, false).await,
-        Mode::Bulk | Mode::SkipLocked => run.delete_first(tx, true).await,
-    }
+    let command = run.loaded.command.clone();
+    let work = async {
+        if run.loaded.dry_run {
+            return run.dry_run(tx).await;
+        }
+        match mode {
+            Mode::PerItem => run.item_by_item(tx).await,
+            Mode::Bulk if !run.loaded.waiting_on_lock => run.delete_first(tx, false).await,
+            Mode::Bulk | Mode::SkipLocked => run.delete_first(tx, true).await,
+        }
+    };
+    within(state, until, Some(&command), work).await
+}
+
+/// A step of the gate that turned the command away, finished: rolled back, or the hold
+/// committed. Nothing was tried but a claim's attempt.
+async fn turned_away(
+    state: &AppState,
+    tx: Transaction<'_, Postgres>,
+    command_id: &str,
+    away: TurnedAway,
+    (until, claim): (tokio::time::Instant, Option<&ledger::commands::CommandTry>),
+) -> Result<Attempted, Stopped> {
+    let work = async {
+        match away {
+            TurnedAway::Hold(h) => {
+                let held = super::finish::hold_command(state, tx, command_id, h).await;
+                Ok(held.map_err(AttemptError::Failed)?)
+            }
+            TurnedAway::Done(outcome) => {
+                crate::pause_point!("gate_turned_away", command_id);
+                tx.rollback().await?;
+                Ok(outcome)
+            }
+        }
+    };
+    within(state, until, claim, work).await.map(Attempted::Done)
+}
+
+/// `work`, a step of a try, by the try's deadline `until`: its error, or the deadline passing
+/// (the step dropped, its transaction rolled back), stops the try as `tried`.
+async fn within<T>(
+    state: &AppState,
+    until: tokio::time::Instant,
+    tried: Option<&ledger::commands::CommandTry>,
+    work: impl std::future::Future<Output = Result<T, AttemptError>>,
+) -> Result<T, Stopped> {
+    let error = match tokio::time::timeout_at(until, work).await {
+        Ok(Ok(done)) => return Ok(done),
+        Ok(Err(error)) => error,
+        Err(_) => AttemptError::failed(Failure::transient(format!(
+            "the command exceeded its deadline of {}",
+            state.config.consume.command_deadline
+        ))),
+    };
+    Err(Stopped {
+        error,
+        tried: tried.cloned(),
+    })
 }
 
 /// One attempt of a delete-rows command past its gate.
@@ -564,8 +631,44 @@ async fn lease_for_calls(
     mut tx: Transaction<'_, Postgres>,
     command_id: &str,
     mut loaded: Box<Loaded>,
-    tried: &mut Option<ledger::commands::CommandTry>,
-) -> Result<Attempted, AttemptError> {
+    until: tokio::time::Instant,
+) -> Result<Attempted, Stopped> {
+    let before = loaded.command.clone();
+    let taken = take_lease(state, &mut tx, command_id, &loaded);
+    loaded.command = match within(state, until, Some(&before), taken).await? {
+        Lease::Taken(command) => command,
+        Lease::Refused(answer) => {
+            let work = async {
+                tx.rollback().await?;
+                answer
+            };
+            return within(state, until, Some(&before), work).await;
+        }
+    };
+    let leased = loaded.command.clone();
+    let work = async {
+        loaded.command.mark_calling(&mut tx).await?;
+        tx.commit().await?;
+        Ok(Attempted::External(loaded))
+    };
+    within(state, until, Some(&leased), work).await
+}
+
+/// Whether a command with external calls may call now.
+enum Lease {
+    /// Yes, as this try (a delivery's: its lease, counted as an attempt).
+    Taken(ledger::commands::CommandTry),
+    /// No: what the try ends in once its transaction is rolled back.
+    Refused(Result<Attempted, AttemptError>),
+}
+
+/// The lease of [`lease_for_calls`], in `tx`.
+async fn take_lease(
+    state: &AppState,
+    tx: &mut Transaction<'_, Postgres>,
+    command_id: &str,
+    loaded: &Loaded,
+) -> Result<Lease, AttemptError> {
     // max_concurrent_commands: the slot taken in `load` ends with this transaction, so
     // the commands calling right now are counted instead, serialized per policy.
     let cap = state
@@ -575,46 +678,46 @@ async fn lease_for_calls(
         .unwrap_or(1);
     sqlx::query("select pg_advisory_xact_lock(hashtext('sweeper:calling:' || $1))")
         .bind(&loaded.policy)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
-    let calling = ledger::calling_commands(&mut tx, &loaded.policy, command_id).await?;
+    let calling = ledger::calling_commands(tx, &loaded.policy, command_id).await?;
     if calling >= cap {
-        tx.rollback().await?;
-        return Err(AttemptError::failed(Failure::throttled(
-            Utc::now() + state.config.consume.retry_after.delta(),
-            format!(
-                "policy {} already has {cap} commands calling (max_concurrent_commands)",
-                loaded.policy
+        return Ok(Lease::Refused(Err(AttemptError::failed(
+            Failure::throttled(
+                Utc::now() + state.config.consume.retry_after.delta(),
+                format!(
+                    "policy {} already has {cap} commands calling (max_concurrent_commands)",
+                    loaded.policy
+                ),
             ),
-        )));
+        ))));
     }
     // No transaction may span the calls: the command is leased instead (docs/design.md §5,
     // concurrent deliveries), and a delivery that finds a live lease is a "not now".
-    if let ledger::commands::Attempt::Uncounted { .. } = loaded.command.attempt() {
-        if loaded.lease_left > 0.0 {
-            tx.rollback().await?;
-            return Ok(Attempted::Done(ConsumeOutcome::NotNow {
+    let ledger::commands::Attempt::Uncounted { .. } = loaded.command.attempt() else {
+        return Ok(Lease::Taken(loaded.command.clone()));
+    };
+    if loaded.lease_left > 0.0 {
+        return Ok(Lease::Refused(Ok(Attempted::Done(
+            ConsumeOutcome::NotNow {
                 reason: "another execution of this command holds its lease (its external calls \
-                         may be in flight)"
+                     may be in flight)"
                     .into(),
                 retry_after_seconds: loaded.lease_left.ceil() as u64,
-            }));
-        }
-        // The delivery counts as an attempt before anything is called, so a delivery that
-        // crashes the process every time still spends the budget.
-        loaded.command = loaded
-            .command
-            .lease_for_calls(
-                &mut tx,
-                state.replica_id,
-                state.config.queue.lease.seconds() as f64,
-            )
-            .await?;
-        *tried = Some(loaded.command.clone());
+            },
+        ))));
     }
-    loaded.command.mark_calling(&mut tx).await?;
-    tx.commit().await?;
-    Ok(Attempted::External(loaded))
+    // The delivery counts as an attempt before anything is called, so a delivery that
+    // crashes the process every time still spends the budget.
+    let leased = loaded
+        .command
+        .lease_for_calls(
+            tx,
+            state.replica_id,
+            state.config.queue.lease.seconds() as f64,
+        )
+        .await?;
+    Ok(Lease::Taken(leased))
 }
 
 /// Each key's judgement in this statement's snapshot, locking nothing; keys absent from the

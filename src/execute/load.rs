@@ -5,46 +5,41 @@
 use super::*;
 use ledger::commands::Locked as LockedCommand;
 
-/// Locks the command row and decides whether to run it.
-pub(super) async fn load(
+/// Locks the command row (one statement, [`lock_command`]): `Err(step)` when the ledger does
+/// not know the command ([`unknown_command`]).
+pub(super) async fn lock(
     state: &AppState,
     tx: &mut Transaction<'_, Postgres>,
     command_id: &str,
     executor: &Executor,
-    tried: &mut Option<ledger::commands::CommandTry>,
+) -> Result<Result<(LockedCommand, ledger::commands::CommandTry), TurnedAway>, AttemptError> {
+    match lock_command(state, tx, command_id, executor).await? {
+        Some(locked) => Ok(Ok(locked)),
+        None => Ok(Err(unknown_command(tx, command_id).await?)),
+    }
+}
+
+/// Decides whether the locked command runs now, as `command` (the try its failure would be
+/// recorded as): a step that turns it away (a duplicate, not due, held, …), or the command
+/// loaded under the rules it runs by.
+pub(super) async fn judge(
+    state: &AppState,
+    tx: &mut Transaction<'_, Postgres>,
+    c: LockedCommand,
+    command: &ledger::commands::CommandTry,
+    (command_id, executor): (&str, &Executor),
     pace_wait: f64,
 ) -> Result<Step, AttemptError> {
-    // A delivery's `tried` is set only while this try may run (or the gate counts it as a
-    // failed try): a delivery turned away (not due, held, a duplicate) tried nothing, so its
-    // deadline passing or an error while it rolls back or commits the hold must not be recorded
-    // as a failure of the attempt it saw (that spent an attempt of a command that was not even
-    // due). A claim's try is its claim's, whatever happens.
-    let delivery = matches!(executor, Executor::Delivery { .. });
-    if delivery {
-        *tried = None;
-    }
-    let Some((c, command)) = lock_command(state, tx, command_id, executor).await? else {
-        return unknown_command(tx, command_id).await;
-    };
-    if delivery {
-        *tried = Some(command.clone());
-    }
-    if let Some(step) = gate(state, &c, command_id, executor)? {
-        if delivery {
-            *tried = None;
-        }
-        return Ok(step);
+    if let Some(away) = gate(state, &c, command_id, executor)? {
+        return Ok(Step::TurnedAway(away));
     }
     let after = if c.dry_run {
         None
     } else {
         crate::holds::after_hold(state, tx, &c.policy, c.window_at).await?
     };
-    if let Some(step) = held(state, &c, &command, pace_wait, after) {
-        if delivery {
-            *tried = None;
-        }
-        return Ok(step);
+    if let Some(away) = held(state, &c, command, pace_wait, after) {
+        return Ok(Step::TurnedAway(away));
     }
     let rules = rules_for(state, tx, &c)
         .await?
@@ -67,7 +62,7 @@ pub(super) async fn load(
             .redrive_outcome
             .as_deref()
             .map(|o| Outcome::parse(o).unwrap_or(Outcome::Failed)),
-        command,
+        command: command.clone(),
         lease_left: c.lease_left,
         finished,
         waiting_on_lock: c.last_error_class.as_deref() == Some(FailureClass::LOCKED),
@@ -125,7 +120,7 @@ async fn lock_command(
 async fn unknown_command(
     tx: &mut Transaction<'_, Postgres>,
     command_id: &str,
-) -> Result<Step, AttemptError> {
+) -> Result<TurnedAway, AttemptError> {
     let run_status: Option<String> = match command_id.rsplit_once(':') {
         Some((run_id, _)) => {
             sqlx::query_scalar("select status from sweeper.runs where run_id = $1")
@@ -136,7 +131,7 @@ async fn unknown_command(
         None => None,
     };
     let command_id = command_id.to_string();
-    Ok(Step::Done(match run_status {
+    Ok(TurnedAway::Done(match run_status {
         Some(s) if ledger::is_terminal_run_status(&s) => {
             info!(
                 command_id,
@@ -157,15 +152,15 @@ fn gate(
     c: &LockedCommand,
     command_id: &str,
     executor: &Executor,
-) -> Result<Option<Step>, AttemptError> {
+) -> Result<Option<TurnedAway>, AttemptError> {
     let not_now = |reason: String, retry_after_seconds: u64| {
-        Ok(Some(Step::Done(ConsumeOutcome::NotNow {
+        Ok(Some(TurnedAway::Done(ConsumeOutcome::NotNow {
             reason,
             retry_after_seconds,
         })))
     };
     if ledger::CommandState::parse(&c.state).is_some_and(ledger::CommandState::is_terminal) {
-        return Ok(Some(Step::Done(ConsumeOutcome::Duplicate {
+        return Ok(Some(TurnedAway::Done(ConsumeOutcome::Duplicate {
             command_id: command_id.to_string(),
             state: c.state.clone(),
         })));
@@ -173,7 +168,7 @@ fn gate(
     if let Executor::Claimed(claim) = executor
         && c.attempts != claim.attempt().fence()
     {
-        return Ok(Some(Step::Done(ConsumeOutcome::Stale(Overtaken))));
+        return Ok(Some(TurnedAway::Done(ConsumeOutcome::Stale(Overtaken))));
     }
     let due_in = c.due_in_seconds;
     if due_in > 0.0 {
@@ -248,7 +243,7 @@ fn held(
     command: &ledger::commands::CommandTry,
     pace_wait: f64,
     after: Option<String>,
-) -> Option<Step> {
+) -> Option<TurnedAway> {
     let approval = c
         .approval
         .as_deref()
@@ -285,7 +280,7 @@ fn held(
             (HoldKind::Pace, (why, Some(pace_wait.ceil() as u64)))
         }),
     ])?;
-    Some(Step::Hold(Hold {
+    Some(TurnedAway::Hold(Hold {
         kind,
         why,
         command: command.clone(),

@@ -255,9 +255,18 @@ pub(super) enum Attempted {
     External(Box<Loaded>),
 }
 
+/// What the gate decided for a locked command.
 pub(super) enum Step {
-    Done(Ended),
+    /// It runs now, loaded under its rules.
     Run(Box<Loaded>),
+    /// It does not.
+    TurnedAway(TurnedAway),
+}
+
+/// A command the gate turned away.
+pub(super) enum TurnedAway {
+    /// Answered without trying it (a duplicate, a stale claim, not due, suspended, unknown, …).
+    Done(Ended),
     /// Held (docs/design.md §14): given back without spending its attempt.
     Hold(Hold),
 }
@@ -296,12 +305,6 @@ pub async fn execute(
     actor: &str,
 ) -> Result<Ended, Setback> {
     let started = Instant::now();
-    // The try whose failure would be recorded: a claim's from the start; a delivery's once the
-    // gate let it run (see `load::load`).
-    let mut tried: Option<ledger::commands::CommandTry> = match &executor {
-        Executor::Claimed(claim) => Some(claim.clone()),
-        Executor::Delivery { .. } => None,
-    };
     // Fast path for duplicate deliveries: a terminal state is final (a redrive re-queues the
     // command itself), so one indexed read answers without a transaction or a row lock.
     if let Executor::Delivery { .. } = executor {
@@ -316,34 +319,19 @@ pub async fn execute(
         }
     }
     let pace_wait = pace(state, command_id).await?;
-    let deadline = state.config.consume.command_deadline.std();
     let mut mode = delete::Mode::Bulk;
     // Whether the delete was already redone after a row it removed was referenced meanwhile.
     let mut redone_after_reference = false;
     loop {
-        let result = tokio::time::timeout(
-            deadline,
-            delete::attempt(
-                state,
-                command_id,
-                &executor,
-                actor,
-                (mode, pace_wait),
-                started,
-                &mut tried,
-            ),
-        )
-        .await
-        .unwrap_or_else(|_| {
-            Err(AttemptError::Failed(
-                Failure::transient(format!(
-                    "the command exceeded its deadline of {}",
-                    state.config.consume.command_deadline
-                ))
-                .into(),
-            ))
-        });
-        match result {
+        let attempt = delete::attempt(
+            state,
+            command_id,
+            &executor,
+            actor,
+            (mode, pace_wait),
+            started,
+        );
+        let Stopped { error, tried } = match attempt.await {
             Ok(Attempted::Done(outcome)) => {
                 return settle(state, command_id, &executor, outcome).await;
             }
@@ -353,35 +341,37 @@ pub async fn execute(
                         .await?;
                 return settle(state, command_id, &executor, outcome).await;
             }
+            Err(stopped) => stopped,
+        };
+        let setback = match error {
             // A row the delete removed is referenced by a row committed while it ran (a hold
             // whose foreign key points at it): once, the same delete again, whose fresh snapshot
             // sees the new row and so the exclusion that holds it.
-            Err(AttemptError::Referenced(f)) if !redone_after_reference => {
+            AttemptError::Referenced(f) if !redone_after_reference => {
                 info!(command_id, error = %f.message, "a row the delete removed was referenced meanwhile; deleting again");
                 redone_after_reference = true;
+                continue;
             }
-            Err(AttemptError::BulkFailed(f)) | Err(AttemptError::Referenced(f))
+            AttemptError::BulkFailed(f) | AttemptError::Referenced(f)
                 if mode != delete::Mode::PerItem =>
             {
                 info!(command_id, error = %f.message, "bulk delete failed permanently; retrying item by item");
                 mode = delete::Mode::PerItem;
+                continue;
             }
-            Err(AttemptError::Locked) => {
+            AttemptError::Locked => {
                 info!(
                     command_id,
                     "a row of the command is locked by another transaction; deleting the others"
                 );
                 mode = delete::Mode::SkipLocked;
+                continue;
             }
-            Err(AttemptError::BulkFailed(f)) | Err(AttemptError::Referenced(f)) => {
-                let outcome = record_failure(state, command_id, f.into(), started, tried).await?;
-                return settle(state, command_id, &executor, outcome).await;
-            }
-            Err(AttemptError::Failed(f)) => {
-                let outcome = record_failure(state, command_id, f, started, tried).await?;
-                return settle(state, command_id, &executor, outcome).await;
-            }
-        }
+            AttemptError::BulkFailed(f) | AttemptError::Referenced(f) => Setback::Failed(f),
+            AttemptError::Failed(setback) => setback,
+        };
+        let outcome = record_failure(state, command_id, setback, started, tried).await?;
+        return settle(state, command_id, &executor, outcome).await;
     }
 }
 
@@ -472,6 +462,13 @@ pub(super) enum AttemptError {
     Locked,
     /// The attempt failed as a whole, or is held.
     Failed(Setback),
+}
+
+/// A try that stopped: why, and the try it is recorded as (`None`: a delivery the gate had
+/// not let run, which tried nothing).
+pub(super) struct Stopped {
+    pub(super) error: AttemptError,
+    pub(super) tried: Option<ledger::commands::CommandTry>,
 }
 
 impl AttemptError {
