@@ -5,15 +5,15 @@
 use tracing::{info, warn};
 
 use crate::ledger;
-use crate::retry::HoldKind;
+use crate::retry::{HoldKind, Setback};
 use crate::state::AppState;
 
 /// The governor's hold on planning `run_id`'s next page, if this replica's governor holds its
-/// policy: its kind and why.
-pub(super) fn governor_hold(state: &AppState, run_id: &str) -> Option<(HoldKind, String)> {
+/// policy.
+pub(super) fn governor_hold(state: &AppState, run_id: &str) -> Option<Setback> {
     let p = state.config.policy_by_command(run_id)?;
     let (_, why) = state.governor.held(p.name.as_str())?;
-    Some((
+    Some(Setback::held(
         HoldKind::Governor,
         format!("the database-health governor: {why}"),
     ))

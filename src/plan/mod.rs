@@ -39,7 +39,7 @@ use uuid::Uuid;
 use crate::ledger;
 use crate::policy::RuleSet;
 use crate::policy::path::PlanningPath;
-use crate::retry::{HoldKind, Setback};
+use crate::retry::Setback;
 use crate::state::AppState;
 use scan::{Cursor, scan_page};
 
@@ -107,9 +107,9 @@ async fn plan_next_job_until(
             }
             return Ok(PlanStep::Idle);
         }
-        if let Some((kind, why)) = guard::governor_hold(state, &run_id) {
-            hold_job(state, &run_id, token, kind, &why).await;
-            return Err(Setback::Held { kind, why });
+        if let Some(held) = guard::governor_hold(state, &run_id) {
+            hold_job(state, &run_id, token, &held).await;
+            return Err(held);
         }
         match plan_page(state, &run_id, token).await {
             Ok(PlanStep::Page) => {
@@ -120,9 +120,9 @@ async fn plan_next_job_until(
                 state.wake_workers.notify_waiters();
                 return Ok(step);
             }
-            Err(Setback::Held { kind, why }) => {
-                hold_job(state, &run_id, token, kind, &why).await;
-                return Err(Setback::Held { kind, why });
+            Err(held @ Setback::Held { .. }) => {
+                hold_job(state, &run_id, token, &held).await;
+                return Err(held);
             }
             Err(Setback::Failed(f)) => {
                 // Recorded on the job (shown on the run and in /metrics). A transient failure (a
@@ -147,7 +147,11 @@ async fn plan_next_job_until(
 /// Records that planning `run_id` is held (its target's schema does not match, or the policy
 /// changed its target): not a failure, so `failures` stays; the job is tried again after
 /// [`crate::settings::Config::hold_recheck_seconds`], with the table's columns read afresh.
-async fn hold_job(state: &AppState, run_id: &str, token: Uuid, kind: HoldKind, why: &str) {
+async fn hold_job(state: &AppState, run_id: &str, token: Uuid, held: &Setback) {
+    let Setback::Held { kind, why } = held else {
+        return;
+    };
+    let kind = *kind;
     if kind == crate::retry::HoldKind::Schema
         && let Some(p) = state.config.policy_by_command(run_id)
     {
