@@ -169,6 +169,22 @@ async fn a_crash_mid_command_on_a_partitioned_table_loses_nothing() {
 }
 
 /// The same table under `partitions = "drop"`, exporting to `dir`.
+/// The export a manifest's `detail` names, read whole: its SHA-256 is the manifest's
+/// `export_sha256` (asserted, `what` naming it), and its text is returned unzipped.
+fn verified_export(detail: &serde_json::Value, what: &str) -> String {
+    use sha2::Digest;
+    let bytes = std::fs::read(detail["export_location"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        hex::encode(sha2::Sha256::digest(&bytes)),
+        detail["export_sha256"],
+        "{what}"
+    );
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(&bytes[..]), &mut text)
+        .unwrap();
+    text
+}
+
 fn drop_config(db_url: &str, workers: usize, dir: &std::path::Path) -> String {
     config(db_url, workers).replace(
         "batch_size = 7\n",
@@ -224,17 +240,7 @@ async fn a_crash_at_each_step_of_a_partition_retirement_drops_it_once_with_its_e
         );
         for (partition, rows, detail) in &manifests {
             assert_eq!(*rows, 25, "{point}: {partition}");
-            let location = detail["export_location"].as_str().unwrap();
-            let bytes = std::fs::read(location).unwrap();
-            use sha2::Digest;
-            assert_eq!(
-                hex::encode(sha2::Sha256::digest(&bytes)),
-                detail["export_sha256"],
-                "{point}: {partition}"
-            );
-            let mut text = String::new();
-            std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(&bytes[..]), &mut text)
-                .unwrap();
+            let text = verified_export(detail, &format!("{point}: {partition}"));
             assert_eq!(text.lines().count(), 25, "{point}: {partition}");
         }
         let (deleted, left, commands): (i64, i64, i64) = sqlx::query_as(
@@ -508,18 +514,10 @@ async fn carve_out_crash(point: &'static str, default: bool) {
             carried,
             "{at}: {partition}: {detail}"
         );
-        let location = detail["export_location"].as_str().unwrap();
-        files.push(std::path::PathBuf::from(location));
-        let bytes = std::fs::read(location).unwrap();
-        use sha2::Digest;
-        assert_eq!(
-            hex::encode(sha2::Sha256::digest(&bytes)),
-            detail["export_sha256"],
-            "{at}: {partition}"
-        );
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(&bytes[..]), &mut text)
-            .unwrap();
+        files.push(std::path::PathBuf::from(
+            detail["export_location"].as_str().unwrap(),
+        ));
+        let text = verified_export(detail, &format!("{at}: {partition}"));
         let keys: Vec<String> = text
             .lines()
             .map(|l| {
