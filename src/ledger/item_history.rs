@@ -1,8 +1,8 @@
 //! One record's history under one policy (`GET /policies/{policy}/items/{key}`): its audit rows
 //! across runs (both shapes of the audit, through `sweeper.audit_trail`: the lean one by
-//! `audit_items_by_item`, the first by its `(policy, item_key)` index), its effects and its dead
-//! letters, each read through an index on the item key; and which exported audit months were dropped, so an answer can say
-//! since when it is complete.
+//! `audit_items_by_item_hash`, the first by its `(policy, item_key)` index), its effects and its
+//! dead letters, each read through an index on the item key; and which exported audit months
+//! were dropped, so an answer can say since when it is complete.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -10,6 +10,12 @@ use sqlx::PgPool;
 
 use super::audit::{AUDIT_ROW, AuditRow};
 use super::dead_letter::DeadLetter;
+
+/// The audit rows of item `$2` under policy `$1`, in `sweeper.audit_trail`. The lean audit's item
+/// history index holds a 64-bit hash of the key (entries as short for a composite key as for a
+/// bigint), so the hash is asked for too; the key itself settles a collision.
+const THE_ITEM: &str =
+    "policy = $1 and item_key = $2 and hashtextextended(item_key, 0) = hashtextextended($2, 0)";
 
 /// The record's audit rows after `after` (an `audit_id`), oldest first, at most `limit`.
 pub async fn audit_rows(
@@ -22,7 +28,7 @@ pub async fn audit_rows(
     sqlx::query_as(&format!(
         "select {AUDIT_ROW}
            from sweeper.audit_trail
-          where policy = $1 and item_key = $2 and audit_id > $3
+          where {THE_ITEM} and audit_id > $3
           order by audit_id limit $4"
     ))
     .bind(policy)
@@ -162,9 +168,9 @@ pub async fn last_audited(
     policy: &str,
     item_key: &str,
 ) -> sqlx::Result<Option<DateTime<Utc>>> {
-    sqlx::query_scalar(
-        "select max(recorded_at) from sweeper.audit_trail where policy = $1 and item_key = $2",
-    )
+    sqlx::query_scalar(&format!(
+        "select max(recorded_at) from sweeper.audit_trail where {THE_ITEM}"
+    ))
     .bind(policy)
     .bind(item_key)
     .fetch_one(pool)
