@@ -102,14 +102,7 @@ pub(super) async fn carve(
         return Ok("gone".into());
     }
     if let Some(why) = crate::plan::carve_refusal(&mut conn, &r.partition).await? {
-        release_default(&mut conn, r, Some(p.oid)).await?;
-        let why = format!(
-            "its held rows cannot be carved out since planning: {why}; the next run sweeps it \
-             row by row"
-        );
-        ledger::retirements::set_state(&mut conn, r, token, "kept", Some(&why)).await?;
-        warn!(run_id = r.run_id, partition = r.partition, "{why}");
-        return Ok("kept".into());
+        return keep_refused(&mut conn, r, token, &p, &why).await;
     }
     drop(conn);
     if let Some(default) = &p.default_partition {
@@ -118,7 +111,11 @@ pub(super) async fn carve(
     let rules = super::rules_of(state, r).await?;
     let began = std::time::Instant::now();
     let (detached, carried, carried_rows) = match swap(state, r, token, &p, &rules).await {
-        Ok(swapped) => swapped,
+        Ok(Swap::Done(swapped)) => swapped,
+        Ok(Swap::Refused(why)) => {
+            let mut conn = pool.acquire().await?;
+            return keep_refused(&mut conn, r, token, &p, &why).await;
+        }
         Err(e) => {
             // A cancel that kept the retirement before its CHECK was on the default partition
             // (so before the carve-out had begun) leaves it to no one else to drop.
@@ -146,6 +143,34 @@ pub(super) async fn carve(
     r.carried_keys = Some(carried);
     r.carried_rows = Some(carried_rows);
     Ok("carved".into())
+}
+
+/// Keeps `r`'s partition, whose held rows a copy can no longer carry out faithfully (`why`, from
+/// [`crate::plan::carve_refusal`]): releases the default partition's `CHECK` and records `kept`
+/// with the reason.
+async fn keep_refused(
+    conn: &mut PgConnection,
+    r: &Retirement,
+    token: Uuid,
+    p: &Partition,
+    why: &str,
+) -> anyhow::Result<String> {
+    release_default(conn, r, Some(p.oid)).await?;
+    let why = format!(
+        "its held rows cannot be carved out since planning: {why}; the next run sweeps it row by \
+         row"
+    );
+    ledger::retirements::set_state(conn, r, token, "kept", Some(&why)).await?;
+    warn!(run_id = r.run_id, partition = r.partition, "{why}");
+    Ok("kept".into())
+}
+
+/// What a swap did: swapped the partition (the detached table's name, the carried keys, the rows
+/// copied), or nothing, the partition having gained since the last look what a copy would not
+/// carry.
+enum Swap {
+    Done((String, Vec<String>, i64)),
+    Refused(String),
 }
 
 /// Drops from the default partition of `r`'s parent the `CHECK` an earlier try of this carve-out
@@ -249,7 +274,7 @@ async fn swap(
     token: Uuid,
     p: &Partition,
     rules: &RuleSet,
-) -> anyhow::Result<(String, Vec<String>, i64)> {
+) -> anyhow::Result<Swap> {
     let mut tx = state.pool.begin().await?;
     sqlx::query(&format!(
         "lock table {} in share row exclusive mode",
@@ -262,6 +287,11 @@ async fn swap(
     let now = partition(&mut tx, r).await?;
     if now.as_ref().map(|n| (n.oid, n.attached_as_planned)) != Some((p.oid, true)) {
         bail!("the partition changed before its swap (detached, replaced or moved); tried again");
+    }
+    // A trigger, rule, foreign key or policy added since the last look committed before this
+    // lock was granted (each takes a lock this one conflicts with): the copy would lose it.
+    if let Some(why) = crate::plan::carve_refusal(&mut tx, &r.partition).await? {
+        return Ok(Swap::Refused(why));
     }
     let new = format!("{}.sweeper_carve_{}", p.schema, p.oid);
     let detached = format!("{}.sweeper_retired_{}", p.schema, p.oid);
@@ -329,7 +359,7 @@ async fn swap(
         bail!("the retirement's lease was lost; the swap is rolled back");
     }
     tx.commit().await?;
-    Ok((detached, carried, copied))
+    Ok(Swap::Done((detached, carried, copied)))
 }
 
 /// Carries over into the new partition the rows of a carved retirement's detached table held

@@ -605,6 +605,79 @@ async fn a_carve_out_given_up_leaves_no_check_on_the_default_partition() {
     );
 }
 
+/// A trigger of March's own is created in a transaction that is still open when the carve-out
+/// looks at March (so it sees none) and commits while the swap waits for March's lock: the swap,
+/// judging March again under its lock, finds the trigger and keeps March as it is, trigger and
+/// rows, rather than swap in a copy without it. The CHECK it added to the default partition is
+/// gone.
+#[tokio::test]
+async fn a_trigger_created_while_the_swap_waits_keeps_the_partition() {
+    let dir = export_dir();
+    let app = march_alone_beside_a_default(&dir, "30s").await;
+    sqlx::raw_sql(
+        "create function demo.noop() returns trigger language plpgsql as
+             $$ begin return old; end $$;",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let march_rows = "select count(*) from demo.events_2026_03";
+    let before = count(&app.pool, march_rows).await;
+    let mut app_tx = app.pool.begin().await.unwrap();
+    sqlx::query(
+        "create trigger march_only before delete on demo.events_2026_03
+             for each row execute function demo.noop()",
+    )
+    .execute(&mut *app_tx)
+    .await
+    .unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    let waiting = "select count(*) from pg_locks
+                    where relation = 'demo.events_2026_03'::regclass and not granted
+                      and mode = 'ShareRowExclusiveLock'";
+    let started = std::time::Instant::now();
+    while count(&app.pool, waiting).await == 0 {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(30),
+            "the swap never waited for the trigger's lock"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    app_tx.commit().await.unwrap();
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(states(&run), [("demo.events_2026_03", "kept")], "{run}");
+    let reason = march_of(&run)["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("a trigger of its own"), "{run}");
+    assert_eq!(count(&app.pool, march_rows).await, before);
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from pg_trigger
+              where tgrelid = 'demo.events_2026_03'::regclass and tgname = 'march_only'"
+        )
+        .await,
+        1,
+        "March is the table it was, with its trigger"
+    );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from pg_class where relname like 'sweeper\\_%'"
+        )
+        .await,
+        0,
+        "no new partition was made, none detached"
+    );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from pg_constraint where conname like 'sweeper\\_%'"
+        )
+        .await,
+        0
+    );
+}
+
 /// While a carve-out's old table waits for its drop (here its export is blocked), a later run
 /// does not retire the new partition of that name (the drop may still carry rows into it): it
 /// is swept row by row, the reason naming the run. Once unblocked, the drop finishes.
