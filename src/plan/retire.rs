@@ -197,7 +197,8 @@ pub const CARVE_OUT_MAX_ROWS: i64 = 10_000;
 /// Why `leaf`'s held rows cannot be carved out into a copy of it, or `None`: what a new table
 /// made `LIKE` it, with its owner, grants, row-level security, replica identity, storage
 /// options and publications, would not carry — triggers or foreign keys of its own (not
-/// cloned from its parent), rules, rows another table references through a foreign key (the
+/// cloned from its parent), a cloned trigger enabled differently from its parent's (the new
+/// partition's clone would follow the parent), rules, rows another table references through a foreign key (the
 /// detach would fail), a foreign table, or row security active on it for this role (the copy
 /// would not see the rows its policies hide).
 pub async fn carve_refusal(conn: &mut PgConnection, leaf: &str) -> sqlx::Result<Option<String>> {
@@ -211,6 +212,9 @@ pub async fn carve_refusal(conn: &mut PgConnection, leaf: &str) -> sqlx::Result<
                                 where t.tgrelid = c.oid and not t.tgisinternal
                                   and t.tgparentid = 0)
                     then 'it has a trigger of its own, not cloned from its parent'
+                  when exists (select 1 from pg_trigger t join pg_trigger o on o.oid = t.tgparentid
+                                where t.tgrelid = c.oid and t.tgenabled <> o.tgenabled)
+                    then 'a trigger cloned from its parent is enabled or disabled differently on it'
                   when exists (select 1 from pg_constraint k
                                 where k.conrelid = c.oid and k.contype = 'f'
                                   and k.conparentid = 0)

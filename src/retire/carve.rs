@@ -285,9 +285,12 @@ async fn swap(
     .context("locking the partition against writes")?;
     // Judged again under the lock: still the partition planned, with nothing a copy would lose.
     let now = partition(&mut tx, r).await?;
-    if now.as_ref().map(|n| (n.oid, n.attached_as_planned)) != Some((p.oid, true)) {
+    let Some(p) = now.filter(|n| n.oid == p.oid && n.attached_as_planned) else {
         bail!("the partition changed before its swap (detached, replaced or moved); tried again");
-    }
+    };
+    // From here on, the partition as read under the lock: a setting changed while the swap
+    // waited (logged or unlogged, storage options, tablespace) is the one the new table gets.
+    let p = &p;
     // A trigger, rule, foreign key or policy added since the last look committed before this
     // lock was granted (each takes a lock this one conflicts with): the copy would lose it.
     if let Some(why) = crate::plan::carve_refusal(&mut tx, &r.partition).await? {

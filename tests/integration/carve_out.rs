@@ -433,6 +433,49 @@ async fn a_partition_a_copy_would_change_is_swept_row_by_row() {
     );
 }
 
+/// The parent's trigger, cloned onto every partition, is disabled on March alone: a new partition
+/// would get the clone enabled, as the parent has it, so March is swept row by row with the
+/// reason, its trigger still disabled.
+#[tokio::test]
+async fn a_partition_with_a_cloned_trigger_disabled_is_swept_row_by_row() {
+    let dir = export_dir();
+    let app = spawn(&dir).await;
+    sqlx::raw_sql(
+        "create function demo.noop() returns trigger language plpgsql as
+             $$ begin return old; end $$;
+         create trigger on_delete before delete on demo.events
+             for each row execute function demo.noop();
+         alter table demo.events_2026_03 disable trigger on_delete;",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    app.wait_planned(&run_id).await;
+    crate::partition_sweep::drain(&app).await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    let march = march_of(&run);
+    assert_eq!(march["state"], "kept", "{run}");
+    assert!(
+        march["reason"]
+            .as_str()
+            .unwrap()
+            .contains("enabled or disabled differently"),
+        "{run}"
+    );
+    assert_eq!(run["deleted"], 200, "{run}");
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from pg_trigger
+              where tgrelid = 'demo.events_2026_03'::regclass and tgenabled = 'D'"
+        )
+        .await,
+        1
+    );
+}
+
 /// `demo.events` with an identity column `GENERATED ALWAYS` (the parent's own: its partitions
 /// have none) and a stored generated column.
 const WITH_IDENTITY: &str = "
@@ -605,6 +648,52 @@ async fn a_carve_out_given_up_leaves_no_check_on_the_default_partition() {
     );
 }
 
+/// Runs `ddl` on March in a transaction, triggers a run, waits until March's swap waits for the
+/// lock that transaction holds, and commits it: what `ddl` did was committed after the carve-out
+/// last looked at March and before its swap was granted the lock. Returns the run.
+async fn commit_while_the_swap_waits(app: &TestApp, ddl: &str) -> String {
+    let mut app_tx = app.pool.begin().await.unwrap();
+    sqlx::query(ddl).execute(&mut *app_tx).await.unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    let waiting = "select count(*) from pg_locks
+                    where relation = 'demo.events_2026_03'::regclass and not granted
+                      and mode = 'ShareRowExclusiveLock'";
+    let started = std::time::Instant::now();
+    while count(&app.pool, waiting).await == 0 {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(30),
+            "the swap never waited for the lock of `{ddl}`"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    app_tx.commit().await.unwrap();
+    run_id
+}
+
+/// A storage option set on March while the swap waits is the one its new table gets: the swap
+/// makes the copy from March as it reads it under its lock.
+#[tokio::test]
+async fn a_setting_changed_while_the_swap_waits_is_the_copys() {
+    let dir = export_dir();
+    let app = march_alone_beside_a_default(&dir, "30s").await;
+    let run_id = commit_while_the_swap_waits(
+        &app,
+        "alter table demo.events_2026_03 set (fillfactor = 70)",
+    )
+    .await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(states(&run), [("demo.events_2026_03", "dropped")], "{run}");
+    let options: Vec<String> = sqlx::query_scalar(
+        "select coalesce(reloptions, '{}') from pg_class
+          where oid = 'demo.events_2026_03'::regclass",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(options, ["fillfactor=70"]);
+}
+
 /// A trigger of March's own is created in a transaction that is still open when the carve-out
 /// looks at March (so it sees none) and commits while the swap waits for March's lock: the swap,
 /// judging March again under its lock, finds the trigger and keeps March as it is, trigger and
@@ -623,27 +712,12 @@ async fn a_trigger_created_while_the_swap_waits_keeps_the_partition() {
     .unwrap();
     let march_rows = "select count(*) from demo.events_2026_03";
     let before = count(&app.pool, march_rows).await;
-    let mut app_tx = app.pool.begin().await.unwrap();
-    sqlx::query(
+    let run_id = commit_while_the_swap_waits(
+        &app,
         "create trigger march_only before delete on demo.events_2026_03
              for each row execute function demo.noop()",
     )
-    .execute(&mut *app_tx)
-    .await
-    .unwrap();
-    let run_id = app.api.trigger_new("events", "").await;
-    let waiting = "select count(*) from pg_locks
-                    where relation = 'demo.events_2026_03'::regclass and not granted
-                      and mode = 'ShareRowExclusiveLock'";
-    let started = std::time::Instant::now();
-    while count(&app.pool, waiting).await == 0 {
-        assert!(
-            started.elapsed() < std::time::Duration::from_secs(30),
-            "the swap never waited for the trigger's lock"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    app_tx.commit().await.unwrap();
+    .await;
     let run = app.wait_terminal(&run_id).await;
     assert_eq!(states(&run), [("demo.events_2026_03", "kept")], "{run}");
     let reason = march_of(&run)["reason"].as_str().unwrap_or_default();
