@@ -27,7 +27,7 @@ mod rules;
 mod scan;
 
 pub use batches::{cut_batches, fill_commands};
-pub use retire::{CARVE_OUT_MAX_ROWS, carve_refusal};
+pub use retire::{CARVE_OUT_MAX_ROWS, carve_refusal, dependents_refusal};
 pub use rules::{RunRef, run_rules};
 
 use std::collections::BTreeMap;

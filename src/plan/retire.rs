@@ -202,7 +202,7 @@ pub const CARVE_OUT_MAX_ROWS: i64 = 10_000;
 /// detach would fail), a foreign table, or row security active on it for this role (the copy
 /// would not see the rows its policies hide).
 pub async fn carve_refusal(conn: &mut PgConnection, leaf: &str) -> sqlx::Result<Option<String>> {
-    sqlx::query_scalar(
+    let why = sqlx::query_scalar::<_, Option<String>>(
         "select case
                   when c.relkind <> 'r' then 'it is not a plain table'
                   when row_security_active(c.oid)
@@ -225,6 +225,44 @@ pub async fn carve_refusal(conn: &mut PgConnection, leaf: &str) -> sqlx::Result<
                   when exists (select 1 from pg_rewrite w
                                 where w.ev_class = c.oid and w.rulename <> '_RETURN')
                     then 'it has a rule'
+                end
+           from pg_class c where c.oid = to_regclass($1)",
+    )
+    .bind(leaf)
+    .fetch_optional(&mut *conn)
+    .await?
+    .flatten();
+    match why {
+        Some(why) => Ok(Some(why)),
+        None => dependents_refusal(conn, leaf).await,
+    }
+}
+
+/// Why `leaf` cannot be swapped for a copy because of an object outside it that names it, or
+/// `None`: a view, materialized view or SQL-standard function body reading it (it would follow
+/// the old table, renamed and then dropped — its drop would fail), or a sequence owned by one of
+/// its columns (dropped with the old table). Creating such a view takes only an `ACCESS SHARE`
+/// lock, so the swap asks again once its detach holds the partition `ACCESS EXCLUSIVE`.
+pub async fn dependents_refusal(
+    conn: &mut PgConnection,
+    leaf: &str,
+) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar(
+        "select case
+                  when exists (select 1 from pg_depend d
+                                left join pg_rewrite w on d.classid = 'pg_rewrite'::regclass
+                                                      and w.oid = d.objid
+                                where d.refclassid = 'pg_class'::regclass and d.refobjid = c.oid
+                                  and d.deptype = 'n'
+                                  and d.classid in ('pg_rewrite'::regclass, 'pg_proc'::regclass)
+                                  and w.ev_class is distinct from c.oid)
+                    then 'a view or a function reads it by name'
+                  when exists (select 1 from pg_depend d join pg_class s on s.oid = d.objid
+                                where d.classid = 'pg_class'::regclass
+                                  and d.refclassid = 'pg_class'::regclass
+                                  and d.refobjid = c.oid and d.deptype = 'a'
+                                  and s.relkind = 'S')
+                    then 'a sequence is owned by one of its columns'
                 end
            from pg_class c where c.oid = to_regclass($1)",
     )

@@ -324,6 +324,11 @@ async fn swap(
     .execute(&mut *tx)
     .await
     .context("detaching the partition (plain DETACH, inside the swap)")?;
+    // The detach holds the old table ACCESS EXCLUSIVE: a view created since the last look (it
+    // needed only ACCESS SHARE) has committed, and no other can come.
+    if let Some(why) = crate::plan::dependents_refusal(&mut tx, &r.partition).await? {
+        return Ok(Swap::Refused(why));
+    }
     crate::crash_point!("carve_after_detach");
     let relname = sqlx::query_scalar::<_, String>("select quote_ident($1)")
         .bind(&p.relname)

@@ -649,17 +649,24 @@ async fn a_carve_out_given_up_leaves_no_check_on_the_default_partition() {
 }
 
 /// Runs `ddl` on March in a transaction, triggers a run, waits until March's swap waits for the
-/// lock that transaction holds, and commits it: what `ddl` did was committed after the carve-out
-/// last looked at March and before its swap was granted the lock. Returns the run.
+/// lock that transaction holds (the swap's own `SHARE ROW EXCLUSIVE` one), and commits it: what
+/// `ddl` did was committed after the carve-out last looked at March and before its swap was
+/// granted the lock. Returns the run.
 async fn commit_while_the_swap_waits(app: &TestApp, ddl: &str) -> String {
+    commit_while_the_swap_waits_for(app, ddl, "ShareRowExclusiveLock").await
+}
+
+/// [`commit_while_the_swap_waits`], the swap waiting for March in lock mode `mode`.
+async fn commit_while_the_swap_waits_for(app: &TestApp, ddl: &str, mode: &str) -> String {
     let mut app_tx = app.pool.begin().await.unwrap();
     sqlx::query(ddl).execute(&mut *app_tx).await.unwrap();
     let run_id = app.api.trigger_new("events", "").await;
-    let waiting = "select count(*) from pg_locks
-                    where relation = 'demo.events_2026_03'::regclass and not granted
-                      and mode = 'ShareRowExclusiveLock'";
+    let waiting = format!(
+        "select count(*) from pg_locks
+          where relation = 'demo.events_2026_03'::regclass and not granted and mode = '{mode}'"
+    );
     let started = std::time::Instant::now();
-    while count(&app.pool, waiting).await == 0 {
+    while count(&app.pool, &waiting).await == 0 {
         assert!(
             started.elapsed() < std::time::Duration::from_secs(30),
             "the swap never waited for the lock of `{ddl}`"
@@ -668,6 +675,66 @@ async fn commit_while_the_swap_waits(app: &TestApp, ddl: &str) -> String {
     }
     app_tx.commit().await.unwrap();
     run_id
+}
+
+/// A view reading March is created while the swap holds March against writes (a view needs only
+/// `ACCESS SHARE`) and commits while the swap's detach waits for it: the swap, asking again once
+/// the detach holds March, keeps March as it is rather than leave the view reading the old table.
+#[tokio::test]
+async fn a_view_created_while_the_swap_copies_keeps_the_partition() {
+    let dir = export_dir();
+    let app = march_alone_beside_a_default(&dir, "30s").await;
+    let run_id = commit_while_the_swap_waits_for(
+        &app,
+        "create view demo.march as select * from demo.events_2026_03",
+        "AccessExclusiveLock",
+    )
+    .await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(states(&run), [("demo.events_2026_03", "kept")], "{run}");
+    let reason = march_of(&run)["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("a view or a function reads it"), "{run}");
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.march").await,
+        count(&app.pool, "select count(*) from demo.events_2026_03").await,
+        "the view still reads the partition"
+    );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from pg_class where relname like 'sweeper\\_%'"
+        )
+        .await,
+        0
+    );
+}
+
+/// A view reading March alone, there before the run: planning sweeps March row by row, with the
+/// reason; the view still reads it.
+#[tokio::test]
+async fn a_partition_a_view_reads_is_swept_row_by_row() {
+    let dir = export_dir();
+    let app = spawn(&dir).await;
+    sqlx::raw_sql("create view demo.march as select * from demo.events_2026_03")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    app.wait_planned(&run_id).await;
+    crate::partition_sweep::drain(&app).await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    let march = march_of(&run);
+    assert_eq!(march["state"], "kept", "{run}");
+    assert!(
+        march["reason"]
+            .as_str()
+            .unwrap()
+            .contains("a view or a function reads it"),
+        "{run}"
+    );
+    assert_eq!(run["deleted"], 200, "{run}");
+    assert_eq!(count(&app.pool, "select count(*) from demo.march").await, 1);
 }
 
 /// A storage option set on March while the swap waits is the one its new table gets: the swap
