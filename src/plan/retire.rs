@@ -131,7 +131,14 @@ pub(super) async fn choose(
         } else if !plain_name {
             Some("its name is not a plain identifier: swept row by row".to_string())
         } else if kept == 0 {
-            None
+            dependents_refusal(&mut *conn, &leaf.name)
+                .await?
+                .map(|why| {
+                    format!(
+                        "its rows could be retired whole, but {why}: its drop would fail (or drop \
+                     what depends on it); swept row by row"
+                    )
+                })
         } else if kept == rows {
             Some(format!(
                 "all of its {rows} rows are kept by an exclusion or the selection, or have a key \
@@ -238,8 +245,8 @@ pub async fn carve_refusal(conn: &mut PgConnection, leaf: &str) -> sqlx::Result<
     }
 }
 
-/// Why `leaf` cannot be swapped for a copy because of an object outside it that names it, or
-/// `None`: a view, materialized view or SQL-standard function body reading it (it would follow
+/// Why `leaf` can be neither swapped for a copy nor dropped because of an object outside it that
+/// names it, or `None`: a view, materialized view or SQL-standard function body reading it (it would follow
 /// the old table, renamed and then dropped — its drop would fail), or a sequence owned by one of
 /// its columns (dropped with the old table). Creating such a view takes only an `ACCESS SHARE`
 /// lock, so the swap asks again once its detach holds the partition `ACCESS EXCLUSIVE`.

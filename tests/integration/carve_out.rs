@@ -737,6 +737,42 @@ async fn a_partition_a_view_reads_is_swept_row_by_row() {
     assert_eq!(count(&app.pool, "select count(*) from demo.march").await, 1);
 }
 
+/// A view reading January, whose rows are all expired and none held: January is not dropped
+/// under it (its drop would fail) but swept row by row, with the reason.
+#[tokio::test]
+async fn a_partition_a_view_reads_is_not_dropped() {
+    let dir = export_dir();
+    let app = spawn(&dir).await;
+    sqlx::raw_sql("create view demo.january as select * from demo.events_2026_01")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let run_id = app.api.trigger_new("events", "").await;
+    app.wait_planned(&run_id).await;
+    crate::partition_sweep::drain(&app).await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    let january = run["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["partition"] == "demo.events_2026_01")
+        .unwrap();
+    assert_eq!(january["state"], "kept", "{run}");
+    assert!(
+        january["reason"]
+            .as_str()
+            .unwrap()
+            .contains("a view or a function reads it"),
+        "{run}"
+    );
+    assert_eq!(run["deleted"], 200, "{run}");
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.january").await,
+        0
+    );
+}
+
 /// A storage option set on March while the swap waits is the one its new table gets: the swap
 /// makes the copy from March as it reads it under its lock.
 #[tokio::test]
