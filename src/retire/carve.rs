@@ -294,6 +294,7 @@ async fn swap(
     // A trigger, rule, foreign key or policy added since the last look committed before this
     // lock was granted (each takes a lock this one conflicts with): the copy would lose it.
     if let Some(why) = crate::plan::carve_refusal(&mut tx, &r.partition).await? {
+        tx.rollback().await?;
         return Ok(Swap::Refused(why));
     }
     let new = format!("{}.sweeper_carve_{}", p.schema, p.oid);
@@ -327,6 +328,9 @@ async fn swap(
     // The detach holds the old table ACCESS EXCLUSIVE: a view created since the last look (it
     // needed only ACCESS SHARE) has committed, and no other can come.
     if let Some(why) = crate::plan::dependents_refusal(&mut tx, &r.partition).await? {
+        // Rolled back here, not on drop: the detach's locks go before the default's CHECK is
+        // released on another connection.
+        tx.rollback().await?;
         return Ok(Swap::Refused(why));
     }
     crate::crash_point!("carve_after_detach");
