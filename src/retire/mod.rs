@@ -301,7 +301,18 @@ async fn drop_with_evidence(
                  the new partition; the drop is tried again"
             );
         }
-        return keep(tx, r, token, kept).await.map(|()| "kept".into());
+        let because =
+            format!("{kept} of its rows are kept since planning (an exclusion or the selection)");
+        return keep(tx, r, token, &because).await.map(|()| "kept".into());
+    }
+    if carried.is_none() {
+        // A view or function created on it since planning (which needed only ACCESS SHARE, so
+        // not before this lock) would make the drop fail on every try: attached again instead.
+        let leaf = rules.table_sql();
+        if let Some(why) = crate::plan::dependents_refusal(&mut tx, &leaf).await? {
+            let because = format!("{why} since planning (its drop would fail)");
+            return keep(tx, r, token, &because).await.map(|()| "kept".into());
+        }
     }
     if !ledger::retirements::renew(&state.pool, r, token, lease).await? {
         bail!("the retirement's lease was lost");
@@ -578,15 +589,16 @@ async fn kept_rows(
     Ok(q.build_query_scalar().fetch_one(&mut *tx).await?)
 }
 
-/// Keeps a detached partition with `kept` rows the run must not remove: attached again for its
-/// bound (the next run sweeps it row by row) and recorded `kept`, committing `tx`. When it cannot
-/// be attached again (rows inserted in its range meanwhile went to a default partition), it is
-/// left detached, and the reason says so and what to do.
+/// Keeps a detached partition the run must not drop (`because`: rows it must not remove, or an
+/// object that depends on it): attached again for its bound (the next run sweeps it row by row)
+/// and recorded `kept`, committing `tx`. When it cannot be attached again (rows inserted in its
+/// range meanwhile went to a default partition), it is left detached, and the reason says so and
+/// what to do.
 async fn keep(
     mut tx: sqlx::Transaction<'_, Postgres>,
     r: &Retirement,
     token: Uuid,
-    kept: i64,
+    because: &str,
 ) -> anyhow::Result<()> {
     let mut attach = sqlx::Connection::begin(&mut *tx).await?;
     let attached = sqlx::query(&format!(
@@ -598,19 +610,15 @@ async fn keep(
     let why = match attached {
         Ok(_) => {
             attach.commit().await?;
-            format!(
-                "{kept} of its rows are kept since planning (an exclusion or the selection): \
-                 attached again; the next run sweeps it row by row"
-            )
+            format!("{because}: attached again; the next run sweeps it row by row")
         }
         // Only a row of its range found in the default partition (23514) keeps it detached; any
         // other failure (a lock timeout, a lost connection) is tried again.
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("23514") => {
             attach.rollback().await?;
             format!(
-                "{kept} of its rows are kept since planning, and it could not be attached again \
-                 ({e}): the detached table {} holds its rows; attach it by hand ({} once the \
-                 conflicting rows are moved)",
+                "{because}, and it could not be attached again ({e}): the detached table {} \
+                 holds its rows; attach it by hand ({} once the conflicting rows are moved)",
                 r.partition,
                 format_args!(
                     "alter table {} attach partition {} {}",

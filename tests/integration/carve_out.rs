@@ -773,6 +773,64 @@ async fn a_partition_a_view_reads_is_not_dropped() {
     );
 }
 
+/// A view reading January is created after planning (the guard holds the run for approval):
+/// January is detached, then found read by the view before its drop, and attached again, kept
+/// with the reason; the view still reads it, and nothing of it was dropped.
+#[tokio::test]
+async fn a_partition_a_view_reads_since_planning_is_attached_again() {
+    let dir = export_dir();
+    let app = spawn_with(&dir, "guard = { max_items = 30 }\n").await;
+    let january = count(&app.pool, "select count(*) from demo.events_2026_01").await;
+    let run_id = app.api.trigger_new("events", "").await;
+    app.api
+        .wait_run(&run_id, "held for approval", |r| {
+            r["approval"]["state"] == "required"
+        })
+        .await;
+    sqlx::raw_sql("create view demo.january as select * from demo.events_2026_01")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    app.api
+        .expect(
+            200,
+            reqwest::Method::POST,
+            &format!("/runs/{run_id}/approve"),
+            Some(serde_json::json!({"reason": "old months"})),
+        )
+        .await;
+    let run = app.wait_terminal(&run_id).await;
+    let entry = run["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["partition"] == "demo.events_2026_01")
+        .unwrap();
+    assert_eq!(entry["state"], "kept", "{run}");
+    assert!(
+        entry["reason"]
+            .as_str()
+            .unwrap()
+            .contains("a view or a function reads it by name since planning"),
+        "{run}"
+    );
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.january").await,
+        january
+    );
+    assert_eq!(
+        count(
+            &app.pool,
+            "select count(*) from pg_inherits
+              where inhrelid = 'demo.events_2026_01'::regclass
+                and inhparent = 'demo.events'::regclass"
+        )
+        .await,
+        1,
+        "January is a partition of the table again"
+    );
+}
+
 /// A storage option set on March while the swap waits is the one its new table gets: the swap
 /// makes the copy from March as it reads it under its lock.
 #[tokio::test]
