@@ -511,6 +511,21 @@ async fn drop_after_grace(state: &AppState, r: &Retirement, token: Uuid) -> anyh
                 )),
             ));
         }
+        // A view or function created on it during its grace (the lock above keeps others out).
+        if let Some(why) = crate::plan::dependents_refusal(&mut tx, &name).await? {
+            return Ok((
+                "kept",
+                Some(format!(
+                    "{why}, since its detach: not dropped (its drop would fail); drop that first \
+                     and then the detached table {name} by hand, or return it to the table with \
+                     {}",
+                    format_args!(
+                        "alter table {} attach partition {} {}",
+                        r.parent, r.partition, r.bound
+                    )
+                )),
+            ));
+        }
         sqlx::query(&format!("drop table {name}"))
             .execute(&mut *tx)
             .await?;

@@ -784,6 +784,56 @@ async fn dropped_entry(app: &TestApp, key: &str) -> serde_json::Value {
     h["dropped_partitions"][0].clone()
 }
 
+/// A view is created on January's detached table during its drop grace: when the grace has
+/// passed January is not dropped (its drop would fail on every try) but kept, the reason naming
+/// the view and what to do; the other months are dropped.
+#[tokio::test]
+async fn a_view_created_during_the_grace_keeps_the_detached_table() {
+    let dir = export_dir();
+    let app = spawn_with(&dir, "drop_grace = \"1h\"\n").await;
+    let (run_id, run) = run_to_end(&app, "").await;
+    assert_eq!(run["status"], "completed", "{run}");
+    sqlx::raw_sql("create view demo.january as select * from demo.events_2026_01")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    set_clock(&app.pool, at("2026-09-01T03:05:00Z")).await;
+    let run = app
+        .api
+        .wait_run(&run_id, "past its grace", |r| {
+            r["partitions"]
+                .as_array()
+                .is_some_and(|ps| ps.iter().all(|p| p["state"] != "awaiting_drop"))
+        })
+        .await;
+    let january = run["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["partition"] == "demo.events_2026_01")
+        .unwrap();
+    assert_eq!(january["state"], "kept", "{run}");
+    assert!(
+        january["reason"]
+            .as_str()
+            .unwrap()
+            .contains("a view or a function reads it by name, since its detach"),
+        "{run}"
+    );
+    assert_eq!(
+        count(&app.pool, "select count(*) from demo.january").await,
+        40
+    );
+    assert_eq!(
+        states(&run)
+            .iter()
+            .filter(|(p, s)| *p != "demo.events_2026_01" && *s == "dropped")
+            .count(),
+        4,
+        "{run}"
+    );
+}
+
 /// With `drop_grace`, a retired partition stays detached, its export and manifest recorded, and
 /// its run completes; once the grace has passed it is dropped, unless it is no longer what the
 /// manifest describes: attached again (an operator's undo, here still validating when the grace
