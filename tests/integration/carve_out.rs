@@ -50,14 +50,37 @@ async fn wait_march_carved_and_failing(app: &TestApp, run_id: &str) -> serde_jso
         .await
 }
 
-/// March's entry in a run's `partitions`.
-fn march_of(run: &serde_json::Value) -> &serde_json::Value {
+/// The entry of `partition` in a run's `partitions`.
+fn partition_of<'a>(run: &'a serde_json::Value, partition: &str) -> &'a serde_json::Value {
     run["partitions"]
         .as_array()
         .unwrap()
         .iter()
-        .find(|p| p["partition"] == "demo.events_2026_03")
+        .find(|p| p["partition"] == partition)
         .unwrap()
+}
+
+/// March's entry in a run's `partitions`.
+fn march_of(run: &serde_json::Value) -> &serde_json::Value {
+    partition_of(run, "demo.events_2026_03")
+}
+
+/// Asserts that `run` kept `partition` (swept it row by row), for a reason that says `because`.
+fn assert_kept(run: &serde_json::Value, partition: &str, because: &str) {
+    let entry = partition_of(run, partition);
+    assert_eq!(entry["state"], "kept", "{run}");
+    let reason = entry["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains(because), "{run}");
+}
+
+/// Triggers a run of `events` and drains it to its end; returns the run, completed.
+async fn swept_to_the_end(app: &TestApp) -> serde_json::Value {
+    let run_id = app.api.trigger_new("events", "").await;
+    app.wait_planned(&run_id).await;
+    crate::partition_sweep::drain(app).await;
+    let run = app.wait_terminal(&run_id).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    run
 }
 
 /// The test app with March the only expired month, beside a default partition (the swap first
@@ -403,11 +426,7 @@ async fn a_partition_a_copy_would_change_is_swept_row_by_row() {
     .execute(&app.pool)
     .await
     .unwrap();
-    let run_id = app.api.trigger_new("events", "").await;
-    app.wait_planned(&run_id).await;
-    crate::partition_sweep::drain(&app).await;
-    let run = app.wait_terminal(&run_id).await;
-    assert_eq!(run["status"], "completed", "{run}");
+    let run = swept_to_the_end(&app).await;
     let march = &run["partitions"][2];
     assert_eq!(march["state"], "kept", "{run}");
     assert!(
@@ -450,19 +469,11 @@ async fn a_partition_with_a_cloned_trigger_disabled_is_swept_row_by_row() {
     .execute(&app.pool)
     .await
     .unwrap();
-    let run_id = app.api.trigger_new("events", "").await;
-    app.wait_planned(&run_id).await;
-    crate::partition_sweep::drain(&app).await;
-    let run = app.wait_terminal(&run_id).await;
-    assert_eq!(run["status"], "completed", "{run}");
-    let march = march_of(&run);
-    assert_eq!(march["state"], "kept", "{run}");
-    assert!(
-        march["reason"]
-            .as_str()
-            .unwrap()
-            .contains("enabled or disabled differently"),
-        "{run}"
+    let run = swept_to_the_end(&app).await;
+    assert_kept(
+        &run,
+        "demo.events_2026_03",
+        "enabled or disabled differently",
     );
     assert_eq!(run["deleted"], 200, "{run}");
     assert_eq!(
@@ -719,20 +730,8 @@ async fn a_partition_a_view_reads_is_swept_row_by_row() {
         .execute(&app.pool)
         .await
         .unwrap();
-    let run_id = app.api.trigger_new("events", "").await;
-    app.wait_planned(&run_id).await;
-    crate::partition_sweep::drain(&app).await;
-    let run = app.wait_terminal(&run_id).await;
-    assert_eq!(run["status"], "completed", "{run}");
-    let march = march_of(&run);
-    assert_eq!(march["state"], "kept", "{run}");
-    assert!(
-        march["reason"]
-            .as_str()
-            .unwrap()
-            .contains("a view or a function reads it"),
-        "{run}"
-    );
+    let run = swept_to_the_end(&app).await;
+    assert_kept(&run, "demo.events_2026_03", "a view or a function reads it");
     assert_eq!(run["deleted"], 200, "{run}");
     assert_eq!(count(&app.pool, "select count(*) from demo.march").await, 1);
 }
@@ -747,25 +746,8 @@ async fn a_partition_a_view_reads_is_not_dropped() {
         .execute(&app.pool)
         .await
         .unwrap();
-    let run_id = app.api.trigger_new("events", "").await;
-    app.wait_planned(&run_id).await;
-    crate::partition_sweep::drain(&app).await;
-    let run = app.wait_terminal(&run_id).await;
-    assert_eq!(run["status"], "completed", "{run}");
-    let january = run["partitions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["partition"] == "demo.events_2026_01")
-        .unwrap();
-    assert_eq!(january["state"], "kept", "{run}");
-    assert!(
-        january["reason"]
-            .as_str()
-            .unwrap()
-            .contains("a view or a function reads it"),
-        "{run}"
-    );
+    let run = swept_to_the_end(&app).await;
+    assert_kept(&run, "demo.events_2026_01", "a view or a function reads it");
     assert_eq!(run["deleted"], 200, "{run}");
     assert_eq!(
         count(&app.pool, "select count(*) from demo.january").await,
@@ -800,19 +782,10 @@ async fn a_partition_a_view_reads_since_planning_is_attached_again() {
         )
         .await;
     let run = app.wait_terminal(&run_id).await;
-    let entry = run["partitions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["partition"] == "demo.events_2026_01")
-        .unwrap();
-    assert_eq!(entry["state"], "kept", "{run}");
-    assert!(
-        entry["reason"]
-            .as_str()
-            .unwrap()
-            .contains("a view or a function reads it by name since planning"),
-        "{run}"
+    assert_kept(
+        &run,
+        "demo.events_2026_01",
+        "a view or a function reads it by name since planning",
     );
     assert_eq!(
         count(&app.pool, "select count(*) from demo.january").await,
